@@ -1,0 +1,97 @@
+"""Every "does this PyTorch have X?" question, answered by looking.
+
+Other modules ask here instead of comparing version numbers, so they stay
+free of version checks and follow whatever the installed PyTorch offers.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = [
+    "fused_sdp_choice",
+    "has_post_accumulate_grad_hook",
+    "sdp_backend_name",
+    "sdp_backend_names",
+    "sdpa_refusal_checks",
+    "sdpa_params",
+]
+
+
+def sdp_backend_names() -> dict[int, str]:
+    """``SDPBackend`` member values mapped to their names, read from PyTorch."""
+    enum = _sdp_backend_enum()
+    if enum is None:
+        return {}
+    return {int(member.value): name for name, member in enum.__members__.items()}
+
+
+def _sdp_backend_enum() -> Any:
+    attention = getattr(torch.nn, "attention", None)
+    enum = getattr(attention, "SDPBackend", None)
+    if enum is None:  # older releases kept it in torch.backends.cuda
+        enum = getattr(torch.backends.cuda, "SDPBackend", None)
+    return enum
+
+
+def sdp_backend_name(value: int) -> str | None:
+    """The member name for a backend number, ``None`` for ``ERROR``/unknown."""
+    name = sdp_backend_names().get(int(value))
+    return None if name in (None, "ERROR") else name
+
+
+def fused_sdp_choice() -> Callable[..., int] | None:
+    """PyTorch's own SDPA backend selection function, if it is exposed."""
+    return getattr(torch, "_fused_sdp_choice", None)
+
+
+def has_post_accumulate_grad_hook() -> bool:
+    return hasattr(torch.Tensor, "register_post_accumulate_grad_hook")
+
+
+def sdpa_params(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+    enable_gqa: bool,
+) -> Any:
+    """``torch.backends.cuda.SDPAParams`` for these arguments, or ``None``.
+
+    The constructor gained ``enable_gqa`` over time; its arity is read from
+    the docstring pybind11 generates rather than guessed from a version.
+    """
+    params_type = getattr(torch.backends.cuda, "SDPAParams", None)
+    if params_type is None:
+        return None
+    args: list[Any] = [query, key, value, attn_mask, float(dropout_p), bool(is_causal)]
+    doc = params_type.__init__.__doc__ or ""
+    if "arg6" in doc:
+        args.append(bool(enable_gqa))
+    return params_type(*args)
+
+
+def sdpa_refusal_checks() -> dict[str, Callable[..., bool]]:
+    """``torch.backends.cuda.can_use_*`` functions that accept ``debug``."""
+    checks: dict[str, Callable[..., bool]] = {}
+    for backend, fn_name in (
+        ("FLASH_ATTENTION", "can_use_flash_attention"),
+        ("EFFICIENT_ATTENTION", "can_use_efficient_attention"),
+        ("CUDNN_ATTENTION", "can_use_cudnn_attention"),
+    ):
+        fn = getattr(torch.backends.cuda, fn_name, None)
+        if fn is None:
+            continue
+        try:
+            if "debug" not in inspect.signature(fn).parameters:
+                continue
+        except (TypeError, ValueError):  # builtins without a signature
+            continue
+        checks[backend] = fn
+    return checks

@@ -1,0 +1,196 @@
+"""Which attention kernel ran for a call, from evidence.
+
+Two sources of evidence, both from the running PyTorch:
+
+* ``torch._fused_sdp_choice``: PyTorch's own SDPA backend selection,
+  evaluated on the very arguments of an SDPA call.
+* ``torch.autograd.profiler``: the ``aten::`` ops a call really dispatched.
+  Profiling every call would cost far more than the call (DESIGN.md), so the
+  first call of each *signature* (op, device, dtype, mask kind, grad mode,
+  backend choice...) is run under the profiler and later calls with the same
+  signature reuse what it saw. The profiler does not change what runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import warnings
+from collections.abc import Callable, Hashable, Iterator
+from typing import Any
+
+import torch
+
+from qkvtrace import compat
+
+__all__ = ["KernelEvidence", "is_attention_op", "sdpa_backend", "sdpa_refusals", "warnings_to_reasons"]
+
+_ATTENTION_WORDS = ("attention", "transformer_encoder_layer", "multi_head")
+
+
+def is_attention_op(name: str) -> bool:
+    """An ``aten::`` op that is an attention kernel (not a matmul or a view)."""
+    return name.startswith("aten::") and any(w in name for w in _ATTENTION_WORDS)
+
+
+def sdpa_backend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> str | None:
+    """The ``SDPBackend`` name PyTorch selects for exactly these arguments."""
+    choice = compat.fused_sdp_choice()
+    if choice is None:
+        return None
+    kwargs: dict[str, Any] = {}
+    if scale is not None:
+        kwargs["scale"] = scale
+    if enable_gqa:
+        kwargs["enable_gqa"] = True
+    try:
+        value_ = choice(query, key, value, attn_mask, dropout_p, is_causal, **kwargs)
+    except (RuntimeError, TypeError, ValueError):
+        # The selection refused arguments that the kernel itself accepted
+        # (should not happen); report "unknown" rather than guess.
+        return None
+    return compat.sdp_backend_name(value_)
+
+
+def warnings_to_reasons(check: Callable[..., bool], params: Any) -> list[str] | None:
+    """Run a ``can_use_*(params, debug=True)`` check; its warnings are the reasons.
+
+    Returns ``[]`` when the backend would be accepted, the warning texts in
+    the order PyTorch emitted them when it is refused, ``None`` if the check
+    itself failed.
+    """
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            ok = check(params, debug=True)
+        except (RuntimeError, TypeError) as exc:
+            return [f"check failed: {exc}"]
+    if ok:
+        return []
+    reasons = [str(w.message).strip() for w in caught]
+    return reasons or ["refused (PyTorch gave no reason)"]
+
+
+def sdpa_refusals(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+    enable_gqa: bool = False,
+) -> dict[str, list[str]] | None:
+    """For each faster SDPA backend, PyTorch's reasons to refuse it ([] = usable)."""
+    checks = compat.sdpa_refusal_checks()
+    if not checks:
+        return None
+    params = compat.sdpa_params(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
+    if params is None:
+        return None
+    out: dict[str, list[str]] = {}
+    for backend, check in checks.items():
+        reasons = warnings_to_reasons(check, params)
+        if reasons is not None:
+            out[backend] = reasons
+    return out
+
+
+@contextlib.contextmanager
+def _quiet_native_stderr() -> Iterator[None]:
+    """Silence file descriptor 2 briefly (some builds log each profiler start/stop)."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):
+        yield
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+class KernelEvidence:
+    """Attention ``aten::`` ops per call signature, seen by the profiler once each."""
+
+    def __init__(self) -> None:
+        self._ops: dict[Hashable, list[str]] = {}
+        self._kernel_backend: dict[tuple[str, str], str] = {}
+
+    def run(
+        self, key: Hashable, fn: Callable[..., Any], *args: Any, **kwargs: Any
+    ) -> tuple[Any, list[str] | None]:
+        """Call ``fn`` and return its result with the attention ops it ran.
+
+        ``None`` for the ops means there is no evidence: another profiler was
+        already running (profilers do not nest).
+        """
+        known = self._ops.get(key)
+        if known is not None:
+            return fn(*args, **kwargs), known
+        if torch.autograd._profiler_enabled():
+            return fn(*args, **kwargs), None
+        prof = torch.autograd.profiler.profile()
+        with _quiet_native_stderr():
+            prof.__enter__()
+        try:
+            result = fn(*args, **kwargs)
+        finally:
+            with _quiet_native_stderr():
+                prof.__exit__(None, None, None)
+        events = sorted(prof.function_events, key=lambda e: e.time_range.start)
+        ops = [e.name for e in events if is_attention_op(e.name)]
+        self._ops[key] = ops
+        return result, ops
+
+    def learn(self, device_type: str, kernel_op: str, backend: str) -> None:
+        """Remember that ``kernel_op`` is how ``backend`` ran on this device."""
+        self._kernel_backend[(device_type, kernel_op)] = backend
+
+    def backend_of(self, device_type: str, ops: list[str]) -> str | None:
+        """The SDPA backend whose kernel appears in ``ops`` (calibrating if needed)."""
+        if not any("scaled_dot_product" in op for op in ops):
+            return None
+        if not any(dev == device_type for dev, _ in self._kernel_backend):
+            self._calibrate(device_type)
+        for op in ops:
+            backend = self._kernel_backend.get((device_type, op))
+            if backend is not None:
+                return backend
+        return None
+
+    def _calibrate(self, device_type: str) -> None:
+        """Force each SDPA backend on a tiny input and note the kernel it runs."""
+        attention = getattr(torch.nn, "attention", None)
+        sdpa_kernel = getattr(attention, "sdpa_kernel", None)
+        if sdpa_kernel is None or torch.autograd._profiler_enabled():
+            return
+        dtype = torch.float16 if device_type == "cuda" else torch.float32
+        q = torch.randn(1, 2, 8, 16, device=device_type, dtype=dtype)
+        raw_sdpa = torch._C._nn.scaled_dot_product_attention
+        for value, name in compat.sdp_backend_names().items():
+            if name == "ERROR":
+                continue
+            backend = compat._sdp_backend_enum().__members__[name]
+            try:
+                with sdpa_kernel(backend):
+                    _, ops = KernelEvidence().run(("calibrate",), raw_sdpa, q, q, q)
+            except RuntimeError:  # backend not available on this device/build
+                continue
+            for op in ops or []:
+                if op != "aten::scaled_dot_product_attention":
+                    self.learn(device_type, op, name)

@@ -1,0 +1,221 @@
+"""Plain records of what a trace observed, and their JSON form.
+
+Collectors build these; renderers read them. No record holds a tensor or a
+live module: only strings, numbers, shapes and lists of them, so a record
+outlives the model and serialises to the ``qkvtrace.trace/1`` JSON of
+DESIGN.md without PyTorch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from qkvtrace.errors import SchemaError
+
+__all__ = [
+    "TRACE_SCHEMA",
+    "AttentionCall",
+    "GradientRecord",
+    "MaskInfo",
+    "QKVInfo",
+    "SliceGrad",
+    "SliceInfo",
+    "TraceResult",
+    "atomic_write_text",
+]
+
+TRACE_SCHEMA = "qkvtrace.trace/1"
+
+#: The four paths an attention call can take (DESIGN.md, "Vocabulary").
+PATHS = ("fast", "fallback", "fused_encoder_layer", "sdpa")
+
+
+@dataclass(slots=True)
+class MaskInfo:
+    """One mask argument as the call received it."""
+
+    #: ``"bool"`` or ``"float"`` (any floating dtype).
+    kind: str
+    #: ``str(tensor.dtype)``, e.g. ``"torch.bool"``.
+    dtype: str
+    shape: list[int]
+    #: What ``True`` means for this argument of this API, as measured on the
+    #: running PyTorch (``"attend"`` or ``"ignore"``); ``None`` for float masks.
+    true_means: str | None
+    #: How many entries block attention (``-inf`` for float masks).
+    blocked: int
+    total: int
+    #: Index tuples of the blocked entries, only for masks of at most 64 entries.
+    blocked_positions: list[list[int]] | None = None
+
+
+@dataclass(slots=True)
+class SliceInfo:
+    """The Q, K or V part of a projection at the time of the call."""
+
+    #: Parameter name relative to the attention module, e.g. ``"in_proj_weight"``.
+    param: str | None
+    #: ``[start, stop)`` rows of a packed parameter; ``None`` for separate ones.
+    rows: list[int] | None
+    shape: list[int] | None
+    weight_norm: float | None
+    #: Parameter holding this slice's bias (``None`` when there is none).
+    bias_param: str | None = None
+    bias_norm: float | None = None
+    #: Norm of the projected tensor handed to the kernel (only where the
+    #: tracer sees it: direct SDPA calls); ``None`` elsewhere.
+    activation_norm: float | None = None
+
+
+@dataclass(slots=True)
+class QKVInfo:
+    """How the Q/K/V projection of a call is stored."""
+
+    #: ``"packed"`` (rows of one ``[3E, E]`` weight), ``"separate"`` (three
+    #: weights), or ``None`` when the tracer could not find the projection.
+    layout: str | None
+    q: SliceInfo | None
+    k: SliceInfo | None
+    v: SliceInfo | None
+
+
+@dataclass(slots=True)
+class AttentionCall:
+    """One execution of an attention operation observed during a trace."""
+
+    index: int
+    #: Dotted module name inside the traced model, ``""`` for the root.
+    module: str
+    module_type: str
+    #: ``fast``, ``fallback``, ``fused_encoder_layer`` or ``sdpa``.
+    path: str
+    #: PyTorch's own reason, verbatim; ``None`` when the fast path ran or the
+    #: call never went through ``MultiheadAttention.forward``.
+    why_not_fast_path: str | None
+    #: The reason of the enclosing ``TransformerEncoderLayer`` for not taking
+    #: its fused path, verbatim; ``None`` when no encoder layer made the call.
+    why_not_fused_layer: str | None
+    #: ``SDPBackend`` member name of the kernel that ran, ``None`` if no SDPA ran.
+    sdpa_backend: str | None
+    #: ``aten::...`` names of the attention kernels that ran for the call.
+    aten_ops: list[str]
+    #: Shapes, dtypes, masks and modes of the call.
+    inputs: dict[str, Any]
+    qkv: QKVInfo
+    #: ``nan_count`` and ``fully_masked_rows`` of the result.
+    output: dict[str, Any]
+    #: On CUDA, PyTorch's reasons for refusing each faster SDPA backend.
+    sdpa_refusals: dict[str, list[str]] | None = None
+
+
+@dataclass(slots=True)
+class SliceGrad:
+    """Gradient of one Q/K/V slice after one backward pass."""
+
+    #: Norm of the slice of the parameter's real ``.grad`` after this backward
+    #: (what an optimizer step would use; includes earlier, un-zeroed passes).
+    grad_norm: float | None
+    bias_grad_norm: float | None
+    #: Norm of the gradient this backward pass alone contributed.
+    pass_grad_norm: float | None = None
+    pass_bias_grad_norm: float | None = None
+
+
+@dataclass(slots=True)
+class GradientRecord:
+    """Q/K/V slice gradients of one attention module after one backward pass."""
+
+    module: str
+    #: 0 for the first backward pass inside the trace, 1 for the next, ...
+    backward_index: int
+    q: SliceGrad
+    k: SliceGrad
+    v: SliceGrad
+
+
+@dataclass
+class TraceResult:
+    """Everything one trace observed."""
+
+    calls: list[AttentionCall] = field(default_factory=list)
+    gradients: list[GradientRecord] = field(default_factory=list)
+    torch_version: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``qkvtrace.trace/1`` JSON object."""
+        return {
+            "schema": TRACE_SCHEMA,
+            "torch_version": self.torch_version,
+            "calls": [asdict(c) for c in self.calls],
+            "gradients": [asdict(g) for g in self.gradients],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write the JSON atomically: the file is either complete or absent."""
+        return atomic_write_text(Path(path), self.to_json())
+
+    def summary(self) -> dict[str, dict[str, int]]:
+        """Counts of calls per path and per SDPA backend."""
+        paths: dict[str, int] = {}
+        backends: dict[str, int] = {}
+        for call in self.calls:
+            paths[call.path] = paths.get(call.path, 0) + 1
+            key = call.sdpa_backend or "none"
+            backends[key] = backends.get(key, 0) + 1
+        return {"paths": dict(sorted(paths.items())), "backends": dict(sorted(backends.items()))}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TraceResult:
+        """Read a ``qkvtrace.trace/1`` object; refuse any other schema."""
+        schema = data.get("schema") if isinstance(data, dict) else None
+        if schema != TRACE_SCHEMA:
+            raise SchemaError(
+                f"expected schema {TRACE_SCHEMA!r} but found {schema!r}; "
+                "this file was not written by `qkvtrace trace` of this version"
+            )
+        calls = []
+        for c in data["calls"]:
+            qkv = c["qkv"]
+            c = dict(c)
+            c["qkv"] = QKVInfo(
+                layout=qkv["layout"],
+                **{
+                    part: (SliceInfo(**qkv[part]) if qkv[part] is not None else None)
+                    for part in ("q", "k", "v")
+                },
+            )
+            calls.append(AttentionCall(**c))
+        grads = [
+            GradientRecord(
+                module=g["module"],
+                backward_index=g["backward_index"],
+                **{part: SliceGrad(**g[part]) for part in ("q", "k", "v")},
+            )
+            for g in data["gradients"]
+        ]
+        return cls(calls=calls, gradients=grads, torch_version=data.get("torch_version", ""))
+
+
+def atomic_write_text(path: Path, text: str) -> Path:
+    """Write ``text`` to ``path`` through a temporary file and a rename."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    return path
