@@ -17,8 +17,8 @@ __all__ = [
     "has_post_accumulate_grad_hook",
     "sdp_backend_name",
     "sdp_backend_names",
-    "sdpa_refusal_checks",
     "sdpa_params",
+    "sdpa_refusal_checks",
 ]
 
 

@@ -20,7 +20,7 @@ __all__ = ["count_fully_masked", "mask_info", "sdpa_bool_true_means"]
 _MAX_LISTED = 64
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def sdpa_bool_true_means() -> str:
     """``"attend"`` or ``"ignore"``: what ``True`` does in SDPA's boolean ``attn_mask``.
 
@@ -37,9 +37,7 @@ def sdpa_bool_true_means() -> str:
     return "attend" if abs(out - 1.0) < 1e-4 else "ignore"
 
 
-def mask_info(
-    mask: torch.Tensor, blocked: torch.Tensor, true_means: str | None
-) -> MaskInfo:
+def mask_info(mask: torch.Tensor, blocked: torch.Tensor, true_means: str | None) -> MaskInfo:
     """Describe ``mask`` given the boolean tensor of what it blocks."""
     n_blocked = int(blocked.sum())
     positions = None

@@ -182,7 +182,7 @@ class KernelEvidence:
         dtype = torch.float16 if device_type == "cuda" else torch.float32
         q = torch.randn(1, 2, 8, 16, device=device_type, dtype=dtype)
         raw_sdpa = torch._C._nn.scaled_dot_product_attention
-        for value, name in compat.sdp_backend_names().items():
+        for name in compat.sdp_backend_names().values():
             if name == "ERROR":
                 continue
             backend = compat._sdp_backend_enum().__members__[name]

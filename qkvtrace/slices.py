@@ -55,7 +55,7 @@ def _mha_spec(module: nn.MultiheadAttention) -> ProjectionSpec:
     else:
         parts = [
             PartSpec(f"{p}_proj_weight", None, bias, r if bias else None)
-            for p, r in zip(PARTS, rows)
+            for p, r in zip(PARTS, rows, strict=True)
         ]
         layout = "separate"
     return ProjectionSpec(layout, *parts)
@@ -169,9 +169,7 @@ def grad_slices(
             grad_norm=real(ps.param, ps.rows),
             bias_grad_norm=real(ps.bias_param, ps.bias_rows),
             pass_grad_norm=pass_norms.get((ps.param, ps.rows)),
-            pass_bias_grad_norm=(
-                pass_norms.get((ps.bias_param, ps.bias_rows)) if ps.bias_param else None
-            ),
+            pass_bias_grad_norm=(pass_norms.get((ps.bias_param, ps.bias_rows)) if ps.bias_param else None),
         )
         for part, ps in spec.parts()
     }

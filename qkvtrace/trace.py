@@ -29,11 +29,11 @@ exit, exceptions included.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 import threading
 import types
 from collections.abc import Callable, Iterator
-import dataclasses
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -65,7 +65,9 @@ _LAYER_FWD_ARGS = (
 )  # fmt: skip
 
 
-def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], names: tuple[str, ...], name: str, default: Any = None) -> Any:
+def _arg(
+    args: tuple[Any, ...], kwargs: dict[str, Any], names: tuple[str, ...], name: str, default: Any = None
+) -> Any:
     i = names.index(name)
     if i < len(args):
         return args[i]
@@ -99,8 +101,20 @@ class _Open:
     """An attention call (or encoder layer) that has started and not yet ended."""
 
     __slots__ = (
-        "kind", "index", "module", "frame", "path", "why", "backend", "ops", "inputs",
-        "query", "key", "kpm", "attn_mask", "refusals",
+        "attn_mask",
+        "backend",
+        "frame",
+        "index",
+        "inputs",
+        "key",
+        "kind",
+        "kpm",
+        "module",
+        "ops",
+        "path",
+        "query",
+        "refusals",
+        "why",
     )  # fmt: skip
 
     def __init__(self, kind: str, index: int, module: nn.Module | None) -> None:
@@ -280,7 +294,7 @@ class Trace:
     @contextlib.contextmanager
     def _watch(self, code: types.CodeType, ctx: _Open) -> Iterator[None]:
         """Trace only the frame of ``code`` called next; keep its frame on ``ctx``."""
-        previous = sys.gettrace()
+        previous: Any = sys.gettrace()
 
         def local(frame: types.FrameType, event: str, arg: Any) -> Any:
             if event == "return":
@@ -318,7 +332,13 @@ class Trace:
         forward.__wrapped__ = original  # type: ignore[attr-defined]
         return forward
 
-    def _run_mha(self, original: Callable[..., Any], module: nn.MultiheadAttention, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _run_mha(
+        self,
+        original: Callable[..., Any],
+        module: nn.MultiheadAttention,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
         ctx = _Open("mha", self._take_index(), module)
         bound = _mha_signature().bind(module, *args, **kwargs)
         bound.apply_defaults()
@@ -363,7 +383,7 @@ class Trace:
         f_locals = ctx.why if isinstance(ctx.why, dict) else {}
         why = f_locals.get("why_not_fast_path")
         path = ctx.path
-        query, key = ctx.query, ctx.key
+        query = ctx.query
         # masks as PyTorch's own _canonical_mask left them (additive floats)
         kpm_c = f_locals.get("key_padding_mask")
         attn_c = f_locals.get("attn_mask")
@@ -373,7 +393,11 @@ class Trace:
         rows = 0
         if isinstance(query, torch.Tensor) and not query.is_nested:
             if query.dim() == 3:
-                b, length = (query.shape[0], query.shape[1]) if module.batch_first else (query.shape[1], query.shape[0])
+                b, length = (
+                    (query.shape[0], query.shape[1])
+                    if module.batch_first
+                    else (query.shape[1], query.shape[0])
+                )
             else:
                 b, length = 1, query.shape[0]
             with torch.no_grad():
@@ -439,10 +463,10 @@ class Trace:
         """Wrapper of ``torch._transformer_encoder_layer_fwd`` (the fused layer)."""
         original = self._originals["layer_fwd"]
         layer_ctx = self._stack[-1] if self._stack and self._stack[-1].kind == "layer" else None
-        if not self._active() or layer_ctx is None:
-            return original(*args, **kwargs)
-        layer = layer_ctx.module
+        layer = layer_ctx.module if layer_ctx is not None else None
         mha = getattr(layer, "self_attn", None)
+        if not self._active() or layer is None or not isinstance(mha, nn.MultiheadAttention):
+            return original(*args, **kwargs)
         src = _arg(args, kwargs, _LAYER_FWD_ARGS, "src")
         mask = _arg(args, kwargs, _LAYER_FWD_ARGS, "mask")
         mask_type = _arg(args, kwargs, _LAYER_FWD_ARGS, "mask_type")
@@ -485,7 +509,7 @@ class Trace:
                 "inference_mode": torch.is_inference_mode_enabled(),
                 "autocast": torch.is_autocast_enabled(),
             },
-            qkv=self._norms.qkv(mha, self._spec(mha)) if mha is not None else QKVInfo(None, None, None, None),
+            qkv=self._norms.qkv(mha, self._spec(mha)),
             output={"nan_count": _nan_count(out), "fully_masked_rows": rows},
         )
         self.result.calls.append(call)
@@ -562,7 +586,9 @@ class Trace:
             ctx.refusals = refusals
             return out
         assert owner is not None
-        self.result.calls.append(self._sdpa_call(index, owner, q, k, v, mask, is_causal, dropout_p, backend, ops, out, refusals))
+        self.result.calls.append(
+            self._sdpa_call(index, owner, q, k, v, mask, is_causal, dropout_p, backend, ops, out, refusals)
+        )
         return out
 
     def _sdpa_call(
@@ -643,7 +669,9 @@ class Trace:
         ):
             self._register_grad_hooks(self._exit, module, spec)
 
-    def _register_grad_hooks(self, stack: contextlib.ExitStack, module: nn.Module, spec: ProjectionSpec) -> None:
+    def _register_grad_hooks(
+        self, stack: contextlib.ExitStack, module: nn.Module, spec: ProjectionSpec
+    ) -> None:
         self._grad_modules.add(id(module))
         by_param: dict[str, list[tuple[int, int] | None]] = {}
         for _, ps in spec.parts():
@@ -656,13 +684,15 @@ class Trace:
                 handle = param.register_hook(self._make_grad_hook(id(module), pname, rows_list))
                 stack.callback(handle.remove)
 
-    def _make_grad_hook(self, mid: int, pname: str, rows_list: list[tuple[int, int] | None]) -> Callable[[torch.Tensor], None]:
+    def _make_grad_hook(
+        self, mid: int, pname: str, rows_list: list[tuple[int, int] | None]
+    ) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
             if self._exit is None:
                 return
             norms = slice_norms_of(grad, rows_list)
             pending = self._pending.setdefault(mid, {})
-            for rows, norm in zip(rows_list, norms):
+            for rows, norm in zip(rows_list, norms, strict=True):
                 pending[(pname, rows)] = norm
             if not self._callback_queued:
                 self._callback_queued = True
@@ -738,4 +768,3 @@ def trace(model: nn.Module, *, gradients: bool = True, refusals: bool = True) ->
     SDPA backend (costs a few checks per SDPA call).
     """
     return Trace(model, gradients=gradients, refusals=refusals)
-

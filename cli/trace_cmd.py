@@ -1,0 +1,130 @@
+"""``qkvtrace trace TARGET``: record every attention call of a model."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import torch
+from qkvtrace.cli._common import check_output_file, parse_shape
+from rich.console import Console
+
+import qkvtrace
+from qkvtrace.errors import InputError
+from qkvtrace.render.terminal import summary_line, trace_table
+from qkvtrace.target import load_target, synthesize_inputs
+
+__all__ = ["register", "run"]
+
+_HELP = """\
+Run a model once under qkvtrace and show, for every attention call, the path
+PyTorch took (fast / fallback / fused_encoder_layer / sdpa), PyTorch's own
+reason for refusing the fast path, the SDPA kernel that ran, the norms of the
+Q/K/V slices of the projection and, with --backward, of their gradients.
+
+TARGET is package.module:callable, path/to/file.py:callable, or a built-in
+demo (demo:mha, demo:encoder, demo:tiny-lm). The callable takes no arguments
+and returns a model or (model, example_inputs); example_inputs is a tensor, a
+tuple of arguments or a dict of keyword arguments. Without them, inputs are
+made up: token ids for a model that starts with nn.Embedding, (B, T, E)
+floats for one that starts with an attention layer (see --input-shape).
+
+By default the model runs as inference does: model.eval() under
+torch.no_grad(), where PyTorch's fast paths can be taken. --train switches to
+training mode; --backward runs with gradients on and calls backward() on the
+sum of the output.
+"""
+
+_EPILOG = """\
+examples:
+  qkvtrace trace demo:encoder
+  qkvtrace trace demo:tiny-lm --train --backward --json trace.json
+  qkvtrace trace my_pkg.model:build --input-shape 4,128
+"""
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "trace",
+        help="record every attention call of a model (path, reason, kernel, Q/K/V)",
+        description=_HELP,
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("target", metavar="TARGET", help="package.module:callable, file.py:callable or demo:NAME")
+    p.add_argument(
+        "--backward",
+        action="store_true",
+        help="enable grad, run backward on output.sum(), record Q/K/V gradients",
+    )
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--train", dest="mode", action="store_const", const="train", help="model.train() before the run"
+    )
+    mode.add_argument(
+        "--eval",
+        dest="mode",
+        action="store_const",
+        const="eval",
+        help="model.eval() before the run (default)",
+    )
+    p.add_argument(
+        "--input-shape", metavar="B,T", help="batch and sequence length of made-up inputs (default 2,16)"
+    )
+    p.add_argument("--json", metavar="FILE", type=Path, help="also write the qkvtrace.trace/1 JSON here")
+    p.set_defaults(run=run, mode="eval")
+
+
+def _first_tensor(out: Any) -> torch.Tensor | None:
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (tuple, list)):
+        for item in out:
+            t = _first_tensor(item)
+            if t is not None:
+                return t
+    if isinstance(out, dict):
+        for item in out.values():
+            t = _first_tensor(item)
+            if t is not None:
+                return t
+    return None
+
+
+def run(args: argparse.Namespace, console: Console) -> int:
+    if args.json is not None:
+        check_output_file(args.json, "--json")
+    shape = parse_shape(args.input_shape) if args.input_shape else None
+    loaded = load_target(args.target)
+    model = loaded.model
+    call_args, call_kwargs = loaded.args, loaded.kwargs
+    if shape is not None or not (call_args or call_kwargs):
+        b, t = shape or (2, 16)
+        call_args, call_kwargs = synthesize_inputs(model, b, t), {}
+    model.train(args.mode == "train")
+    with qkvtrace.trace(model) as tr, torch.set_grad_enabled(args.backward):
+        try:
+            out = model(*call_args, **call_kwargs)
+        except Exception as exc:
+            raise InputError(
+                f"running {args.target} on its example inputs raised {type(exc).__name__}: {exc}; "
+                "return (model, example_inputs) from the factory or adjust --input-shape"
+            ) from exc
+        if args.backward:
+            first = _first_tensor(out)
+            if first is None or not first.requires_grad:
+                raise InputError(
+                    f"{args.target}: the output does not require grad, "
+                    "so there is nothing to backward through"
+                )
+            first.float().sum().backward()
+    result = tr.result
+    mode = args.mode + (", backward" if args.backward else "")
+    title = f"qkvtrace trace {args.target}  (torch {torch.__version__}, {mode})"
+    console.print(trace_table(result, title=title))
+    console.print(summary_line(result))
+    if args.json is not None:
+        result.save(args.json)
+        console.print(f"wrote {args.json}")
+    return 0

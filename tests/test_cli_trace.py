@@ -1,0 +1,202 @@
+"""`qkvtrace trace` through the real command line (subprocess)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import qkvtrace
+from qkvtrace.demos import demo_encoder
+
+ENV = {**os.environ, "COLUMNS": "200", "PYTHONWARNINGS": "ignore"}
+
+
+def qkv(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "qkvtrace", *args],
+        capture_output=True, text=True, cwd=cwd, env=ENV, timeout=300,
+    )  # fmt: skip
+
+
+def assert_usage_error(proc: subprocess.CompletedProcess[str], *needles: str) -> None:
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    assert proc.stdout == ""
+
+
+@pytest.fixture
+def factories(tmp_path: Path) -> Path:
+    (tmp_path / "factories.py").write_text(
+        textwrap.dedent(
+            """
+            import torch
+            from torch import nn
+
+            def raises():
+                raise ValueError("no weights here")
+
+            def not_a_model():
+                return [1, 2, 3]
+
+            def with_inputs():
+                torch.manual_seed(0)
+                m = nn.MultiheadAttention(32, 4, batch_first=True)
+                x = torch.randn(3, 5, 32)
+                return m, (x, x, x)
+
+            def with_kwargs():
+                torch.manual_seed(0)
+                m = nn.MultiheadAttention(32, 4, batch_first=True)
+                x = torch.randn(3, 5, 32)
+                return m, {"query": x, "key": x, "value": x, "need_weights": False}
+
+            class Classifier(nn.Module):
+                def __init__(self):
+                    super().__init__()
+                    self.emb = nn.Embedding(50, 32)
+                    self.attn = nn.MultiheadAttention(32, 4, batch_first=True)
+
+                def forward(self, ids):
+                    x = self.emb(ids)
+                    return self.attn(x, x, x, need_weights=False)[0].mean(1)
+
+            def classifier():
+                return Classifier()
+
+            def plain_linear():
+                return nn.Sequential(nn.Linear(4, 4))
+            """
+        )
+    )
+    return tmp_path
+
+
+def test_encoder_demo_json_matches_library(tmp_path: Path) -> None:
+    out = tmp_path / "t.json"
+    proc = qkv("trace", "demo:encoder", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(out.read_text())
+    assert data["schema"] == "qkvtrace.trace/1"
+    # The same model traced through the library in this process.
+    model, (x,) = demo_encoder()
+    model.eval()
+    with qkvtrace.trace(model) as t, torch.no_grad():
+        model(x)
+    assert [c["path"] for c in data["calls"]] == [c.path for c in t.calls]
+    assert [c["module"] for c in data["calls"]] == ["layers.0.self_attn", "layers.1.self_attn"]
+    assert [c["aten_ops"] for c in data["calls"]] == [c.aten_ops for c in t.calls]
+    for key in ("index", "module", "module_type", "path", "why_not_fast_path", "sdpa_backend",
+                "aten_ops", "inputs", "qkv", "output"):  # fmt: skip
+        assert key in data["calls"][0]
+    assert "fused_encoder_layer" in proc.stdout and "layers.0.self_attn" in proc.stdout
+    assert "2 attention calls" in proc.stdout
+
+
+def test_tiny_lm_backward_records_gradients(tmp_path: Path) -> None:
+    out = tmp_path / "lm.json"
+    proc = qkv("trace", "demo:tiny-lm", "--train", "--backward", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(out.read_text())
+    assert {c["path"] for c in data["calls"]} == {"sdpa"}
+    assert all(c["inputs"]["is_causal"] for c in data["calls"])
+    modules = sorted(g["module"] for g in data["gradients"])
+    assert modules == ["blocks.0.attention", "blocks.1.attention"]
+    for g in data["gradients"]:
+        norms = [g[p]["grad_norm"] for p in "qkv"]
+        assert all(n is not None and n > 0 for n in norms)
+        assert len(set(norms)) == 3  # packed, not shared
+
+
+def test_train_mode_reports_pytorch_reason(tmp_path: Path) -> None:
+    out = tmp_path / "mha.json"
+    proc = qkv("trace", "demo:mha", "--train", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    call = json.loads(out.read_text())["calls"][0]
+    assert call["path"] == "fallback"
+    # verbatim from PyTorch: the string is one of the reasons in its source
+    import inspect
+
+    assert repr(call["why_not_fast_path"])[1:-1] in inspect.getsource(nn.MultiheadAttention.forward)
+
+
+def test_file_target_with_inputs(factories: Path, tmp_path: Path) -> None:
+    for name, need_weights in (("with_inputs", True), ("with_kwargs", False)):
+        out = tmp_path / f"{name}.json"
+        proc = qkv("trace", f"{factories / 'factories.py'}:{name}", "--json", str(out))
+        assert proc.returncode == 0, proc.stderr
+        call = json.loads(out.read_text())["calls"][0]
+        assert call["inputs"]["query_shape"] == [3, 5, 32]
+        assert call["inputs"]["need_weights"] is need_weights
+
+
+def test_module_target_and_synthesized_token_ids(factories: Path, tmp_path: Path) -> None:
+    out = tmp_path / "c.json"
+    proc = qkv("trace", "factories:classifier", "--input-shape", "4,7", "--json", str(out), cwd=factories)
+    assert proc.returncode == 0, proc.stderr
+    call = json.loads(out.read_text())["calls"][0]
+    assert call["module"] == "attn"
+    assert call["inputs"]["query_shape"] == [4, 7, 32]
+
+
+@pytest.mark.parametrize(
+    ("target", "needles"),
+    [
+        ("nonexistent_pkg_xyz:build", ["nonexistent_pkg_xyz", "cannot import"]),
+        ("does/not/exist.py:build", ["does/not/exist.py", "does not exist"]),
+        ("justaname", ["justaname", "package.module:callable"]),
+        ("demo:nope", ["nope", "encoder"]),
+    ],
+)
+def test_bad_targets(target: str, needles: list[str]) -> None:
+    assert_usage_error(qkv("trace", target), *needles)
+
+
+@pytest.mark.parametrize(
+    ("name", "needles"),
+    [
+        ("missing", ["has no attribute 'missing'"]),
+        ("raises", ["raises()", "ValueError", "no weights here"]),
+        ("not_a_model", ["not_a_model", "list", "nn.Module"]),
+        ("plain_linear", ["cannot make example inputs", "(model, example_inputs)"]),
+    ],
+)
+def test_bad_factories(factories: Path, name: str, needles: list[str]) -> None:
+    assert_usage_error(qkv("trace", f"{factories / 'factories.py'}:{name}"), *needles)
+
+
+def test_unwritable_json_leaves_no_file(tmp_path: Path) -> None:
+    blocker = tmp_path / "file.txt"
+    blocker.write_text("x")
+    assert_usage_error(qkv("trace", "demo:mha", "--json", str(blocker / "out.json")), "does not exist")
+    assert_usage_error(qkv("trace", "demo:mha", "--json", str(tmp_path)), "is a folder")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file.txt"]
+
+
+def test_bad_json_target_writes_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "t.json"
+    assert_usage_error(qkv("trace", "nonexistent_pkg_xyz:build", "--json", str(out)))
+    assert not out.exists()
+
+
+def test_unknown_command_and_bad_shape() -> None:
+    assert_usage_error(qkv("frobnicate"), "frobnicate")
+    assert_usage_error(qkv("trace", "demo:encoder", "--input-shape", "2x3"), "--input-shape")
+
+
+def test_help_teaches() -> None:
+    proc = qkv("trace", "--help")
+    assert proc.returncode == 0
+    for needle in ("TARGET", "demo:encoder", "--backward", "reason", "fast path"):
+        assert needle in proc.stdout
