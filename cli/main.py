@@ -33,6 +33,7 @@ which SDPA kernel, what the packed Q/K/V weights and their gradients look like.
 
 _EPILOG = """\
 examples:
+  qkvtrace inspect                                 # per-version report into reports/
   qkvtrace trace demo:encoder                      # the fused encoder path, per layer
   qkvtrace trace demo:mha --train --backward       # fallback path, Q/K/V gradients
   qkvtrace trace my_pkg.models:build --json t.json # your own model factory
@@ -50,7 +51,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from qkvtrace.cli import trace_cmd
+    from qkvtrace.cli import inspect_cmd, trace_cmd
 
     parser = _Parser(
         prog="qkvtrace",
@@ -63,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
     trace_cmd.register(sub)
+    inspect_cmd.register(sub)
     return parser
 
 

@@ -59,9 +59,7 @@ def register(sub: Any) -> None:
         help="enable grad, run backward on output.sum(), record Q/K/V gradients",
     )
     mode = p.add_mutually_exclusive_group()
-    mode.add_argument(
-        "--train", dest="mode", action="store_const", const="train", help="model.train() before the run"
-    )
+    mode.add_argument("--train", dest="mode", action="store_const", const="train", help="model.train() before the run")
     mode.add_argument(
         "--eval",
         dest="mode",
@@ -69,9 +67,7 @@ def register(sub: Any) -> None:
         const="eval",
         help="model.eval() before the run (default)",
     )
-    p.add_argument(
-        "--input-shape", metavar="B,T", help="batch and sequence length of made-up inputs (default 2,16)"
-    )
+    p.add_argument("--input-shape", metavar="B,T", help="batch and sequence length of made-up inputs (default 2,16)")
     p.add_argument("--json", metavar="FILE", type=Path, help="also write the qkvtrace.trace/1 JSON here")
     p.set_defaults(run=run, mode="eval")
 
@@ -115,8 +111,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
             first = _first_tensor(out)
             if first is None or not first.requires_grad:
                 raise InputError(
-                    f"{args.target}: the output does not require grad, "
-                    "so there is nothing to backward through"
+                    f"{args.target}: the output does not require grad, so there is nothing to backward through"
                 )
             first.float().sum().backward()
     result = tr.result

@@ -131,9 +131,7 @@ class KernelEvidence:
         self._ops: dict[Hashable, list[str]] = {}
         self._kernel_backend: dict[tuple[str, str], str] = {}
 
-    def run(
-        self, key: Hashable, fn: Callable[..., Any], *args: Any, **kwargs: Any
-    ) -> tuple[Any, list[str] | None]:
+    def run(self, key: Hashable, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, list[str] | None]:
         """Call ``fn`` and return its result with the attention ops it ran.
 
         ``None`` for the ops means there is no evidence: another profiler was

@@ -187,10 +187,7 @@ class TraceResult:
             c = dict(c)
             c["qkv"] = QKVInfo(
                 layout=qkv["layout"],
-                **{
-                    part: (SliceInfo(**qkv[part]) if qkv[part] is not None else None)
-                    for part in ("q", "k", "v")
-                },
+                **{part: (SliceInfo(**qkv[part]) if qkv[part] is not None else None) for part in ("q", "k", "v")},
             )
             calls.append(AttentionCall(**c))
         grads = [

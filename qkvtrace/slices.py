@@ -54,8 +54,7 @@ def _mha_spec(module: nn.MultiheadAttention) -> ProjectionSpec:
         layout = "packed"
     else:
         parts = [
-            PartSpec(f"{p}_proj_weight", None, bias, r if bias else None)
-            for p, r in zip(PARTS, rows, strict=True)
+            PartSpec(f"{p}_proj_weight", None, bias, r if bias else None) for p, r in zip(PARTS, rows, strict=True)
         ]
         layout = "separate"
     return ProjectionSpec(layout, *parts)

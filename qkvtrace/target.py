@@ -126,9 +126,7 @@ def _unpack(label: str, produced: Any) -> Loaded:
             f"{label} returned example inputs of type {type(inputs).__name__}; "
             "use a tensor, a tuple of arguments or a dict of keyword arguments"
         )
-    raise TargetError(
-        f"{label} returned a {type(produced).__name__}, not an nn.Module or (model, example_inputs)"
-    )
+    raise TargetError(f"{label} returned a {type(produced).__name__}, not an nn.Module or (model, example_inputs)")
 
 
 def synthesize_inputs(model: nn.Module, batch: int, length: int) -> tuple[Any, ...]:

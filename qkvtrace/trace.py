@@ -65,9 +65,7 @@ _LAYER_FWD_ARGS = (
 )  # fmt: skip
 
 
-def _arg(
-    args: tuple[Any, ...], kwargs: dict[str, Any], names: tuple[str, ...], name: str, default: Any = None
-) -> Any:
+def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], names: tuple[str, ...], name: str, default: Any = None) -> Any:
     i = names.index(name)
     if i < len(args):
         return args[i]
@@ -219,9 +217,7 @@ class Trace:
     def _install(self, stack: contextlib.ExitStack) -> None:
         o = self._originals
         o["mha_forward"] = self._patch(stack, nn.MultiheadAttention, "forward", self._make_mha_forward())
-        o["layer_forward"] = self._patch(
-            stack, nn.TransformerEncoderLayer, "forward", self._make_layer_forward()
-        )
+        o["layer_forward"] = self._patch(stack, nn.TransformerEncoderLayer, "forward", self._make_layer_forward())
         o["native_mha"] = self._patch(stack, torch, "_native_multi_head_attention", self._native_mha)
         o["layer_fwd"] = self._patch(stack, torch, "_transformer_encoder_layer_fwd", self._layer_fwd)
         o["mha_fn"] = self._patch(stack, F, "multi_head_attention_forward", self._mha_function)
@@ -393,11 +389,7 @@ class Trace:
         rows = 0
         if isinstance(query, torch.Tensor) and not query.is_nested:
             if query.dim() == 3:
-                b, length = (
-                    (query.shape[0], query.shape[1])
-                    if module.batch_first
-                    else (query.shape[1], query.shape[0])
-                )
+                b, length = (query.shape[0], query.shape[1]) if module.batch_first else (query.shape[1], query.shape[0])
             else:
                 b, length = 1, query.shape[0]
             with torch.no_grad():
@@ -563,9 +555,7 @@ class Trace:
         scale = kwargs.get("scale")
         gqa = bool(kwargs.get("enable_gqa", False))
         index = self._take_index() if ctx is None else -1
-        grad = torch.is_grad_enabled() and any(
-            isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v)
-        )
+        grad = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
         # PyTorch's own choice on the very arguments, before the call runs:
         # the same function SDPA's C++ entry calls to pick its kernel.
         backend = paths.sdpa_backend(q, k, v, mask, dropout_p, is_causal, scale, gqa)
@@ -669,9 +659,7 @@ class Trace:
         ):
             self._register_grad_hooks(self._exit, module, spec)
 
-    def _register_grad_hooks(
-        self, stack: contextlib.ExitStack, module: nn.Module, spec: ProjectionSpec
-    ) -> None:
+    def _register_grad_hooks(self, stack: contextlib.ExitStack, module: nn.Module, spec: ProjectionSpec) -> None:
         self._grad_modules.add(id(module))
         by_param: dict[str, list[tuple[int, int] | None]] = {}
         for _, ps in spec.parts():
@@ -709,9 +697,7 @@ class Trace:
             spec = self._spec(module)
             assert spec is not None
             parts = grad_slices(module, spec, pass_norms)
-            self.result.gradients.append(
-                GradientRecord(module=name, backward_index=self._backward_index, **parts)
-            )
+            self.result.gradients.append(GradientRecord(module=name, backward_index=self._backward_index, **parts))
         self.result.gradients.sort(key=lambda g: (g.backward_index, g.module))
         self._pending = {}
         self._backward_index += 1

@@ -1,0 +1,135 @@
+"""``report.md``: a per-version report readable on GitHub. Reads the report dict only."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from qkvtrace.render.graph import short_name
+
+__all__ = ["report_markdown"]
+
+
+def _cell(text: Any) -> str:
+    s = "" if text is None else str(text)
+    return " ".join(s.split()).replace("|", "\\|")
+
+
+def _code_cell(text: Any) -> str:
+    s = _cell(text)
+    return f"`{s}`" if s else ""
+
+
+def _environment(env: dict[str, Any]) -> list[str]:
+    rows = [
+        ("torch", env.get("torch_version")),
+        ("git version", env.get("torch_git_version")),
+        ("CUDA (build)", env.get("torch_cuda_version")),
+        ("CUDA available", env.get("cuda_available")),
+        ("python", env.get("python_version")),
+        ("platform", env.get("platform")),
+        ("MHA fast path enabled", env.get("mha_fastpath_enabled")),
+        (
+            "SDPA backends enabled",
+            ", ".join(f"{k}={v}" for k, v in sorted(env.get("sdp_enabled", {}).items())),
+        ),
+    ]
+    return ["| | |", "|---|---|", *(f"| {k} | {_cell(v)} |" for k, v in rows)]
+
+
+def _what_runs_when(scenarios: list[dict[str, Any]]) -> list[str]:
+    out = [
+        "| scenario | path | SDPA backend | why not fast path (PyTorch's words) | aten ops |",
+        "|---|---|---|---|---|",
+    ]
+    for s in scenarios:
+        if s.get("error"):
+            out.append(f"| {_cell(s['description'])} | *error* | | {_cell(s['error'])} | |")
+            continue
+        calls = s["calls"]
+        paths = sorted({c["path"] for c in calls})
+        backends = sorted({c["sdpa_backend"] or "none" for c in calls})
+        whys = sorted({c["why_not_fast_path"] or c.get("why_not_fused_layer") or "" for c in calls} - {""})
+        ops = []
+        for c in calls:
+            for op in c["aten_ops"]:
+                if op not in ops:
+                    ops.append(op)
+        out.append(
+            f"| {_cell(s['description'])} | {', '.join(paths)} | {', '.join(backends)} | "
+            f"{'<br>'.join(_cell(w) for w in whys)} | {'<br>'.join(_code_cell(o) for o in ops)} |"
+        )
+    return out
+
+
+def _conditions(conditions: list[dict[str, Any]]) -> list[str]:
+    out: list[str] = []
+    for block in conditions:
+        out.append(f"**{short_name(block['function'])}** (`{block['function']}`)")
+        out.append("")
+        if block.get("missing"):
+            out.append("*not found in this PyTorch*")
+            out.append("")
+            continue
+        out += ["| # | reason (verbatim) | condition |", "|---|---|---|"]
+        for i, c in enumerate(block["conditions"], 1):
+            out.append(f"| {i} | {_code_cell(c['reason'])} | {_code_cell(c['condition'])} |")
+        out.append("")
+    return out
+
+
+def _sources(sources: list[dict[str, Any]]) -> list[str]:
+    out: list[str] = []
+    for s in sources:
+        where = f"{s['file']}:{s['lineno']}" if s.get("file") else s["kind"]
+        summary = f"<code>{s['name']}</code> — {where}"
+        if s.get("aten_ops"):
+            summary += " → " + ", ".join(f"<code>{o}</code>" for o in s["aten_ops"])
+        fence = "```"
+        while fence in s["text"]:
+            fence += "`"
+        lang = "python" if s["kind"] == "python" else "text"
+        out += ["<details>", f"<summary>{summary}</summary>", "", f"{fence}{lang}", s["text"].rstrip("\n"), fence,
+                "", f"sha256 `{s['sha256'][:16]}…`" + (f" · {s['note']}" if s.get("note") else ""), "", "</details>",
+                ""]  # fmt: skip
+    return out
+
+
+def report_markdown(report: dict[str, Any], *, svg_name: str | None = "callgraph.svg") -> str:
+    """The whole ``report.md`` text."""
+    env = report["environment"]
+    n_cond = sum(len(b["conditions"]) for b in report["fast_path_conditions"])
+    lines = [
+        f"# Attention in PyTorch {env['torch_version']}",
+        "",
+        f"Written by `qkvtrace inspect`. {len(report['sources'])} functions on the attention path, "
+        f"{n_cond} fast-path conditions, {len(report['probes']['scenarios'])} scenarios run.",
+        "",
+        "## Environment",
+        "",
+        *_environment(env),
+        "",
+        "## What runs when",
+        "",
+        "Each scenario ran on this PyTorch under the qkvtrace tracer; path, backend and reason are what it observed.",
+        "",
+        *_what_runs_when(report["probes"]["scenarios"]),
+        "",
+        "## Call graph",
+        "",
+        "Solid edges were observed while the scenarios ran; dashed grey ones exist only in the source. "
+        "Green: fast path and fused encoder layer; orange: the Python fallback; blue: direct SDPA.",
+        "",
+        f"![call graph]({svg_name})" if svg_name else "*(Graphviz `dot` was not installed: see `callgraph.dot`.)*",
+        "",
+        "## Fast-path conditions",
+        "",
+        "Every reason PyTorch assigns when it refuses a fast path, in source order, with the test that leads to it.",
+        "",
+        *_conditions(report["fast_path_conditions"]),
+    ]
+    if report.get("missing"):
+        lines += ["## Missing in this PyTorch", ""]
+        lines += [f"- `{m['name']}`: {m['reason']}" for m in report["missing"]]
+        lines.append("")
+    lines += ["## Sources", "", *_sources(report["sources"])]
+    return "\n".join(lines).rstrip("\n") + "\n"
