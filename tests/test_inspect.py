@@ -1,0 +1,202 @@
+"""`qkvtrace inspect`: the per-version report."""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qkvtrace import introspect
+from qkvtrace.render.graph import report_graph, to_dot
+from qkvtrace.report import collect_report, dumps_report, load_report
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "COLUMNS": "200", "PYTHONWARNINGS": "ignore"}
+
+
+@pytest.fixture(scope="module")
+def report() -> dict[str, Any]:
+    return collect_report()
+
+
+def by_name(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {s["name"]: s for s in report["sources"]}
+
+
+def qkv(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "qkvtrace", *args], capture_output=True, text=True, env=env or ENV, cwd=cwd, timeout=300
+    )
+
+
+def test_collection_is_deterministic(report: dict[str, Any]) -> None:
+    assert dumps_report(collect_report()) == dumps_report(report)
+    text = dumps_report(report)
+    assert str(Path(torch.__file__).parent) not in text  # no absolute paths
+    assert report["schema"] == "qkvtrace.report/1"
+
+
+def test_sources_are_the_installed_text(report: dict[str, Any]) -> None:
+    sources = by_name(report)
+    entry = sources["torch.nn.modules.activation.MultiheadAttention.forward"]
+    expected = inspect.getsource(nn.MultiheadAttention.forward)
+    assert entry["text"] == expected
+    assert entry["sha256"] == hashlib.sha256(expected.encode()).hexdigest()
+    assert entry["file"] == "nn/modules/activation.py"
+    assert entry["lineno"] == inspect.getsourcelines(nn.MultiheadAttention.forward)[1]
+    for s in report["sources"]:
+        assert s["sha256"] == hashlib.sha256(s["text"].encode()).hexdigest()
+        assert s["kind"] in ("python", "builtin")
+
+
+def test_discovery_follows_calls(report: dict[str, Any]) -> None:
+    """Every torch.nn.functional helper that multi_head_attention_forward's source calls is read."""
+    sources = by_name(report)
+    text = inspect.getsource(F.multi_head_attention_forward)
+    called = set(re.findall(r"\b(_[a-z_]+)\(", text))
+    helpers = {n for n in called if inspect.isfunction(getattr(F, n, None))}
+    assert helpers, "expected private helpers in the fallback's source"
+    for helper in helpers:
+        assert f"torch.nn.functional.{helper}" in sources, helper
+    # not a fixed list: each entry point's discovered callees are in the call graph
+    edges = {(e["caller"], e["callee"]) for e in report["callgraph"]["edges"]}
+    for helper in helpers:
+        assert ("torch.nn.functional.multi_head_attention_forward", f"torch.nn.functional.{helper}") in edges
+
+
+def test_builtins_record_signature_and_aten_ops(report: dict[str, Any]) -> None:
+    sources = by_name(report)
+    native = sources["torch._native_multi_head_attention"]
+    assert native["kind"] == "builtin" and native["file"] is None
+    assert "aten::_native_multi_head_attention" in native["aten_ops"]
+    sdpa = sources["torch.nn.functional.scaled_dot_product_attention"]
+    assert sdpa["kind"] == "builtin"
+    assert sdpa["text"] == inspect.getdoc(F.scaled_dot_product_attention)
+    assert "aten::scaled_dot_product_attention" in sdpa["aten_ops"]
+
+
+def test_fast_path_conditions_match_source_and_observation(report: dict[str, Any]) -> None:
+    blocks = {b["function"]: b["conditions"] for b in report["fast_path_conditions"]}
+    mha_src = inspect.getsource(nn.MultiheadAttention.forward)
+    reasons = [c["reason"] for c in blocks["torch.nn.modules.activation.MultiheadAttention.forward"]]
+    # as many as there are non-empty assignments in the source, in source order
+    assigned = re.findall(r"why_not_fast_path = (?!\"\")", mha_src)
+    assert len(reasons) == len(assigned)
+    # each found after the previous one (long reasons span lines: locate them by their start)
+    position = 0
+    for r in reasons:
+        position = mha_src.find(r[2:14] if r.startswith(("f'", 'f"')) else r[:20], position + 1)
+        assert position > 0, r
+    # every reason the tracer observed in the scenarios is one of them (plain strings)
+    observed = {
+        c["why_not_fast_path"] for s in report["probes"]["scenarios"] for c in s["calls"] if c["why_not_fast_path"]
+    }
+    assert observed
+    for why in observed:
+        assert why in reasons or any(r.startswith(("f'", 'f"')) for r in reasons), why
+    layer = blocks["torch.nn.modules.transformer.TransformerEncoderLayer.forward"]
+    assert any(c["reason"] == "training is enabled" and c["condition"] == "self.training" for c in layer)
+
+
+def test_call_graph_marks_paths(report: dict[str, Any]) -> None:
+    edges = {(e["caller"], e["callee"]): e for e in report["callgraph"]["edges"]}
+    mha = "torch.nn.modules.activation.MultiheadAttention.forward"
+    fast = edges[(mha, "torch._native_multi_head_attention")]
+    assert "dynamic" in fast["kind"] and fast["paths"] == ["fast"]
+    fallback = edges[(mha, "torch.nn.functional.multi_head_attention_forward")]
+    assert "fallback" in fallback["paths"] and {"static", "dynamic"} <= set(fallback["kind"])
+    layer = "torch.nn.modules.transformer.TransformerEncoderLayer.forward"
+    assert "fused_encoder_layer" in edges[(layer, "torch._transformer_encoder_layer_fwd")]["paths"]
+    assert any(e["callee"].startswith("aten::_scaled_dot_product") for e in report["callgraph"]["edges"])
+    dot = to_dot(report_graph(report), "t")
+    assert "rankdir=LR" in dot and "cluster_" in dot and "nn/functional.py" in dot
+    assert "style=dashed" in dot and "aten::scaled_dot_product_attention" in dot
+
+
+def test_scenarios_reuse_the_tracer(report: dict[str, Any]) -> None:
+    scenarios = {s["name"]: s for s in report["probes"]["scenarios"]}
+    assert len(scenarios) >= 12
+    assert [c["path"] for c in scenarios["encoder_inference"]["calls"]] == ["fused_encoder_layer"] * 2
+    assert scenarios["mha_train"]["calls"][0]["why_not_fast_path"] == "training is enabled"
+    assert scenarios["sdpa_forced_math"]["calls"][0]["sdpa_backend"] == "MATH"
+
+
+def test_missing_functions_are_recorded_not_fatal() -> None:
+    found = introspect.discover(
+        ("torch.nn.functional.no_such_attention", "torch.nn.functional.multi_head_attention_forward")
+    )
+    assert "torch.nn.functional.no_such_attention" in found.missing
+    assert "torch.nn.functional.multi_head_attention_forward" in found.entries
+
+
+def test_cli_writes_report_and_replaces_it(tmp_path: Path) -> None:
+    proc = qkv("inspect", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    folder = tmp_path / f"torch-{torch.__version__}"
+    assert sorted(p.name for p in folder.iterdir()) == ["callgraph.dot", "callgraph.svg", "report.json", "report.md"]
+    first = (folder / "report.json").read_bytes()
+    assert "<svg" in (folder / "callgraph.svg").read_text()
+    md = (folder / "report.md").read_text()
+    assert "![call graph](callgraph.svg)" in md and "<details>" in md and "What runs when" in md
+    proc = qkv("inspect", "--out", str(tmp_path))
+    assert proc.returncode == 0 and "replaced" in proc.stdout
+    assert (folder / "report.json").read_bytes() == first
+    assert sorted(p.name for p in tmp_path.iterdir()) == [folder.name]  # no temp folders left
+    assert load_report(folder)["environment"]["torch_version"] == torch.__version__
+
+
+def test_cli_without_dot_warns_and_writes_dot(tmp_path: Path) -> None:
+    env = {**ENV, "PATH": str(tmp_path / "empty-bin")}
+    proc = qkv("inspect", "--out", str(tmp_path / "r"), env=env)
+    assert proc.returncode == 0, proc.stderr
+    folder = tmp_path / "r" / f"torch-{torch.__version__}"
+    assert (folder / "callgraph.dot").exists() and not (folder / "callgraph.svg").exists()
+    assert "Graphviz" in proc.stdout and "apt-get install graphviz" in proc.stdout
+
+
+@pytest.mark.parametrize("kind", ["file", "under-file"])
+def test_cli_bad_out(tmp_path: Path, kind: str) -> None:
+    blocker = tmp_path / "file.txt"
+    blocker.write_text("x")
+    out = blocker if kind == "file" else blocker / "sub"
+    proc = qkv("inspect", "--out", str(out))
+    assert proc.returncode == 2
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+    assert str(out) in proc.stderr
+
+
+def test_interrupted_write_keeps_old_report(tmp_path: Path, report: dict[str, Any]) -> None:
+    from qkvtrace.cli.inspect_cmd import write_report_dir
+
+    folder, _, _ = write_report_dir(report, tmp_path)
+    before = (folder / "report.json").read_bytes()
+    broken = {**report, "probes": {}}  # rendering report.md fails half-way
+    with pytest.raises(KeyError):
+        write_report_dir(broken, tmp_path)
+    assert (folder / "report.json").read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == [folder.name]
+
+
+COMMITTED = ROOT / "reports" / f"torch-{torch.__version__}" / "report.json"
+
+
+@pytest.mark.skipif(not COMMITTED.exists(), reason=f"no committed report for torch {torch.__version__}")
+def test_committed_report_matches_regeneration(report: dict[str, Any]) -> None:
+    committed = json.loads(COMMITTED.read_text())
+    assert {(s["name"], s["sha256"]) for s in committed["sources"]} == {
+        (s["name"], s["sha256"]) for s in report["sources"]
+    }
+    assert committed["fast_path_conditions"] == report["fast_path_conditions"]
+    assert committed["callgraph"] == report["callgraph"]
+    assert committed["probes"]["scenarios"] == report["probes"]["scenarios"]
