@@ -35,8 +35,8 @@ _WHERE = {
     "SliceInfo": "qkvtrace.records",
     "TraceResult": "qkvtrace.records",
     "QkvtraceError": "qkvtrace.errors",
-    "Trace": "qkvtrace.trace",
-    "trace": "qkvtrace.trace",
+    "Trace": "qkvtrace.tracer",
+    "trace": "qkvtrace.tracer",
 }
 
 if TYPE_CHECKING:
@@ -50,7 +50,7 @@ if TYPE_CHECKING:
         SliceInfo,
         TraceResult,
     )
-    from qkvtrace.trace import Trace, trace
+    from qkvtrace.tracer import Trace, trace
 
 
 def __getattr__(name: str) -> Any:

@@ -24,7 +24,15 @@ import torch
 
 from qkvtrace import compat
 
-__all__ = ["KernelEvidence", "is_attention_op", "sdpa_backend", "sdpa_refusals", "warnings_to_reasons"]
+__all__ = [
+    "KernelEvidence",
+    "is_attention_op",
+    "sdp_flags",
+    "sdpa_backend",
+    "sdpa_refusals",
+    "shared_evidence",
+    "warnings_to_reasons",
+]
 
 _ATTENTION_WORDS = ("attention", "transformer_encoder_layer", "multi_head")
 
@@ -137,6 +145,7 @@ class KernelEvidence:
         ``None`` for the ops means there is no evidence: another profiler was
         already running (profilers do not nest).
         """
+        key = (key, sdp_flags())  # switching a backend off can change what runs
         known = self._ops.get(key)
         if known is not None:
             return fn(*args, **kwargs), known
@@ -192,3 +201,25 @@ class KernelEvidence:
             for op in ops or []:
                 if op != "aten::scaled_dot_product_attention":
                     self.learn(device_type, op, name)
+
+
+def sdp_flags() -> tuple[bool | None, ...]:
+    """The SDPA backend switches in force (``torch.backends.cuda.*_sdp_enabled``)."""
+    cuda = torch.backends.cuda
+    return tuple(
+        fn() if fn is not None else None
+        for fn in (
+            getattr(cuda, "flash_sdp_enabled", None),
+            getattr(cuda, "mem_efficient_sdp_enabled", None),
+            getattr(cuda, "math_sdp_enabled", None),
+            getattr(cuda, "cudnn_sdp_enabled", None),
+        )
+    )
+
+
+_SHARED = KernelEvidence()
+
+
+def shared_evidence() -> KernelEvidence:
+    """One evidence cache per process: a signature's kernels do not change while it runs."""
+    return _SHARED

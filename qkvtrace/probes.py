@@ -2,7 +2,7 @@
 
 Each scenario builds a tiny model and runs it in one mode (eval/train, grad
 on/off, masks, autocast, a forced SDPA backend...). The tracer of
-:mod:`qkvtrace.trace` records what happened: path, PyTorch's reason, the
+:mod:`qkvtrace.tracer` records what happened: path, PyTorch's reason, the
 backend and the aten ops. The same runs, under ``sys.setprofile``, give the
 dynamic edges of the call graph. Nothing is assumed: a scenario that fails
 on this PyTorch records the error instead.
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qkvtrace import compat
-from qkvtrace.trace import trace
+from qkvtrace.tracer import trace
 
 __all__ = ["SCENARIOS", "Scenario", "run_scenarios"]
 

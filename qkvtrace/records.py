@@ -111,6 +111,8 @@ class AttentionCall:
     output: dict[str, Any]
     #: On CUDA, PyTorch's reasons for refusing each faster SDPA backend.
     sdpa_refusals: dict[str, list[str]] | None = None
+    #: The exception the call raised (the trace records it; it still propagates).
+    error: str | None = None
 
 
 @dataclass(slots=True)

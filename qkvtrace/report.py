@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from qkvtrace import introspect, probes
+from qkvtrace import behaviour, introspect, probes
 from qkvtrace.errors import SchemaError
 
 __all__ = ["REPORT_SCHEMA", "collect_report", "environment", "load_report", "report_dirname"]
@@ -71,6 +71,8 @@ def collect_report(progress: Callable[[str], None] | None = None) -> dict[str, A
     found = introspect.discover()
     say(f"running {len(probes.SCENARIOS)} scenarios")
     scenarios, dynamic = probes.run_scenarios(found.objects, progress=lambda n: say(f"scenario {n}"))
+    say("measuring mask semantics, fully-masked rows, agreement")
+    measured = behaviour.run_behaviour()
 
     # Builtins: the aten ops they were seen dispatching to in the scenarios.
     builtin_ops: dict[str, set[str]] = {}
@@ -130,7 +132,7 @@ def collect_report(progress: Callable[[str], None] | None = None) -> dict[str, A
             "nodes": [_node(n, found) for n in nodes],
             "edges": [edges[k] for k in sorted(edges)],
         },
-        "probes": {"scenarios": scenarios},
+        "probes": {"scenarios": scenarios, **measured},
     }
 
 

@@ -114,6 +114,7 @@ def report_markdown(report: dict[str, Any], *, svg_name: str | None = "callgraph
         "",
         *_what_runs_when(report["probes"]["scenarios"]),
         "",
+        *behaviour_markdown(report["probes"]),
         "## Call graph",
         "",
         "Solid edges were observed while the scenarios ran; dashed grey ones exist only in the source. "
@@ -133,3 +134,60 @@ def report_markdown(report: dict[str, Any], *, svg_name: str | None = "callgraph
         lines.append("")
     lines += ["## Sources", "", *_sources(report["sources"])]
     return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def _mask_semantics(records: list[dict[str, Any]]) -> list[str]:
+    out = [
+        "| API | `True` means | masked positions get 0 | rows sum to 1 | observed weights for `[[T, F], [F, T]]` |",
+        "|---|---|---|---|---|",
+    ]
+    for r in records:
+        weights = r.get("observed_weights")
+        shown = "<br>".join(str(row) for row in weights) if weights else _cell(r.get("method") or r.get("error"))
+        out.append(
+            f"| `{r['api']}` | **{r.get('true_means')}** | {r.get('masked_prob_zero')} | "
+            f"{r.get('rows_sum_to_one') if r.get('rows_sum_to_one') is not None else 'n/a'} | {shown} |"
+        )
+    return out
+
+
+def _fully_masked(records: list[dict[str, Any]]) -> list[str]:
+    out = ["| API | backend | a fully-masked row returns | gradient finite |", "|---|---|---|---|"]
+    for r in records:
+        result = r["result"] if r["result"] != "error" else f"error: {_cell(r.get('error'))}"
+        if r.get("values"):
+            result += f" {r['values']}"
+        grad = "n/a" if r.get("grad_finite") is None else str(r["grad_finite"])
+        out.append(f"| {r['api']} | {r.get('backend') or ''} | {result} | {grad} |")
+    return out
+
+
+def _agreement(data: dict[str, Any]) -> list[str]:
+    out = ["| computation | dtype | max abs difference to the reference |", "|---|---|---|"]
+    for r in data.get("sdpa", []):
+        diff = r["max_abs_diff"] if r.get("max_abs_diff") is not None else f"error: {_cell(r.get('error'))}"
+        out.append(f"| SDPA, backend {r['backend']} | {r['dtype']} | {diff} |")
+    for r in data.get("mha", []):
+        out.append(f"| MHA {r['path']} path vs. by hand with the 3 `in_proj_weight` slices | float32 | "
+                   f"{r['max_abs_diff_to_by_hand']} |")  # fmt: skip
+    out += [
+        "",
+        f"Gradient norms of the Q, K, V slices of `in_proj_weight` after one backward: "
+        f"{data.get('slice_gradient_norms')} — all different: **{data.get('slice_gradients_differ')}** "
+        "(the packed weight is three matrices, not one shared one).",
+    ]
+    return out
+
+
+def behaviour_markdown(probes: dict[str, Any]) -> list[str]:
+    """The measured-warnings sections (empty when the report has none)."""
+    lines: list[str] = []
+    if probes.get("mask_semantics"):
+        lines += ["## Boolean mask semantics (measured)", "", *_mask_semantics(probes["mask_semantics"]), ""]
+    if probes.get("fully_masked_rows"):
+        lines += ["## Fully-masked rows (measured)", "", *_fully_masked(probes["fully_masked_rows"]), ""]
+    if probes.get("agreement"):
+        lines += ["## Agreement with the reference attention", ""]
+        lines += ["Reference: `softmax(Q K^T / sqrt(d_head) + M) V` in float64.", ""]
+        lines += [*_agreement(probes["agreement"]), ""]
+    return lines

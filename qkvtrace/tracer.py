@@ -7,17 +7,19 @@ How it observes without disturbing what runs (DESIGN.md, principle 1):
 * No ``TorchFunctionMode`` and no tensor subclass: both make
   ``MultiheadAttention`` refuse its fast path.
 * Thin wrappers replace a few attributes for the duration of the block:
-  ``MultiheadAttention.forward`` and ``TransformerEncoderLayer.forward`` (to
-  know the module and the arguments), ``torch._native_multi_head_attention``,
+  ``MultiheadAttention.forward`` (to know the module and the arguments as
+  passed), ``torch._native_multi_head_attention``,
   ``torch._transformer_encoder_layer_fwd``, ``F.multi_head_attention_forward``
   and ``F.scaled_dot_product_attention`` (also where a model's module bound
   it to a name of its own). Each wrapper calls the original with the very
   same arguments and returns its result untouched.
 * PyTorch's own reason strings (``why_not_fast_path``,
   ``why_not_sparsity_fast_path``) are local variables of those forwards.
-  While one of them runs, a trace function watches that one frame (no line
-  events) and reads the variable when the frame returns, so the reason is
-  the running version's own text, never a re-implementation.
+  ``MultiheadAttention.forward`` itself calls the fast-path builtin or
+  ``F.multi_head_attention_forward``, and the encoder layer's forward
+  (up the stack) is running when its ``self_attn`` runs, so the wrappers
+  read the variable from that very frame: the running version's own text,
+  never a re-implementation, and no trace function is installed.
 * Kernels: see :mod:`qkvtrace.paths`. Gradients: a hook on each Q/K/V
   parameter notes this pass's gradient, and a callback queued on the
   autograd engine reads the real ``.grad`` once the backward pass is over.
@@ -30,10 +32,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import sys
 import threading
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -87,49 +90,47 @@ def _nested_lengths(t: torch.Tensor) -> list[int] | None:
 
 
 def _nan_count(t: Any) -> int | None:
+    """NaNs in ``t``; a sum first, so the common all-finite case costs one reduction."""
     if not isinstance(t, torch.Tensor) or not t.is_floating_point():
         return None
     with torch.no_grad():
         if t.is_nested:
             return sum(int(torch.isnan(x).sum()) for x in t.unbind())
+        if bool(torch.isfinite(t.sum())):
+            return 0
         return int(torch.isnan(t).sum())
 
 
+def _frame_of(code: types.CodeType, frame: types.FrameType | None, depth: int = 12) -> types.FrameType | None:
+    """The nearest frame running ``code``, looking at most ``depth`` frames up."""
+    while frame is not None and depth > 0:
+        if frame.f_code is code:
+            return frame
+        frame = frame.f_back
+        depth -= 1
+    return None
+
+
 class _Open:
-    """An attention call (or encoder layer) that has started and not yet ended."""
+    """A ``MultiheadAttention`` call that has started and not yet ended."""
 
-    __slots__ = (
-        "attn_mask",
-        "backend",
-        "frame",
-        "index",
-        "inputs",
-        "key",
-        "kind",
-        "kpm",
-        "module",
-        "ops",
-        "path",
-        "query",
-        "refusals",
-        "why",
-    )  # fmt: skip
+    __slots__ = ("attn_mask", "backend", "error", "index", "inputs", "kpm", "local", "module", "ops", "path",
+                 "query", "refusals")  # fmt: skip
 
-    def __init__(self, kind: str, index: int, module: nn.Module | None) -> None:
-        self.kind = kind  # "mha" | "layer"
+    def __init__(self, index: int, module: nn.MultiheadAttention) -> None:
         self.index = index
         self.module = module
-        self.frame: types.FrameType | None = None
         self.path: str | None = None
-        self.why: Any = None
+        #: ``why_not_fast_path`` and the canonical masks, read from PyTorch's frame
+        self.local: dict[str, Any] = {}
         self.backend: str | None = None
         self.ops: list[str] = []
         self.inputs: dict[str, Any] = {}
         self.query: Any = None
-        self.key: Any = None
         self.kpm: Any = None
         self.attn_mask: Any = None
         self.refusals: dict[str, list[str]] | None = None
+        self.error: str | None = None
 
 
 class Trace:
@@ -154,7 +155,7 @@ class Trace:
         self._stack: list[_Open] = []
         self._next_index = 0
         self._norms = NormCache()
-        self._evidence = paths.KernelEvidence()
+        self._evidence = paths.shared_evidence()
         self._specs: dict[int, ProjectionSpec | None] = {}
         self._exit: contextlib.ExitStack | None = None
         self._thread: int | None = None
@@ -217,7 +218,6 @@ class Trace:
     def _install(self, stack: contextlib.ExitStack) -> None:
         o = self._originals
         o["mha_forward"] = self._patch(stack, nn.MultiheadAttention, "forward", self._make_mha_forward())
-        o["layer_forward"] = self._patch(stack, nn.TransformerEncoderLayer, "forward", self._make_layer_forward())
         o["native_mha"] = self._patch(stack, torch, "_native_multi_head_attention", self._native_mha)
         o["layer_fwd"] = self._patch(stack, torch, "_transformer_encoder_layer_fwd", self._layer_fwd)
         o["mha_fn"] = self._patch(stack, F, "multi_head_attention_forward", self._mha_function)
@@ -271,11 +271,8 @@ class Trace:
         return None
 
     def _enclosing(self) -> _Open | None:
-        """The innermost open attention call, if any."""
-        for ctx in reversed(self._stack):
-            if ctx.kind == "mha":
-                return ctx
-        return None
+        """The innermost open ``MultiheadAttention`` call, if any."""
+        return self._stack[-1] if self._stack else None
 
     def _take_index(self) -> int:
         i = self._next_index
@@ -284,35 +281,6 @@ class Trace:
 
     def _active(self) -> bool:
         return self._exit is not None and threading.get_ident() == self._thread
-
-    # -- frame watching ----------------------------------------------------
-
-    @contextlib.contextmanager
-    def _watch(self, code: types.CodeType, ctx: _Open) -> Iterator[None]:
-        """Trace only the frame of ``code`` called next; keep its frame on ``ctx``."""
-        previous: Any = sys.gettrace()
-
-        def local(frame: types.FrameType, event: str, arg: Any) -> Any:
-            if event == "return":
-                ctx.why = frame.f_locals
-                ctx.frame = None
-            return local
-
-        def global_(frame: types.FrameType, event: str, arg: Any) -> Any:
-            if event == "call" and frame.f_code is code and ctx.frame is None and ctx.why is None:
-                ctx.frame = frame
-                if previous is None or getattr(previous, "_qkvtrace", False):
-                    frame.f_trace_lines = False
-                    return local
-                return _chain(previous(frame, event, arg), local)
-            return previous(frame, event, arg) if previous is not None else None
-
-        global_._qkvtrace = True  # type: ignore[attr-defined]
-        sys.settrace(global_)
-        try:
-            yield
-        finally:
-            sys.settrace(previous)
 
     # -- MultiheadAttention.forward ---------------------------------------
 
@@ -329,26 +297,19 @@ class Trace:
         return forward
 
     def _run_mha(
-        self,
-        original: Callable[..., Any],
-        module: nn.MultiheadAttention,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
+        self, original: Callable[..., Any], module: nn.MultiheadAttention, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        ctx = _Open("mha", self._take_index(), module)
-        bound = _mha_signature().bind(module, *args, **kwargs)
-        bound.apply_defaults()
-        a = bound.arguments
+        ctx = _Open(self._take_index(), module)
+        a = _bind_mha(args, kwargs)
         query, key, value = a["query"], a["key"], a["value"]
-        ctx.query, ctx.key = query, key
-        ctx.kpm, ctx.attn_mask = a["key_padding_mask"], a["attn_mask"]
+        ctx.query, ctx.kpm, ctx.attn_mask = query, a["key_padding_mask"], a["attn_mask"]
         ctx.inputs = {
             "query_shape": _shape(query),
             "key_shape": _shape(key),
             "value_shape": _shape(value),
             "nested_lengths": _nested_lengths(query) if isinstance(query, torch.Tensor) else None,
-            "dtype": str(query.dtype),
-            "device": query.device.type,
+            "dtype": str(getattr(query, "dtype", None)),
+            "device": getattr(getattr(query, "device", None), "type", None),
             "batch_first": bool(module.batch_first),
             "need_weights": bool(a["need_weights"]),
             "average_attn_weights": bool(a["average_attn_weights"]),
@@ -361,12 +322,22 @@ class Trace:
         }
         self._stack.append(ctx)
         try:
-            with self._watch(_MHA_FORWARD_CODE, ctx):
-                out = original(module, *args, **kwargs)
-        finally:
+            out = original(module, *args, **kwargs)
+        except BaseException as exc:
+            ctx.error = f"{type(exc).__name__}: {exc}"
             self._pop(ctx)
+            self._finish_mha(ctx, None)
+            raise
+        self._pop(ctx)
         self._finish_mha(ctx, out)
         return out
+
+    def _read_mha_frame(self, ctx: _Open, caller: types.FrameType | None) -> None:
+        """Copy PyTorch's reason and canonical masks out of ``MultiheadAttention.forward``'s frame."""
+        frame = _frame_of(_MHA_FORWARD_CODE, caller)
+        if frame is not None:
+            local = frame.f_locals
+            ctx.local = {k: local.get(k) for k in ("why_not_fast_path", "key_padding_mask", "attn_mask")}
 
     def _pop(self, ctx: _Open) -> None:
         while self._stack:
@@ -376,7 +347,7 @@ class Trace:
     def _finish_mha(self, ctx: _Open, out: Any) -> None:
         module = ctx.module
         assert isinstance(module, nn.MultiheadAttention)
-        f_locals = ctx.why if isinstance(ctx.why, dict) else {}
+        f_locals = ctx.local
         why = f_locals.get("why_not_fast_path")
         path = ctx.path
         query = ctx.query
@@ -415,49 +386,34 @@ class Trace:
                 "fully_masked_rows": rows,
             },
             sdpa_refusals=ctx.refusals,
+            error=ctx.error,
         )
-        ctx.query = ctx.key = ctx.kpm = ctx.attn_mask = ctx.why = None
+        ctx.query = ctx.kpm = ctx.attn_mask = None
+        ctx.local = {}
         self.result.calls.append(call)
 
     def _layer_reason(self, mha: nn.Module) -> str | None:
-        """The enclosing encoder layer's ``why_not_sparsity_fast_path``, verbatim."""
-        for ctx in reversed(self._stack):
-            if ctx.kind == "layer" and getattr(ctx.module, "self_attn", None) is mha:
-                if ctx.frame is not None:
-                    reason = ctx.frame.f_locals.get("why_not_sparsity_fast_path")
-                    return reason if isinstance(reason, str) else None
-                return None
-        return None
+        """The enclosing encoder layer's ``why_not_sparsity_fast_path``, verbatim, read from its frame."""
+        frame = _frame_of(_LAYER_FORWARD_CODE, sys._getframe(2))
+        if frame is None:
+            return None
+        local = frame.f_locals
+        if getattr(local.get("self"), "self_attn", None) is not mha:
+            return None
+        reason = local.get("why_not_sparsity_fast_path")
+        return reason if isinstance(reason, str) else None
 
     # -- TransformerEncoderLayer.forward ----------------------------------
-
-    def _make_layer_forward(self) -> Callable[..., Any]:
-        original = nn.TransformerEncoderLayer.forward
-        tracer = self
-
-        def forward(self: nn.TransformerEncoderLayer, *args: Any, **kwargs: Any) -> Any:
-            if not tracer._active() or tracer._name_of(self) is None:
-                return original(self, *args, **kwargs)
-            ctx = _Open("layer", -1, self)
-            tracer._stack.append(ctx)
-            try:
-                with tracer._watch(_LAYER_FORWARD_CODE, ctx):
-                    return original(self, *args, **kwargs)
-            finally:
-                ctx.frame = None
-                ctx.why = None
-                tracer._pop(ctx)
-
-        forward.__wrapped__ = original  # type: ignore[attr-defined]
-        return forward
 
     def _layer_fwd(self, *args: Any, **kwargs: Any) -> Any:
         """Wrapper of ``torch._transformer_encoder_layer_fwd`` (the fused layer)."""
         original = self._originals["layer_fwd"]
-        layer_ctx = self._stack[-1] if self._stack and self._stack[-1].kind == "layer" else None
-        layer = layer_ctx.module if layer_ctx is not None else None
+        if not self._active():
+            return original(*args, **kwargs)
+        frame = _frame_of(_LAYER_FORWARD_CODE, sys._getframe(1))
+        layer = frame.f_locals.get("self") if frame is not None else None
         mha = getattr(layer, "self_attn", None)
-        if not self._active() or layer is None or not isinstance(mha, nn.MultiheadAttention):
+        if not isinstance(layer, nn.Module) or not isinstance(mha, nn.MultiheadAttention) or self._name_of(mha) is None:
             return original(*args, **kwargs)
         src = _arg(args, kwargs, _LAYER_FWD_ARGS, "src")
         mask = _arg(args, kwargs, _LAYER_FWD_ARGS, "mask")
@@ -519,8 +475,9 @@ class Trace:
                _arg(args, kwargs, _NATIVE_MHA_ARGS, "mask") is None,
                bool(_arg(args, kwargs, _NATIVE_MHA_ARGS, "need_weights", True)),
                _arg(args, kwargs, _NATIVE_MHA_ARGS, "mask_type"))  # fmt: skip
-        out, ops = self._evidence.run(key, original, *args, **kwargs)
+        self._read_mha_frame(ctx, sys._getframe(1))
         ctx.path = "fast"
+        out, ops = self._evidence.run(key, original, *args, **kwargs)
         ctx.ops = ops if ops is not None else ["aten::_native_multi_head_attention"]
         ctx.backend = self._evidence.backend_of(query.device.type, ctx.ops)
         return out
@@ -532,6 +489,7 @@ class Trace:
         ctx = self._enclosing()
         if self._active() and ctx is not None and ctx.path is None:
             ctx.path = "fallback"
+            self._read_mha_frame(ctx, sys._getframe(1))
         return original(*args, **kwargs)
 
     # -- F.scaled_dot_product_attention -----------------------------------
@@ -564,7 +522,17 @@ class Trace:
             refusals = paths.sdpa_refusals(q, k, v, mask, dropout_p, is_causal, gqa)
         sig = ("sdpa", q.device.type, q.dtype, backend, None if mask is None else mask.dtype,
                is_causal, dropout_p > 0, grad, q.is_nested)  # fmt: skip
-        out, ops = self._evidence.run(sig, original, *args, **kwargs)
+        try:
+            out, ops = self._evidence.run(sig, original, *args, **kwargs)
+        except BaseException as exc:  # record the refused call, then let the error go on unchanged
+            error = f"{type(exc).__name__}: {exc}"
+            if ctx is not None:
+                ctx.backend, ctx.refusals = backend, refusals
+            elif owner is not None:
+                call = self._sdpa_call(index, owner, q, k, v, mask, is_causal, dropout_p, backend, [], None, refusals)
+                call.error = error
+                self.result.calls.append(call)
+            raise
         ops = ops if ops is not None else ["aten::scaled_dot_product_attention"]
         if backend is not None:
             for op in ops:
@@ -584,7 +552,7 @@ class Trace:
     def _sdpa_call(
         self, index: int, owner: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         mask: torch.Tensor | None, is_causal: bool, dropout_p: float, backend: str | None,
-        ops: list[str], out: torch.Tensor, refusals: dict[str, list[str]] | None,
+        ops: list[str], out: torch.Tensor | None, refusals: dict[str, list[str]] | None,
     ) -> AttentionCall:  # fmt: skip
         mask_record = None
         rows = 0
@@ -703,30 +671,22 @@ class Trace:
         self._backward_index += 1
 
 
-def _chain(first: Any, second: Callable[..., Any]) -> Callable[..., Any]:
-    """A local trace function that feeds both a debugger's and ours."""
-    state = {"first": first}
-
-    def local(frame: types.FrameType, event: str, arg: Any) -> Any:
-        f = state["first"]
-        if f is not None:
-            state["first"] = f(frame, event, arg)
-        second(frame, event, arg)
-        return local
-
-    return local
+_MHA_PARAMS: tuple[tuple[str, Any], ...] = tuple(
+    (p.name, p.default)
+    for p in inspect.signature(nn.MultiheadAttention.forward).parameters.values()
+    if p.name != "self"
+)
 
 
-_MHA_SIG: Any = None
-
-
-def _mha_signature() -> Any:
-    global _MHA_SIG
-    if _MHA_SIG is None:
-        import inspect
-
-        _MHA_SIG = inspect.signature(nn.MultiheadAttention.forward)
-    return _MHA_SIG
+def _bind_mha(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``MultiheadAttention.forward``'s arguments by name (signature read from PyTorch once)."""
+    bound = {}
+    for i, (name, default) in enumerate(_MHA_PARAMS):
+        if i < len(args):
+            bound[name] = args[i]
+        else:
+            bound[name] = kwargs.get(name, None if default is inspect.Parameter.empty else default)
+    return bound
 
 
 def _mha_mask_info(original: Any, canonical: Any) -> dict[str, Any] | None:

@@ -1,0 +1,265 @@
+"""Behaviour checks on a user's model, by perturbation (``qkvtrace check``).
+
+Reading code cannot tell whether a mask is the right way round; changing the
+input can. Each check runs the model in the modes it really runs in:
+
+* ``inference``: ``model.eval()`` under ``torch.no_grad()`` — where PyTorch's
+  fast paths are taken and can behave differently;
+* ``training``: ``model.train()`` with gradients on; the random state is
+  reseeded before every forward so dropout draws the same masks each time.
+
+``causal``: perturb one position ``j`` at a time; any output at ``i < j``
+that moves is a leak "position i reads position j". ``padding``: mark the
+tail of the first sequence as padding (``True`` = padding, PyTorch's
+convention) and perturb only its contents; any moved output at a real
+position is a leak. NaN anywhere is reported too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from qkvtrace.errors import InputError
+from qkvtrace.tracer import trace
+
+__all__ = ["CheckReport", "Finding", "run_checks"]
+
+MODES = ("inference", "training")
+
+
+@dataclass
+class Finding:
+    """The outcome of one check in one mode."""
+
+    check: str  # "causal" | "padding" | "nan"
+    mode: str  # "inference" | "training"
+    passed: bool
+    detail: str
+    #: (query, key) position pairs where the query's output moved with the key's input.
+    leaks: list[tuple[int, int]] = field(default_factory=list)
+    max_change: float = 0.0
+
+
+@dataclass
+class CheckReport:
+    findings: list[Finding]
+    #: per mode: the attention calls the tracer saw (path, backend, fully-masked rows)
+    calls: dict[str, list[dict[str, Any]]]
+
+    @property
+    def ok(self) -> bool:
+        return all(f.passed for f in self.findings)
+
+
+def _first_tensor(out: Any) -> torch.Tensor | None:
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (tuple, list)):
+        for item in out:
+            t = _first_tensor(item)
+            if t is not None:
+                return t
+    if isinstance(out, dict):
+        return _first_tensor(list(out.values()))
+    return None
+
+
+def _seq_dim(model: nn.Module) -> int:
+    for m in model.modules():
+        mha = m if isinstance(m, nn.MultiheadAttention) else getattr(m, "self_attn", None)
+        if isinstance(mha, nn.MultiheadAttention):
+            return 1 if mha.batch_first else 0
+    return 1
+
+
+@contextlib.contextmanager
+def _mode(model: nn.Module, mode: str) -> Iterator[None]:
+    was_training = model.training
+    model.train(mode == "training")
+    try:
+        with torch.set_grad_enabled(mode == "training"):
+            yield
+    finally:
+        model.train(was_training)
+
+
+class _Runner:
+    def __init__(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], seed: int) -> None:
+        self.model, self.args, self.kwargs, self.seed = model, args, kwargs, seed
+        x = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if x is None or x.dim() < 2:
+            raise InputError("the model's first argument must be a (batch, sequence, ...) tensor to be perturbed")
+        self.x = x
+        self.seq_dim = _seq_dim(model)
+        self.length = int(x.shape[self.seq_dim])
+        emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+        self.vocab = emb.num_embeddings if emb is not None and not x.is_floating_point() else None
+
+    def forward(self, x: torch.Tensor, mode: str, extra: dict[str, Any] | None = None) -> torch.Tensor:
+        args = tuple(x if a is self.x else a for a in self.args)
+        with _mode(self.model, mode), torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed)
+            try:
+                out = self.model(*args, **{**self.kwargs, **(extra or {})})
+            except TypeError as exc:
+                raise InputError(f"calling the model failed: {exc}") from exc
+        t = _first_tensor(out)
+        if t is None:
+            raise InputError("the model returned no tensor to compare")
+        if t.dim() <= self.seq_dim or t.shape[self.seq_dim] != self.length:
+            raise InputError(
+                f"the output {tuple(t.shape)} has no sequence dimension of length {self.length} at dim "
+                f"{self.seq_dim}; these checks compare outputs position by position"
+            )
+        return t.detach().float()
+
+    def perturb(self, x: torch.Tensor, positions: list[int], batch: slice, gen: torch.Generator) -> torch.Tensor:
+        y = x.clone()
+        index: list[Any] = [slice(None)] * x.dim()
+        index[self.seq_dim] = positions
+        index[1 - self.seq_dim] = batch
+        target = y[tuple(index)]
+        if self.vocab is not None:
+            new = (target + torch.randint(1, max(self.vocab, 2), target.shape, generator=gen)) % self.vocab
+        else:
+            scale = float(x.float().std()) or 1.0
+            new = target + torch.randn(target.shape, generator=gen, dtype=torch.float32).to(x.dtype) * scale
+        y[tuple(index)] = new
+        return y
+
+    def moved(self, a: torch.Tensor, b: torch.Tensor, tol: float) -> torch.Tensor:
+        """Per sequence position: did the output move by more than ``tol``?"""
+        diff = (a - b).abs().nan_to_num(0.0)
+        dims = [d for d in range(diff.dim()) if d != self.seq_dim]
+        return diff.amax(dim=dims) > tol
+
+
+def _tolerance(base: torch.Tensor, rtol: float) -> float:
+    finite = base[torch.isfinite(base)]
+    scale = float(finite.abs().max()) if finite.numel() else 1.0
+    return rtol * max(scale, 1e-6)
+
+
+def _nan_finding(base: torch.Tensor, mode: str, what: str) -> Finding | None:
+    if not bool(torch.isnan(base).any()):
+        return None
+    n = int(torch.isnan(base).sum())
+    return Finding("nan", mode, False, f"{n} NaN values in the output ({what})")
+
+
+def _causal(r: _Runner, mode: str, trials: int, rtol: float) -> list[Finding]:
+    base = r.forward(r.x, mode)
+    tol = _tolerance(base, rtol)
+    gen = torch.Generator().manual_seed(1234)
+    leaks: set[tuple[int, int]] = set()
+    worst = 0.0
+    for _ in range(trials):
+        for j in range(1, r.length):
+            out = r.forward(r.perturb(r.x, [j], slice(None), gen), mode)
+            moved = r.moved(out, base, tol)
+            for i in range(j):
+                if bool(moved[i]):
+                    leaks.add((i, j))
+            index = [slice(None)] * out.dim()
+            index[r.seq_dim] = slice(0, j)
+            worst = max(worst, float((out - base)[tuple(index)].abs().nan_to_num(0.0).max()))
+    pairs = sorted(leaks)
+    if pairs:
+        shown = ", ".join(f"position {i} reads position {j}" for i, j in pairs[:6])
+        more = f" (+{len(pairs) - 6} more)" if len(pairs) > 6 else ""
+        detail = f"future positions leak into earlier outputs: {shown}{more}"
+    else:
+        detail = f"no output at a position t moved when inputs after t changed ({trials} trial(s) per position)"
+    findings = [Finding("causal", mode, not pairs, detail, pairs, worst)]
+    nan = _nan_finding(base, mode, "causal check")
+    return findings + ([nan] if nan else [])
+
+
+def _padding(r: _Runner, mode: str, trials: int, rtol: float, mask_arg: str) -> list[Finding]:
+    batch = int(r.x.shape[1 - r.seq_dim])
+    n_pad = max(1, r.length // 4)
+    mask = torch.zeros(batch, r.length, dtype=torch.bool)
+    mask[0, r.length - n_pad :] = True  # True = padding (PyTorch's key_padding_mask convention)
+    extra = {mask_arg: mask}
+    base = r.forward(r.x, mode, extra)
+    tol = _tolerance(base, rtol)
+    gen = torch.Generator().manual_seed(4321)
+    real = list(range(r.length - n_pad))
+    moved_real: set[int] = set()
+    worst = 0.0
+    for _ in range(trials):
+        out = r.forward(r.perturb(r.x, list(range(r.length - n_pad, r.length)), slice(0, 1), gen), mode, extra)
+        index: list[Any] = [slice(None)] * out.dim()
+        index[1 - r.seq_dim] = 0
+        moved = r.moved(out[tuple(index)].unsqueeze(1 - r.seq_dim), base[tuple(index)].unsqueeze(1 - r.seq_dim), tol)
+        moved_real.update(i for i in real if bool(moved[i]))
+        index[r.seq_dim] = slice(0, len(real))
+        worst = max(worst, float((out - base)[tuple(index)].abs().nan_to_num(0.0).max()))
+    leaks = [(i, j) for i in sorted(moved_real) for j in range(r.length - n_pad, r.length)]
+    if moved_real:
+        detail = (
+            f"outputs at real positions {sorted(moved_real)} changed when only the padded positions "
+            f"{list(range(r.length - n_pad, r.length))} changed (mask passed as {mask_arg}=, True = padding)"
+        )
+    else:
+        detail = f"real positions ignore the padded ones (mask passed as {mask_arg}=, True = padding)"
+    findings = [Finding("padding", mode, not moved_real, detail, leaks, worst)]
+    nan = _nan_finding(base, mode, "padding check")
+    return findings + ([nan] if nan else [])
+
+
+def _calls(r: _Runner, mode: str, extra: dict[str, Any] | None) -> list[dict[str, Any]]:
+    with trace(r.model, gradients=False) as t:
+        r.forward(r.x, mode, extra)
+    return [
+        {
+            "module": c.module,
+            "path": c.path,
+            "sdpa_backend": c.sdpa_backend,
+            "why_not_fast_path": c.why_not_fast_path,
+            "fully_masked_rows": c.output.get("fully_masked_rows"),
+            "nan_count": c.output.get("nan_count"),
+        }
+        for c in t.calls
+    ]
+
+
+def run_checks(
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any] | None = None,
+    *,
+    causal: bool = False,
+    padding: bool = False,
+    mask_arg: str = "key_padding_mask",
+    trials: int = 2,
+    rtol: float = 1e-4,
+    modes: tuple[str, ...] = MODES,
+    seed: int = 0,
+) -> CheckReport:
+    """Run the requested checks in each mode; see the module docstring."""
+    if not (causal or padding):
+        raise InputError("choose at least one check: --causal and/or --padding")
+    r = _Runner(model, args, dict(kwargs or {}), seed)
+    if r.length < 2:
+        raise InputError(f"the sequence has length {r.length}; checks need at least 2 positions")
+    findings: list[Finding] = []
+    calls: dict[str, list[dict[str, Any]]] = {}
+    extra = None
+    for mode in modes:
+        if causal:
+            findings += _causal(r, mode, trials, rtol)
+        if padding:
+            findings += _padding(r, mode, trials, rtol, mask_arg)
+            batch = int(r.x.shape[1 - r.seq_dim])
+            mask = torch.zeros(batch, r.length, dtype=torch.bool)
+            mask[0, r.length - max(1, r.length // 4) :] = True
+            extra = {mask_arg: mask}
+        calls[mode] = _calls(r, mode, extra)
+    return CheckReport(findings, calls)
