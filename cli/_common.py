@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from qkvtrace.errors import InputError, OutputError
 
-__all__ = ["check_output_file", "parse_shape"]
+__all__ = ["add_budget_options", "check_output_file", "load_with_inputs", "parse_shape"]
 
 
 def check_output_file(path: Path, flag: str) -> Path:
@@ -31,3 +32,40 @@ def parse_shape(text: str) -> tuple[int, int]:
     if b < 1 or t < 1:
         raise InputError(f"--input-shape {text!r} needs positive integers, e.g. 2,16")
     return b, t
+
+
+def add_budget_options(p: Any) -> None:
+    """``--max-tokens`` / ``--max-attention-mb`` (seed section 12)."""
+    from qkvtrace.guard import DEFAULT_MAX_ATTENTION_MB, DEFAULT_MAX_TOKENS
+
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=DEFAULT_MAX_TOKENS,
+        metavar="N",
+        help=f"refuse inputs of more than N tokens (batch x sequence; default {DEFAULT_MAX_TOKENS})",
+    )
+    p.add_argument(
+        "--max-attention-mb",
+        type=float,
+        default=DEFAULT_MAX_ATTENTION_MB,
+        metavar="MB",
+        help=f"refuse inputs whose attention needs more MB (default {DEFAULT_MAX_ATTENTION_MB:g})",
+    )
+
+
+def load_with_inputs(target: str, input_shape: str | None, max_tokens: int, max_attention_mb: float) -> Any:
+    """Load TARGET, make inputs if needed, and refuse them if over budget — before any forward."""
+    from qkvtrace.guard import Budget, check_budget
+    from qkvtrace.target import load_target, synthesize_inputs
+
+    shape = parse_shape(input_shape) if input_shape else None
+    loaded = load_target(target)
+    if shape is not None or not (loaded.args or loaded.kwargs):
+        b, t = shape or (2, 16)
+        loaded.args, loaded.kwargs, loaded.synthesized = synthesize_inputs(loaded.model, b, t), {}, True
+    try:
+        check_budget(loaded.model, loaded.args, loaded.kwargs, Budget(max_tokens, max_attention_mb))
+    except ValueError as exc:
+        raise InputError(f"{target}: {exc} (--max-tokens / --max-attention-mb)") from None
+    return loaded

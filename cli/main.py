@@ -38,6 +38,8 @@ examples:
   qkvtrace trace demo:mha --train --backward       # fallback path, Q/K/V gradients
   qkvtrace trace my_pkg.models:build --json t.json # your own model factory
   qkvtrace trace path/to/model.py:make --input-shape 4,128
+  qkvtrace probe                                   # mask semantics, NaN rows, backends
+  qkvtrace check demo:tiny-lm --causal             # leakage by perturbation
 
 exit codes: 0 done, 1 a check found a problem, 2 bad input or usage
 """
@@ -51,7 +53,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from qkvtrace.cli import inspect_cmd, trace_cmd
+    from qkvtrace.cli import check_cmd, inspect_cmd, probe_cmd, trace_cmd
 
     parser = _Parser(
         prog="qkvtrace",
@@ -65,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
     trace_cmd.register(sub)
     inspect_cmd.register(sub)
+    probe_cmd.register(sub)
+    check_cmd.register(sub)
     return parser
 
 

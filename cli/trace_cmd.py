@@ -7,13 +7,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from qkvtrace.cli._common import check_output_file, parse_shape
 from rich.console import Console
 
 import qkvtrace
+from qkvtrace.cli._common import add_budget_options, check_output_file, load_with_inputs
 from qkvtrace.errors import InputError
 from qkvtrace.render.terminal import summary_line, trace_table
-from qkvtrace.target import load_target, synthesize_inputs
 
 __all__ = ["register", "run"]
 
@@ -69,6 +68,7 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--input-shape", metavar="B,T", help="batch and sequence length of made-up inputs (default 2,16)")
     p.add_argument("--json", metavar="FILE", type=Path, help="also write the qkvtrace.trace/1 JSON here")
+    add_budget_options(p)
     p.set_defaults(run=run, mode="eval")
 
 
@@ -91,13 +91,8 @@ def _first_tensor(out: Any) -> torch.Tensor | None:
 def run(args: argparse.Namespace, console: Console) -> int:
     if args.json is not None:
         check_output_file(args.json, "--json")
-    shape = parse_shape(args.input_shape) if args.input_shape else None
-    loaded = load_target(args.target)
-    model = loaded.model
-    call_args, call_kwargs = loaded.args, loaded.kwargs
-    if shape is not None or not (call_args or call_kwargs):
-        b, t = shape or (2, 16)
-        call_args, call_kwargs = synthesize_inputs(model, b, t), {}
+    loaded = load_with_inputs(args.target, args.input_shape, args.max_tokens, args.max_attention_mb)
+    model, call_args, call_kwargs = loaded.model, loaded.args, loaded.kwargs
     model.train(args.mode == "train")
     with qkvtrace.trace(model) as tr, torch.set_grad_enabled(args.backward):
         try:

@@ -133,6 +133,26 @@ class _Runner:
         y[tuple(index)] = new
         return y
 
+    def perturb_where(self, x: torch.Tensor, where_bt: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+        """Change the inputs at the (batch, position) entries of ``where_bt``."""
+        where = where_bt if self.seq_dim == 1 else where_bt.T  # to the input's layout
+        y = x.clone()
+        target = y[where]
+        if self.vocab is not None:
+            new = (target + torch.randint(1, max(self.vocab, 2), target.shape, generator=gen)) % self.vocab
+        else:
+            scale = float(x.float().std()) or 1.0
+            new = target + torch.randn(target.shape, generator=gen, dtype=torch.float32).to(x.dtype) * scale
+        y[where] = new
+        return y
+
+    def moved_bt(self, a: torch.Tensor, b: torch.Tensor, tol: float) -> torch.Tensor:
+        """Per (batch, position): did the output move by more than ``tol``?"""
+        diff = (a - b).abs().nan_to_num(0.0)
+        per = diff.amax(dim=list(range(2, diff.dim()))) if diff.dim() > 2 else diff
+        per = per if self.seq_dim == 1 else per.T
+        return per > tol
+
     def moved(self, a: torch.Tensor, b: torch.Tensor, tol: float) -> torch.Tensor:
         """Per sequence position: did the output move by more than ``tol``?"""
         diff = (a - b).abs().nan_to_num(0.0)
@@ -181,35 +201,45 @@ def _causal(r: _Runner, mode: str, trials: int, rtol: float) -> list[Finding]:
     return findings + ([nan] if nan else [])
 
 
+def _padding_mask(batch: int, length: int) -> torch.Tensor:
+    """True = padding: the tail of sequence 0 and, with a second sequence, the head of sequence 1."""
+    n_pad = max(1, length // 4)
+    mask = torch.zeros(batch, length, dtype=torch.bool)
+    mask[0, length - n_pad :] = True  # right padding
+    if batch > 1:
+        mask[1, :n_pad] = True  # left padding, as in batched generation
+    return mask
+
+
 def _padding(r: _Runner, mode: str, trials: int, rtol: float, mask_arg: str) -> list[Finding]:
     batch = int(r.x.shape[1 - r.seq_dim])
-    n_pad = max(1, r.length // 4)
-    mask = torch.zeros(batch, r.length, dtype=torch.bool)
-    mask[0, r.length - n_pad :] = True  # True = padding (PyTorch's key_padding_mask convention)
-    extra = {mask_arg: mask}
+    pad = _padding_mask(batch, r.length)  # (B, T)
+    extra = {mask_arg: pad}
     base = r.forward(r.x, mode, extra)
     tol = _tolerance(base, rtol)
     gen = torch.Generator().manual_seed(4321)
-    real = list(range(r.length - n_pad))
-    moved_real: set[int] = set()
+    moved_real = torch.zeros_like(pad)
     worst = 0.0
     for _ in range(trials):
-        out = r.forward(r.perturb(r.x, list(range(r.length - n_pad, r.length)), slice(0, 1), gen), mode, extra)
-        index: list[Any] = [slice(None)] * out.dim()
-        index[1 - r.seq_dim] = 0
-        moved = r.moved(out[tuple(index)].unsqueeze(1 - r.seq_dim), base[tuple(index)].unsqueeze(1 - r.seq_dim), tol)
-        moved_real.update(i for i in real if bool(moved[i]))
-        index[r.seq_dim] = slice(0, len(real))
-        worst = max(worst, float((out - base)[tuple(index)].abs().nan_to_num(0.0).max()))
-    leaks = [(i, j) for i in sorted(moved_real) for j in range(r.length - n_pad, r.length)]
-    if moved_real:
+        out = r.forward(r.perturb_where(r.x, pad, gen), mode, extra)
+        moved = r.moved_bt(out, base, tol) & ~pad
+        moved_real |= moved
+        diff = (out - base).abs().nan_to_num(0.0)
+        worst = max(worst, float(diff.amax(dim=list(range(2, diff.dim()))).masked_fill(pad if r.seq_dim == 1
+                    else pad.T, 0.0).max()) if diff.dim() > 2 else 0.0)  # fmt: skip
+    positions = [(int(b), int(t)) for b, t in moved_real.nonzero().tolist()]
+    leaks = [(t, -1) for _, t in positions]
+    padded = {int(b): [int(t) for t in pad[b].nonzero().flatten().tolist()] for b in range(min(batch, 2))}
+    if positions:
+        shown = ", ".join(f"sequence {b} position {t}" for b, t in positions[:6])
+        more = f" (+{len(positions) - 6} more)" if len(positions) > 6 else ""
         detail = (
-            f"outputs at real positions {sorted(moved_real)} changed when only the padded positions "
-            f"{list(range(r.length - n_pad, r.length))} changed (mask passed as {mask_arg}=, True = padding)"
+            f"outputs at real positions moved when only padded inputs changed: {shown}{more} "
+            f"(padded: {padded}; mask passed as {mask_arg}=, True = padding)"
         )
     else:
-        detail = f"real positions ignore the padded ones (mask passed as {mask_arg}=, True = padding)"
-    findings = [Finding("padding", mode, not moved_real, detail, leaks, worst)]
+        detail = f"real positions ignore the padded ones {padded} (mask passed as {mask_arg}=, True = padding)"
+    findings = [Finding("padding", mode, not positions, detail, leaks, worst)]
     nan = _nan_finding(base, mode, "padding check")
     return findings + ([nan] if nan else [])
 
@@ -257,9 +287,6 @@ def run_checks(
             findings += _causal(r, mode, trials, rtol)
         if padding:
             findings += _padding(r, mode, trials, rtol, mask_arg)
-            batch = int(r.x.shape[1 - r.seq_dim])
-            mask = torch.zeros(batch, r.length, dtype=torch.bool)
-            mask[0, r.length - max(1, r.length // 4) :] = True
-            extra = {mask_arg: mask}
+            extra = {mask_arg: _padding_mask(int(r.x.shape[1 - r.seq_dim]), r.length)}
         calls[mode] = _calls(r, mode, extra)
     return CheckReport(findings, calls)

@@ -147,7 +147,7 @@ class Trace:
     def __init__(self, model: nn.Module, *, gradients: bool = True, refusals: bool = True) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"qkvtrace.trace() needs an nn.Module, got {type(model).__name__}")
-        self.model = model
+        self._model: nn.Module | None = model
         self.record_gradients = gradients
         self.record_refusals = refusals
         self.result = TraceResult(torch_version=str(torch.__version__))
@@ -186,7 +186,9 @@ class Trace:
         if self._exit is not None:
             raise RuntimeError("this trace is already active; make a new qkvtrace.trace(model)")
         masks.sdpa_bool_true_means()  # measure once, before anything is patched
-        self._names = {id(m): (name, m) for name, m in self.model.named_modules()}
+        if self._model is None:
+            raise RuntimeError("this trace has ended; make a new qkvtrace.trace(model)")
+        self._names = {id(m): (name, m) for name, m in self._model.named_modules()}
         self._thread = threading.get_ident()
         stack = contextlib.ExitStack()
         try:
@@ -203,8 +205,14 @@ class Trace:
             if stack is not None:
                 stack.close()
         finally:
+            # keep only the records: no module, parameter or tensor outlives the block through the trace
             self._stack.clear()
             self._pending.clear()
+            self._names.clear()
+            self._specs.clear()
+            self._norms = NormCache()
+            self._originals.clear()
+            self._model = None
             self.result.calls.sort(key=lambda c: c.index)
 
     # -- installation ------------------------------------------------------
@@ -225,7 +233,9 @@ class Trace:
         # Modules that bound the SDPA builtin to a name of their own
         # (``from torch.nn.functional import scaled_dot_product_attention``).
         seen: set[int] = {id(F.__dict__)}
-        for module in self.model.modules():
+        model = self._model
+        assert model is not None
+        for module in model.modules():
             for cls in type(module).__mro__:
                 if cls in (nn.Module, object):
                     break
@@ -239,7 +249,7 @@ class Trace:
                             globs[gname] = self._sdpa
                             stack.callback(globs.__setitem__, gname, value)
         if self.record_gradients:
-            for module in self.model.modules():
+            for module in model.modules():
                 if isinstance(module, nn.MultiheadAttention):
                     spec = self._spec(module)
                     assert spec is not None
@@ -326,7 +336,8 @@ class Trace:
         except BaseException as exc:
             ctx.error = f"{type(exc).__name__}: {exc}"
             self._pop(ctx)
-            self._finish_mha(ctx, None)
+            with contextlib.suppress(Exception):  # the user's exception goes on, unchanged, whatever happens here
+                self._finish_mha(ctx, None)
             raise
         self._pop(ctx)
         self._finish_mha(ctx, out)
@@ -355,10 +366,12 @@ class Trace:
         kpm_c = f_locals.get("key_padding_mask")
         attn_c = f_locals.get("attn_mask")
         inputs = ctx.inputs
+        rows: int | None = None if ctx.error is not None else 0
+        if ctx.error is not None:  # the inputs were refused: record them as given, measure nothing
+            kpm_c = attn_c = None
         inputs["key_padding_mask"] = _mha_mask_info(ctx.kpm, kpm_c)
         inputs["attn_mask"] = _mha_mask_info(ctx.attn_mask, attn_c)
-        rows = 0
-        if isinstance(query, torch.Tensor) and not query.is_nested:
+        if ctx.error is None and isinstance(query, torch.Tensor) and not query.is_nested:
             if query.dim() == 3:
                 b, length = (query.shape[0], query.shape[1]) if module.batch_first else (query.shape[1], query.shape[0])
             else:

@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from rich.table import Table
 from rich.text import Text
 
 from qkvtrace.records import AttentionCall, GradientRecord, SliceGrad, TraceResult
 
-__all__ = ["summary_line", "trace_table"]
+__all__ = [
+    "agreement_table",
+    "calls_table",
+    "findings_table",
+    "fully_masked_table",
+    "mask_semantics_table",
+    "scenarios_table",
+    "summary_line",
+    "trace_table",
+]
 
 _PATH_STYLE = {
     "fast": "bold green",
@@ -82,3 +93,99 @@ def summary_line(result: TraceResult) -> str:
     grads = len({g.backward_index for g in result.gradients})
     tail = f" · backward passes recorded: {grads}" if grads else ""
     return f"{n} attention call{'s' if n != 1 else ''} · paths: {paths} · backends: {backends}{tail}"
+
+
+def findings_table(findings: list[Any], title: str) -> Table:
+    """One row per check and mode: PASS/FAIL and the evidence."""
+    table = Table(title=title)
+    table.add_column("check")
+    table.add_column("mode")
+    table.add_column("result")
+    table.add_column("evidence", overflow="fold")
+    for f in findings:
+        result = Text("PASS", style="bold green") if f.passed else Text("FAIL", style="bold red")
+        table.add_row(f.check, f.mode, result, f.detail)
+    return table
+
+
+def calls_table(calls: dict[str, list[dict[str, Any]]], title: str) -> Table:
+    """Per mode, the attention calls the tracer saw during a check."""
+    table = Table(title=title)
+    for col in ("mode", "module", "path", "backend", "why not fast", "fully-masked rows", "NaN"):
+        table.add_column(col, overflow="fold")
+    for mode, rows in calls.items():
+        for c in rows:
+            table.add_row(
+                mode,
+                c["module"] or "(root)",
+                Text(c["path"], style=_PATH_STYLE.get(c["path"], "")),
+                c["sdpa_backend"] or "none",
+                " ".join((c["why_not_fast_path"] or "-").split()),
+                str(c["fully_masked_rows"]),
+                str(c["nan_count"]),
+            )
+    return table
+
+
+def scenarios_table(scenarios: list[dict[str, Any]]) -> Table:
+    table = Table(title="what runs when (measured)")
+    for col in ("scenario", "path", "backend", "why not fast (PyTorch's words)"):
+        table.add_column(col, overflow="fold")
+    for s in scenarios:
+        if s.get("error"):
+            table.add_row(s["description"], Text("error", style="red"), "", s["error"])
+            continue
+        calls = s["calls"]
+        table.add_row(
+            s["description"],
+            ", ".join(sorted({c["path"] for c in calls})),
+            ", ".join(sorted({c["sdpa_backend"] or "none" for c in calls})),
+            "; ".join(sorted({" ".join((c["why_not_fast_path"] or "").split()) for c in calls} - {""})) or "-",
+        )
+    return table
+
+
+def mask_semantics_table(records: list[dict[str, Any]]) -> Table:
+    table = Table(title="boolean masks: what True means (measured on [[T, F], [F, T]])")
+    for col in ("API", "True means", "masked → 0", "rows sum to 1", "observed weights"):
+        table.add_column(col, overflow="fold")
+    for r in records:
+        weights = r.get("observed_weights")
+        table.add_row(
+            r["api"],
+            Text(str(r.get("true_means")), style="bold"),
+            str(r.get("masked_prob_zero")),
+            "n/a" if r.get("rows_sum_to_one") is None else str(r["rows_sum_to_one"]),
+            str(weights) if weights else (r.get("error") or "by perturbation"),
+        )
+    return table
+
+
+def fully_masked_table(records: list[dict[str, Any]]) -> Table:
+    table = Table(title="a query row whose keys are all masked returns (measured)")
+    for col in ("API", "backend", "result", "grad finite"):
+        table.add_column(col, overflow="fold")
+    styles = {"nan": "bold red", "zero": "green", "other": "yellow", "error": "dim"}
+    for r in records:
+        result = r["result"] if r["result"] != "error" else f"error: {r.get('error', '')[:60]}"
+        table.add_row(
+            r["api"],
+            r.get("backend") or "",
+            Text(result, style=styles.get(r["result"], "")),
+            "n/a" if r.get("grad_finite") is None else str(r["grad_finite"]),
+        )
+    return table
+
+
+def agreement_table(data: dict[str, Any]) -> Table:
+    table = Table(title="max |difference| to softmax(QKᵀ/√d_head + M)V (float64)")
+    for col in ("computation", "dtype", "max abs diff"):
+        table.add_column(col)
+    for r in data.get("sdpa", []):
+        diff = "error" if r.get("max_abs_diff") is None else f"{r['max_abs_diff']:.2g}"
+        table.add_row(f"SDPA {r['backend']}", r["dtype"], diff)
+    for r in data.get("mha", []):
+        table.add_row(
+            f"MHA {r['path']} vs. by hand (3 in_proj slices)", "float32", f"{r['max_abs_diff_to_by_hand']:.2g}"
+        )
+    return table

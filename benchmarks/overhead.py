@@ -1,0 +1,456 @@
+"""What does ``qkvtrace.trace`` cost, next to ``torch.profiler``?
+
+Run ``python benchmarks/overhead.py`` (``--quick`` for a short run,
+``--repeats N``, ``--threads N``).
+
+Workloads
+---------
+W1  ``nn.TransformerEncoder`` of six ``TransformerEncoderLayer(d_model=256,
+    nhead=8, dim_feedforward=1024, dropout=0.0, batch_first=True)``, input
+    ``(8, 128, 256)``: one training step (zero grads, forward, backward).
+    Traced with ``gradients=True``.
+W2  The same model (a copy with the same weights) in ``eval()`` under
+    ``torch.inference_mode()``: one forward, on PyTorch's fused encoder path.
+W3  1000 calls of ``nn.MultiheadAttention(64, 8)`` (default training mode,
+    ``batch_first=False``) on a ``(2, 10, 64)`` input, read as ``(L, N, E)``.
+
+Method
+------
+* Everything runs in one process. Each repetition runs, per workload, the
+  three arms back to back in a fixed order -- baseline, traced, profiler --
+  so slow drifts of the machine (frequency, neighbours) hit all three alike.
+  Each arm's time is divided by the baseline time *of the same repetition*;
+  the table gives the minimum, median and maximum of these paired ratios.
+* Baseline: the unit of work, nothing else.
+* Traced: a fresh ``qkvtrace.trace(model)`` is entered, the unit of work runs
+  once untimed inside it (the first traced call of each call signature runs
+  under ``torch.autograd.profiler`` once per trace, to see which kernels ran),
+  then the unit of work runs again, timed. Entering and leaving the trace are
+  not timed either; both one-time costs are printed below the table.
+* Profiler: ``torch.profiler.profile(activities=[ProfilerActivity.CPU])``
+  around the unit of work, with its start, its stop and ``key_averages()``
+  (the post-processing a user pays to read anything) all timed. The
+  profiler's native start/stop log lines are sent to /dev/null, outside the
+  timed region.
+* Warm-up: before any measurement the identity check below runs every
+  workload once plainly and twice traced (untimed), and the profiler is
+  started, stopped and read once on a tiny op.
+* ``gc.collect()`` runs before each timed region (untimed), so no arm pays
+  for another arm's garbage.
+* Identity: before timing, each workload runs untraced, then twice inside
+  one trace (the first traced call is the profiled one, the second the
+  steady state); outputs -- and for W1 every parameter gradient -- are
+  compared with ``torch.equal``.
+* Record memory: ``tracemalloc`` measures the Python memory still allocated,
+  after ``gc.collect()``, by a trace that recorded 10,000 W3 calls (the
+  growth from just before the trace was created). ``tracemalloc`` does not
+  see tensor storage, so the records are also walked for any reachable
+  ``torch.Tensor`` or ``nn.Module`` (there should be none).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import gc
+import os
+import platform
+import statistics
+import sys
+import time
+import tracemalloc
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+
+import qkvtrace
+from qkvtrace.tracer import trace as qkv_trace
+
+MEMORY_CALLS = 10_000
+MEMORY_TARGET_MB = 20.0
+DEFAULT_REPEATS = 9
+QUICK_REPEATS = 3
+
+Outputs = list[torch.Tensor]
+
+
+# -- workloads -----------------------------------------------------------------
+
+
+@dataclass
+class Workload:
+    """A unit of work and the module ``qkvtrace.trace`` is given for it."""
+
+    key: str
+    title: str
+    model: nn.Module
+    run: Callable[[], Outputs]
+    target: float
+    gradients: bool = True
+
+
+def make_encoder(seed: int) -> nn.TransformerEncoder:
+    torch.manual_seed(seed)
+    layer = nn.TransformerEncoderLayer(d_model=256, nhead=8, dim_feedforward=1024, dropout=0.0, batch_first=True)
+    return nn.TransformerEncoder(layer, num_layers=6)
+
+
+def train_step_workload(model: nn.TransformerEncoder, x: torch.Tensor) -> Workload:
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def run() -> Outputs:
+        model.zero_grad(set_to_none=True)
+        out = model(x)
+        out.square().mean().backward()
+        return [out.detach(), *(p.grad for p in params if p.grad is not None)]
+
+    return Workload("W1", "encoder train step", model, run, target=1.05, gradients=True)
+
+
+def inference_workload(model: nn.TransformerEncoder, x: torch.Tensor) -> Workload:
+    model.eval()
+
+    def run() -> Outputs:
+        with torch.inference_mode():
+            return [model(x)]
+
+    return Workload("W2", "encoder inference (fused)", model, run, target=1.05)
+
+
+def small_mha_workload(calls: int = 1000) -> Workload:
+    torch.manual_seed(2)
+    mha = nn.MultiheadAttention(64, 8)  # batch_first=False: (2, 10, 64) is (L, N, E)
+    x = torch.randn(2, 10, 64)
+
+    def run() -> Outputs:
+        outs: Outputs = []
+        for _ in range(calls):
+            out, weights = mha(x, x, x)
+            outs.append(out)
+            outs.append(weights)
+        return outs
+
+    return Workload("W3", f"{calls} small MHA calls", mha, run, target=1.3)
+
+
+def build_workloads() -> list[Workload]:
+    train_model = make_encoder(seed=0)
+    infer_model = copy.deepcopy(train_model)
+    torch.manual_seed(1)
+    x = torch.randn(8, 128, 256)
+    return [
+        train_step_workload(train_model, x),
+        inference_workload(infer_model, x),
+        small_mha_workload(),
+    ]
+
+
+# -- the three arms ------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def native_stderr_to_devnull() -> Iterator[None]:
+    """Send file descriptor 2 to /dev/null (the profiler logs each start/stop there)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+def time_baseline(w: Workload) -> float:
+    gc.collect()
+    start = time.perf_counter()
+    w.run()
+    return time.perf_counter() - start
+
+
+@dataclass
+class TracedSample:
+    seconds: float
+    first_unit_s: float
+    enter_exit_s: float
+    calls_per_unit: int
+
+
+def time_traced(w: Workload) -> TracedSample:
+    t = qkv_trace(w.model, gradients=w.gradients)
+    gc.collect()
+    t0 = time.perf_counter()
+    with t:
+        t1 = time.perf_counter()
+        w.run()  # untimed: the first call of each signature is profiled here
+        t2 = time.perf_counter()
+        first_calls = len(t.calls)
+        gc.collect()
+        t3 = time.perf_counter()
+        w.run()
+        t4 = time.perf_counter()
+    t5 = time.perf_counter()
+    return TracedSample(
+        seconds=t4 - t3,
+        first_unit_s=t2 - t1,
+        enter_exit_s=(t1 - t0) + (t5 - t4),
+        calls_per_unit=len(t.calls) - first_calls,
+    )
+
+
+def time_profiler(w: Workload) -> float:
+    with native_stderr_to_devnull():
+        gc.collect()
+        start = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            w.run()
+        prof.key_averages()
+        return time.perf_counter() - start
+
+
+# -- measurement -----------------------------------------------------------------
+
+
+@dataclass
+class Samples:
+    baseline: list[float] = field(default_factory=list)
+    traced: list[TracedSample] = field(default_factory=list)
+    profiler: list[float] = field(default_factory=list)
+
+    def traced_ratios(self) -> list[float]:
+        return [t.seconds / b for t, b in zip(self.traced, self.baseline, strict=True)]
+
+    def profiler_ratios(self) -> list[float]:
+        return [p / b for p, b in zip(self.profiler, self.baseline, strict=True)]
+
+
+def warm_up_profiler() -> None:
+    """Start, stop and read the profiler once (its first start loads and sets up Kineto)."""
+    with native_stderr_to_devnull(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        torch.ones(4).add(1)
+    prof.key_averages()
+
+
+def measure(workloads: Sequence[Workload], repeats: int) -> dict[str, Samples]:
+    samples = {w.key: Samples() for w in workloads}
+    for _ in range(repeats):
+        for w in workloads:
+            s = samples[w.key]
+            s.baseline.append(time_baseline(w))
+            s.traced.append(time_traced(w))
+            s.profiler.append(time_profiler(w))
+    return samples
+
+
+# -- identity ------------------------------------------------------------------
+
+
+@dataclass
+class Identity:
+    tensors: int
+    first_traced_equal: bool
+    steady_traced_equal: bool
+    paths: dict[str, int]
+    gradient_records: int
+
+
+def all_equal(a: Outputs, b: Outputs) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def check_identity(w: Workload) -> Identity:
+    plain = w.run()
+    with qkv_trace(w.model, gradients=w.gradients) as t:
+        first = w.run()
+        steady = w.run()
+    return Identity(
+        tensors=len(plain),
+        first_traced_equal=all_equal(plain, first),
+        steady_traced_equal=all_equal(plain, steady),
+        paths=t.result.summary()["paths"],
+        gradient_records=len(t.gradients),
+    )
+
+
+# -- record memory -------------------------------------------------------------
+
+
+@dataclass
+class MemoryResult:
+    calls_recorded: int
+    bytes_held: int
+    tensors_reachable: int
+    modules_reachable: int
+
+
+def reachable(root: object) -> Iterator[object]:
+    """Every object reachable from ``root`` through ``gc.get_referents``."""
+    seen = {id(root)}
+    todo = [root]
+    while todo:
+        obj = todo.pop()
+        yield obj
+        for ref in gc.get_referents(obj):
+            if id(ref) not in seen and not isinstance(ref, type):
+                seen.add(id(ref))
+                todo.append(ref)
+
+
+def measure_record_memory(calls: int = MEMORY_CALLS) -> MemoryResult:
+    w = small_mha_workload(calls=1)
+    w.run()
+    with qkv_trace(w.model):
+        w.run()
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        t = qkv_trace(w.model)
+        with t:
+            for _ in range(calls):
+                w.run()
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    objects = list(reachable(t.result))
+    return MemoryResult(
+        calls_recorded=len(t.calls),
+        bytes_held=held,
+        tensors_reachable=sum(isinstance(o, torch.Tensor) for o in objects),
+        modules_reachable=sum(isinstance(o, nn.Module) for o in objects),
+    )
+
+
+# -- report --------------------------------------------------------------------
+
+
+def print_environment(threads: int, repeats: int) -> None:
+    print("qkvtrace overhead benchmark")
+    print(f"  python   {platform.python_version()} ({platform.python_implementation()})")
+    print(f"  torch    {torch.__version__}  threads={torch.get_num_threads()} (asked {threads})")
+    print(f"  qkvtrace {qkvtrace.__version__}")
+    print(f"  machine  {platform.platform()}, {os.cpu_count()} logical CPUs")
+    print(f"  repeats  {repeats} (interleaved: baseline, traced, profiler per repetition)")
+    print(f"  load     {load_average()} (1/5/15 min; other work on the machine skews the ratios)")
+    print()
+
+
+def load_average() -> str:
+    if not hasattr(os, "getloadavg"):
+        return "n/a"
+    return " ".join(f"{v:.2f}" for v in os.getloadavg())
+
+
+def print_identity(workloads: Sequence[Workload], results: dict[str, Identity]) -> None:
+    print("Traced vs untraced outputs (torch.equal on every output tensor; W1 also every .grad):")
+    for w in workloads:
+        r = results[w.key]
+        ok = r.first_traced_equal and r.steady_traced_equal
+        verdict = "bit-identical" if ok else "DIFFERENT"
+        paths = ", ".join(f"{k}={v}" for k, v in r.paths.items()) or "none"
+        print(
+            f"  {w.key} {w.title:<26} {verdict:<13} ({r.tensors} tensors; first traced run "
+            f"{'equal' if r.first_traced_equal else 'differs'}, second "
+            f"{'equal' if r.steady_traced_equal else 'differs'}); "
+            f"recorded paths: {paths}; gradient records: {r.gradient_records}"
+        )
+    print()
+
+
+def fmt_ratios(ratios: Sequence[float]) -> str:
+    return f"{min(ratios):.2f} / {statistics.median(ratios):.2f} / {max(ratios):.2f}"
+
+
+def print_table(workloads: Sequence[Workload], samples: dict[str, Samples]) -> None:
+    header = (
+        f"{'workload':<30} {'baseline ms':>11}  {'traced ratio min/med/max':>24}  "
+        f"{'profiler ratio min/med/max':>26}  {'target':>7}  {'met':>3}"
+    )
+    print(header)
+    print("-" * len(header))
+    for w in workloads:
+        s = samples[w.key]
+        traced_median = statistics.median(s.traced_ratios())
+        met = "yes" if traced_median <= w.target else "NO"
+        print(
+            f"{w.key + ' ' + w.title:<30} {statistics.median(s.baseline) * 1e3:>11.1f}  "
+            f"{fmt_ratios(s.traced_ratios()):>24}  {fmt_ratios(s.profiler_ratios()):>26}  "
+            f"{'<= ' + format(w.target, '.2f'):>7}  {met:>3}"
+        )
+    print()
+    print("Not in the ratios above (medians over repetitions):")
+    for w in workloads:
+        s = samples[w.key]
+        first = statistics.median(t.first_unit_s for t in s.traced) * 1e3
+        enter_exit = statistics.median(t.enter_exit_s for t in s.traced) * 1e3
+        calls = s.traced[0].calls_per_unit
+        print(
+            f"  {w.key}: first unit of work in a fresh trace {first:.1f} ms "
+            f"(baseline {statistics.median(s.baseline) * 1e3:.1f} ms); "
+            f"trace enter+exit {enter_exit:.2f} ms; {calls} calls recorded per unit of work"
+        )
+    print("  Profiler arm includes profiler start, stop and prof.key_averages().")
+    print()
+
+
+def print_memory(m: MemoryResult) -> None:
+    mb = m.bytes_held / 1e6
+    verdict = "yes" if mb < MEMORY_TARGET_MB else "NO"
+    print(f"Record memory, one trace of {MEMORY_CALLS:,} W3 calls ({m.calls_recorded:,} records):")
+    print(
+        f"  {mb:.2f} MB held (tracemalloc, after gc), {m.bytes_held / max(m.calls_recorded, 1):.0f} B "
+        f"per call; target < {MEMORY_TARGET_MB:.0f} MB: {verdict}"
+    )
+    print(
+        f"  reachable from the records: {m.tensors_reachable} tensors, {m.modules_reachable} modules (expected 0 and 0)"
+    )
+
+
+# -- entry point -----------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=None, help=f"repetitions (default {DEFAULT_REPEATS})")
+    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
+    parser.add_argument("--quick", action="store_true", help=f"{QUICK_REPEATS} repetitions unless --repeats is given")
+    args = parser.parse_args(argv)
+    if args.repeats is None:
+        args.repeats = QUICK_REPEATS if args.quick else DEFAULT_REPEATS
+    if args.repeats < 1 or args.threads < 1:
+        parser.error("--repeats and --threads must be at least 1")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    print_environment(args.threads, args.repeats)
+    workloads = build_workloads()
+    print(
+        "Warm-up (untimed): the identity check runs each workload once plainly and twice traced, and\n"
+        "the profiler is started, stopped and read once. In every traced repetition the first unit of\n"
+        "work inside the fresh trace is untimed too: there qkvtrace runs the first call of each call\n"
+        "signature under the autograd profiler (that cost is listed below the table).\n"
+    )
+    warm_up_profiler()
+    identity = {w.key: check_identity(w) for w in workloads}
+    print_identity(workloads, identity)
+    samples = measure(workloads, args.repeats)
+    print_table(workloads, samples)
+    print_memory(measure_record_memory())
+    print(f"\nTotal wall time {time.perf_counter() - started:.0f} s; load average at the end {load_average()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
