@@ -36,7 +36,7 @@ def parse_shape(text: str) -> tuple[int, int]:
 
 def add_budget_options(p: Any) -> None:
     """``--max-tokens`` / ``--max-attention-mb`` (seed section 12)."""
-    from qkvtrace.guard import DEFAULT_MAX_ATTENTION_MB, DEFAULT_MAX_TOKENS
+    from qkvtrace.limits import DEFAULT_MAX_ATTENTION_MB, DEFAULT_MAX_TOKENS
 
     p.add_argument(
         "--max-tokens",

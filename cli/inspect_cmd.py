@@ -14,7 +14,7 @@ from rich.table import Table
 
 from qkvtrace.errors import OutputError
 
-__all__ = ["register", "run", "write_report_dir"]
+__all__ = ["prepare_out", "register", "run", "write_report_dir"]
 
 _HELP = """\
 Read the attention path of the installed PyTorch and write it down:
@@ -42,7 +42,7 @@ def register(sub: Any) -> None:
     p.set_defaults(run=run)
 
 
-def _prepare_out(out: Path) -> None:
+def prepare_out(out: Path) -> None:
     if out.exists() and not out.is_dir():
         raise OutputError(f"--out {str(out)!r} is a file, not a folder; give a folder such as reports/")
     try:
@@ -121,7 +121,7 @@ def _summary(report: dict[str, Any], folder: Path, replaced: bool, seconds: floa
 def run(args: argparse.Namespace, console: Console) -> int:
     from qkvtrace.report import collect_report
 
-    _prepare_out(args.out)
+    prepare_out(args.out)
     start = time.perf_counter()
     with console.status("collecting", spinner="dots") as status:
         report = collect_report(progress=lambda msg: status.update(msg))

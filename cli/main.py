@@ -40,6 +40,7 @@ examples:
   qkvtrace trace path/to/model.py:make --input-shape 4,128
   qkvtrace probe                                   # mask semantics, NaN rows, backends
   qkvtrace check demo:tiny-lm --causal             # leakage by perturbation
+  qkvtrace diff reports/torch-A reports/torch-B    # what changed between versions
 
 exit codes: 0 done, 1 a check found a problem, 2 bad input or usage
 """
@@ -53,7 +54,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from qkvtrace.cli import check_cmd, inspect_cmd, probe_cmd, trace_cmd
+    from qkvtrace.cli import check_cmd, diff_cmd, inspect_cmd, probe_cmd, trace_cmd
 
     parser = _Parser(
         prog="qkvtrace",
@@ -69,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect_cmd.register(sub)
     probe_cmd.register(sub)
     check_cmd.register(sub)
+    diff_cmd.register(sub)
     return parser
 
 

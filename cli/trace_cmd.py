@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from rich.console import Console
 
-import qkvtrace
 from qkvtrace.cli._common import add_budget_options, check_output_file, load_with_inputs
 from qkvtrace.errors import InputError
 from qkvtrace.render.terminal import summary_line, trace_table
+
+if TYPE_CHECKING:  # torch is imported when the command runs, so `qkvtrace diff` works without it
+    import torch
 
 __all__ = ["register", "run"]
 
@@ -73,6 +74,8 @@ def register(sub: Any) -> None:
 
 
 def _first_tensor(out: Any) -> torch.Tensor | None:
+    import torch
+
     if isinstance(out, torch.Tensor):
         return out
     if isinstance(out, (tuple, list)):
@@ -89,6 +92,10 @@ def _first_tensor(out: Any) -> torch.Tensor | None:
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
+    import torch
+
+    import qkvtrace
+
     if args.json is not None:
         check_output_file(args.json, "--json")
     loaded = load_with_inputs(args.target, args.input_shape, args.max_tokens, args.max_attention_mb)

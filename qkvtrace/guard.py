@@ -19,8 +19,7 @@ from torch import nn
 
 __all__ = ["Budget", "attention_estimate", "check_budget", "guard"]
 
-DEFAULT_MAX_TOKENS = 65_536
-DEFAULT_MAX_ATTENTION_MB = 4_096.0
+from qkvtrace.limits import DEFAULT_MAX_ATTENTION_MB, DEFAULT_MAX_TOKENS
 
 
 @dataclass(frozen=True)

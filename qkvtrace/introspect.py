@@ -308,12 +308,16 @@ def discover(entry_points: tuple[str, ...] = ENTRY_POINTS, depth: int = 3) -> Di
     return found
 
 
-def _reason_text(node: ast.AST, source: str) -> str | None:
-    """A plain string's value; an f-string (or expression) in its source form."""
+def _reason_text(node: ast.AST) -> str | None:
+    """A plain string's value; an f-string in its source form, placeholders kept.
+
+    ``ast.unparse`` joins implicitly concatenated pieces and normalises quotes,
+    so re-wrapping a long message across lines is not reported as a change.
+    """
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
         return node.value
     if isinstance(node, (ast.JoinedStr, ast.BinOp)):
-        return ast.get_source_segment(source, node) or ast.unparse(node)
+        return ast.unparse(node)
     return None
 
 
@@ -330,7 +334,6 @@ def fast_path_conditions(name: str, text: str) -> list[dict[str, str]]:
     The condition is ``ast.unparse`` of the innermost ``if``/``elif`` test that
     guards the assignment (``"<always>"`` when none does).
     """
-    source = textwrap.dedent(text)
     tree = _function_ast(text)
     if tree is None:
         return []
@@ -338,7 +341,7 @@ def fast_path_conditions(name: str, text: str) -> list[dict[str, str]]:
 
     def visit(body: list[ast.stmt], condition: str) -> None:
         for var, assign in _reason_assignments(body):
-            reason = _reason_text(assign.value, source)
+            reason = _reason_text(assign.value)
             if reason:
                 out.append((assign.lineno, {"variable": var, "reason": reason, "condition": condition}))
         for stmt in body:

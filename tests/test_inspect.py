@@ -91,7 +91,7 @@ def test_fast_path_conditions_match_source_and_observation(report: dict[str, Any
     mha_src = inspect.getsource(nn.MultiheadAttention.forward)
     reasons = [c["reason"] for c in blocks["torch.nn.modules.activation.MultiheadAttention.forward"]]
     # as many as there are non-empty assignments in the source, in source order
-    assigned = re.findall(r"why_not_fast_path = (?!\"\")", mha_src)
+    assigned = re.findall(r"why_not_fast_path = (?!\"\"|'')", mha_src)
     assert len(reasons) == len(assigned)
     # each found after the previous one (long reasons span lines: locate them by their start)
     position = 0

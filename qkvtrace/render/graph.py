@@ -57,6 +57,8 @@ def _cluster_of(data: dict[str, Any]) -> str:
 
 
 def _edge_attrs(data: dict[str, Any]) -> dict[str, str]:
+    if data.get("colour"):  # an explicit mark (a diff's added/removed edge)
+        return {"color": data["colour"], "style": "solid", "penwidth": "2.5", "tooltip": data.get("tooltip", "")}
     colours = sorted({PATH_COLOURS[p] for p in data.get("paths", ()) if p in PATH_COLOURS})
     dynamic = "dynamic" in data.get("kind", ())
     attrs = {
@@ -71,7 +73,13 @@ def _edge_attrs(data: dict[str, Any]) -> dict[str, str]:
     return attrs
 
 
-def to_dot(graph: nx.DiGraph, title: str) -> str:
+_PATH_LEGEND = (
+    "green: fast path / fused encoder layer\\lorange: fallback (F.multi_head_attention_forward)\\l"
+    "blue: direct SDPA\\lgrey dashed: in the source only (static)\\lsolid: observed running (dynamic)\\l"
+)
+
+
+def to_dot(graph: nx.DiGraph, title: str, legend: str = _PATH_LEGEND) -> str:
     """Left-to-right DOT with one cluster per source file, a legend, marked paths."""
     dot = graphviz.Digraph("callgraph", graph_attr={
         "rankdir": "LR", "label": title, "labelloc": "t", "fontname": "Helvetica", "fontsize": "18",
@@ -89,15 +97,13 @@ def to_dot(graph: nx.DiGraph, title: str) -> str:
             sub.attr(label=cluster, style="rounded,dashed", color="#bdbdbd", fontsize="12")
             for node in sorted(nodes):
                 kind = graph.nodes[node].get("kind", "unknown")
-                sub.node(ids[node], label=short_name(node), tooltip=node, fillcolor=fills.get(kind, "#ffffff"))
+                fill = graph.nodes[node].get("fill") or fills.get(kind, "#ffffff")
+                sub.node(ids[node], label=short_name(node), tooltip=node, fillcolor=fill)
     for a, b, data in sorted(graph.edges(data=True), key=lambda e: (e[0], e[1])):
         dot.edge(ids[a], ids[b], **_edge_attrs(data))
-    with dot.subgraph(name="cluster_legend") as legend:
-        legend.attr(label="legend", style="rounded", color="#bdbdbd", fontsize="12")
-        legend.node("legend_text", shape="plaintext", style="", label=(
-            "green: fast path / fused encoder layer\\lorange: fallback (F.multi_head_attention_forward)\\l"
-            "blue: direct SDPA\\lgrey dashed: in the source only (static)\\lsolid: observed running (dynamic)\\l"
-        ))  # fmt: skip
+    with dot.subgraph(name="cluster_legend") as box:
+        box.attr(label="legend", style="rounded", color="#bdbdbd", fontsize="12")
+        box.node("legend_text", shape="plaintext", style="", label=legend)
     return str(dot.source)
 
 

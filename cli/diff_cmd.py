@@ -1,0 +1,172 @@
+"""``qkvtrace diff A B`` and ``qkvtrace compare --python A --python B``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from qkvtrace.cli._common import check_output_file
+from qkvtrace.errors import InputError, QkvtraceError
+
+__all__ = ["collect_in", "register", "run_compare", "run_diff"]
+
+_DIFF_HELP = """\
+Compare two per-version reports (folders written by `qkvtrace inspect`, or
+their report.json): which attention-path functions changed source (with a
+unified diff; line-number moves alone are not changes), which fast-path
+conditions appeared, vanished or were reworded, which call-graph edges
+changed, and every behaviour probe whose result changed (paths, backends,
+reasons, mask semantics, fully-masked rows, agreement past tolerance).
+No PyTorch is needed: reports made on other machines compare anywhere.
+"""
+
+_COMPARE_HELP = """\
+Run the collection in two Python environments (say, two virtual environments
+with different PyTorch versions), write both reports into OUT, and diff them.
+The other environments need only torch: qkvtrace's collecting code is shipped
+to them on PYTHONPATH and uses no rendering library.
+"""
+
+
+def register(sub: Any) -> None:
+    d = sub.add_parser("diff", help="compare two reports: sources, fast-path conditions, call graph, behaviour",
+                       description=_DIFF_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog="example:\n  qkvtrace diff reports/torch-2.4.1+cu121 reports/torch-2.13.0+cpu \\\n"
+                              "      --md d.md --svg d.svg")  # fmt: skip
+    d.add_argument("a", metavar="A", type=Path, help="the older report (folder or report.json)")
+    d.add_argument("b", metavar="B", type=Path, help="the newer report (folder or report.json)")
+    d.add_argument("--json", metavar="FILE", type=Path, help="write the qkvtrace.diff/1 JSON")
+    d.add_argument("--md", metavar="FILE", type=Path, help="write the diff as Markdown")
+    d.add_argument("--svg", metavar="FILE", type=Path, help="write the union call graph (needs Graphviz's dot)")
+    d.set_defaults(run=run_diff)
+
+    c = sub.add_parser("compare", help="collect in two Python environments and diff them in one go",
+                       description=_COMPARE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog="example:\n  qkvtrace compare --python ~/venvs/torch24/bin/python "
+                              "--python ~/venvs/torch213/bin/python")  # fmt: skip
+    c.add_argument("--python", action="append", metavar="PY", type=Path, default=[], required=True,
+                   help="a Python interpreter with torch installed; give exactly two")  # fmt: skip
+    c.add_argument("--out", metavar="DIR", type=Path, default=Path("reports"),
+                   help="where the two reports and diffs/ go (default reports/)")  # fmt: skip
+    c.add_argument("--json", metavar="FILE", type=Path, help="also write the qkvtrace.diff/1 JSON here")
+    c.add_argument("--md", metavar="FILE", type=Path, help="also write the diff as Markdown here")
+    c.set_defaults(run=run_compare)
+
+
+def _outputs(args: argparse.Namespace) -> None:
+    for flag in ("json", "md", "svg"):
+        path = getattr(args, flag, None)
+        if path is not None:
+            check_output_file(path, f"--{flag}")
+
+
+def _write_diff(a: dict[str, Any], b: dict[str, Any], diff: dict[str, Any], *, json_path: Path | None,
+                md_path: Path | None, svg_path: Path | None) -> bool:  # fmt: skip
+    """Write what was asked for; return whether the picture could be drawn."""
+    from qkvtrace.records import atomic_write_text
+    from qkvtrace.render.diff_render import diff_dot, diff_markdown
+    from qkvtrace.render.graph import render_svg
+
+    svg = render_svg(diff_dot(a, b, diff)) if svg_path is not None else None
+    if svg_path is not None and svg is not None:
+        atomic_write_text(svg_path, svg)
+    if json_path is not None:
+        atomic_write_text(json_path, json.dumps(diff, indent=1, sort_keys=True, ensure_ascii=False) + "\n")
+    if md_path is not None:
+        svg_name = os.path.relpath(svg_path, md_path.parent) if svg_path is not None and svg is not None else None
+        atomic_write_text(md_path, diff_markdown(diff, svg_name=svg_name))
+    return svg_path is None or svg is not None
+
+
+def run_diff(args: argparse.Namespace, console: Console) -> int:
+    from qkvtrace.diff import diff_reports
+    from qkvtrace.render.diff_render import diff_renderable
+    from qkvtrace.reportio import load_report
+
+    _outputs(args)
+    a, b = load_report(args.a), load_report(args.b)
+    diff = diff_reports(a, b)
+    console.print(diff_renderable(diff))
+    drawn = _write_diff(a, b, diff, json_path=args.json, md_path=args.md, svg_path=args.svg)
+    if not drawn:
+        console.print("[yellow]warning:[/] Graphviz's `dot` is not installed; no SVG was drawn")
+    return 0
+
+
+def _tail(text: str, lines: int = 15) -> str:
+    return "\n".join(text.strip().splitlines()[-lines:])
+
+
+def collect_in(python: Path, env_extra: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run the report collector under another interpreter and return its report."""
+    import qkvtrace
+
+    exe = shutil.which(str(python)) or str(python)
+    if not Path(exe).is_file() or not os.access(exe, os.X_OK):
+        raise InputError(f"--python {str(python)!r} is not an executable file; give the path to a python binary")
+    probe = subprocess.run([exe, "-c", "import sys; print(sys.version_info[:2] >= (3, 10))"],
+                           capture_output=True, text=True, timeout=120)  # fmt: skip
+    if probe.returncode != 0 or probe.stdout.strip() not in ("True", "False"):
+        raise InputError(f"--python {str(python)!r} does not run as a Python interpreter")
+    if probe.stdout.strip() != "True":
+        raise InputError(f"--python {str(python)!r} is older than Python 3.10, which the collector needs")
+    has_torch = subprocess.run([exe, "-c", "import torch"], capture_output=True, text=True, timeout=300)
+    if has_torch.returncode != 0:
+        last = _tail(has_torch.stderr, 1)
+        raise InputError(f"--python {str(python)!r} cannot import torch ({last}); install torch in that environment")
+    with tempfile.TemporaryDirectory(prefix="qkvtrace-collector-") as shipped:
+        # ship only the qkvtrace package, not this environment's site-packages
+        shutil.copytree(Path(qkvtrace.__file__).parent, Path(shipped) / "qkvtrace",
+                        ignore=shutil.ignore_patterns("__pycache__", "cli"))  # fmt: skip
+        env = {**os.environ, **(env_extra or {})}
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (shipped, (env_extra or {}).get("PYTHONPATH", "")) if p)
+        proc = subprocess.run([exe, "-W", "ignore", "-m", "qkvtrace.report"], capture_output=True, text=True,
+                              env=env, timeout=1800)  # fmt: skip
+    if proc.returncode != 0:
+        raise QkvtraceError(
+            f"the collector crashed under {python} (exit {proc.returncode}); its last lines:\n{_tail(proc.stderr)}"
+        )
+    try:
+        report: dict[str, Any] = json.loads(proc.stdout)
+    except json.JSONDecodeError as exc:
+        raise QkvtraceError(f"the collector under {python} printed no report ({exc})") from None
+    return report
+
+
+def run_compare(args: argparse.Namespace, console: Console) -> int:
+    from qkvtrace.cli.inspect_cmd import prepare_out, write_report_dir
+    from qkvtrace.diff import diff_reports
+    from qkvtrace.render.diff_render import diff_renderable
+
+    if len(args.python) != 2:
+        raise InputError(f"give exactly two --python interpreters (got {len(args.python)})")
+    _outputs(args)
+    prepare_out(args.out)
+    reports = []
+    for python in args.python:
+        with console.status(f"collecting under {python}", spinner="dots"):
+            report = collect_in(python)
+        folder, replaced, _ = write_report_dir(report, args.out)
+        console.print(f"torch {report['environment']['torch_version']} ← {python}: wrote {folder}/"
+                      + (" (replaced)" if replaced else ""))  # fmt: skip
+        reports.append(report)
+    a, b = reports
+    diff = diff_reports(a, b)
+    console.print(diff_renderable(diff))
+    diffs = args.out / "diffs"
+    diffs.mkdir(exist_ok=True)
+    stem = f"torch-{diff['a']}..torch-{diff['b']}"
+    _write_diff(
+        a, b, diff, json_path=diffs / f"{stem}.json", md_path=diffs / f"{stem}.md", svg_path=diffs / f"{stem}.svg"
+    )
+    _write_diff(a, b, diff, json_path=args.json, md_path=args.md, svg_path=None)
+    console.print(f"wrote {diffs / stem}.md (+ .json, .svg)")
+    return 0

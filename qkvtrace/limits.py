@@ -1,0 +1,10 @@
+"""Default input budgets (seed section 12). No PyTorch import: the CLI reads them at start-up."""
+
+from __future__ import annotations
+
+__all__ = ["DEFAULT_MAX_ATTENTION_MB", "DEFAULT_MAX_TOKENS"]
+
+#: Tokens (batch x sequence) accepted by default.
+DEFAULT_MAX_TOKENS = 65_536
+#: Estimated attention memory (MB) accepted by default.
+DEFAULT_MAX_ATTENTION_MB = 4_096.0

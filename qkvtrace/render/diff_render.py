@@ -1,0 +1,152 @@
+"""Diffs of two reports as Markdown, a rich renderable, and a union call-graph picture."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import networkx as nx
+from rich.console import Group, RenderableType
+from rich.syntax import Syntax
+from rich.table import Table
+from rich.text import Text
+
+from qkvtrace.render.graph import report_graph, short_name, to_dot
+
+__all__ = ["diff_dot", "diff_markdown", "diff_renderable"]
+
+_ADDED, _REMOVED = "#2e7d32", "#c62828"
+
+
+def _short(value: Any) -> str:
+    if value is None:
+        return "absent"
+    if isinstance(value, dict) and "error" in value and len(value) == 1:
+        return f"error: {value['error']}"
+    if isinstance(value, list) and value and isinstance(value[0], dict) and "path" in value[0]:
+        return "; ".join(
+            f"{c['path']}" + (f" ({c['sdpa_backend']})" if c.get("sdpa_backend") else "")
+            + (f" — {' '.join(c['why_not_fast_path'].split())}" if c.get("why_not_fast_path") else "")
+            for c in value
+        )  # fmt: skip
+    if isinstance(value, dict):
+        return ", ".join(f"{k}={v}" for k, v in value.items())
+    return json.dumps(value) if not isinstance(value, str) else value
+
+
+def _cell(text: str) -> str:
+    return " ".join(text.split()).replace("|", "\\|")
+
+
+def diff_markdown(diff: dict[str, Any], *, svg_name: str | None = "diff.svg") -> str:
+    s, c, g, p = diff["sources"], diff["fast_path_conditions"], diff["callgraph"], diff["probes"]["changed"]
+    lines = [f"# Attention in PyTorch {diff['a']} → {diff['b']}", "", f"**{diff['summary']}**", ""]
+    lines += ["## Sources", ""]
+    if not (s["changed"] or s["added"] or s["removed"]):
+        lines += ["No function on the attention path changed its source.", ""]
+    for label, names in (("added", s["added"]), ("removed", s["removed"])):
+        if names:
+            lines += [f"{label.capitalize()}: " + ", ".join(f"`{n}`" for n in names), ""]
+    for name in s["changed"]:
+        text = diff["source_diffs"].get(name, "")
+        fence = "```"
+        while fence in text:
+            fence += "`"
+        lines += ["<details>", f"<summary>changed: <code>{name}</code></summary>", "", f"{fence}diff",
+                  text.rstrip("\n"), fence, "", "</details>", ""]  # fmt: skip
+    lines += ["## Fast-path conditions", ""]
+    if not (c["added"] or c["removed"] or c["reworded"]):
+        lines += ["The fast-path conditions are the same.", ""]
+    else:
+        lines += ["| change | function | reason | condition |", "|---|---|---|---|"]
+        for kind in ("added", "removed"):
+            for x in c[kind]:
+                lines.append(
+                    f"| {kind} | {short_name(x['function'])} | `{_cell(x['reason'])}` | `{_cell(x['condition'])}` |"
+                )
+        for x in c["reworded"]:
+            lines.append(
+                f"| reworded | {short_name(x['function'])} | `{_cell(x['was'])}` → `{_cell(x['became'])}` | "
+                f"`{_cell(x['condition_was'])}` → `{_cell(x['condition_became'])}` |"
+            )
+        lines.append("")
+    lines += ["## Call graph", ""]
+    if g["edges_added"] or g["edges_removed"]:
+        lines += ["| change | caller | callee |", "|---|---|---|"]
+        lines += [f"| added | `{e['caller']}` | `{e['callee']}` |" for e in g["edges_added"]]
+        lines += [f"| removed | `{e['caller']}` | `{e['callee']}` |" for e in g["edges_removed"]]
+        lines.append("")
+    else:
+        lines += ["No call edge appeared or vanished.", ""]
+    if svg_name:
+        lines += [f"![union call graph: added edges green, removed red]({svg_name})", ""]
+    lines += ["## Behaviour", ""]
+    if p:
+        lines += ["| probe | case | was | became |", "|---|---|---|---|"]
+        lines += [
+            f"| {x['kind']} | {_cell(x['key'])} | {_cell(_short(x['was']))} | {_cell(_short(x['became']))} |" for x in p
+        ]
+    else:
+        lines += ["Every probe behaved the same."]
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def diff_renderable(diff: dict[str, Any]) -> RenderableType:
+    """Summary first, then what changed, with syntax-highlighted source diffs."""
+    parts: list[RenderableType] = [Text(diff["summary"], style="bold")]
+    s, c, g, p = diff["sources"], diff["fast_path_conditions"], diff["callgraph"], diff["probes"]["changed"]
+    if s["added"] or s["removed"]:
+        parts.append(Text("functions added: " + (", ".join(s["added"]) or "-")))
+        parts.append(Text("functions removed: " + (", ".join(s["removed"]) or "-")))
+    for name in s["changed"]:
+        parts.append(Text(f"\nchanged: {name}", style="bold cyan"))
+        parts.append(Syntax(diff["source_diffs"].get(name, ""), "diff", theme="ansi_dark", word_wrap=True))
+    if c["added"] or c["removed"] or c["reworded"]:
+        t = Table(title="fast-path conditions")
+        for col in ("change", "function", "reason", "condition"):
+            t.add_column(col, overflow="fold")
+        for kind in ("added", "removed"):
+            for x in c[kind]:
+                t.add_row(kind, short_name(x["function"]), x["reason"], x["condition"])
+        for x in c["reworded"]:
+            t.add_row("reworded", short_name(x["function"]), f"{x['was']}\n→ {x['became']}",
+                      f"{x['condition_was']}\n→ {x['condition_became']}")  # fmt: skip
+        parts.append(t)
+    if g["edges_added"] or g["edges_removed"]:
+        t = Table(title="call-graph edges")
+        for col in ("change", "caller", "callee"):
+            t.add_column(col, overflow="fold")
+        for e in g["edges_added"]:
+            t.add_row(Text("added", style="green"), e["caller"], e["callee"])
+        for e in g["edges_removed"]:
+            t.add_row(Text("removed", style="red"), e["caller"], e["callee"])
+        parts.append(t)
+    if p:
+        t = Table(title="behaviour probes that changed")
+        for col in ("probe", "case", "was", "became"):
+            t.add_column(col, overflow="fold")
+        for x in p:
+            t.add_row(x["kind"], x["key"], _short(x["was"]), _short(x["became"]))
+        parts.append(t)
+    return Group(*parts)
+
+
+def diff_dot(a: dict[str, Any], b: dict[str, Any], diff: dict[str, Any]) -> str:
+    """DOT of the union of both call graphs: added edges green, removed red, the rest grey."""
+    ga, gb = report_graph(a), report_graph(b)
+    union = nx.compose(ga, gb)
+    added = {(e["caller"], e["callee"]) for e in diff["callgraph"]["edges_added"]}
+    removed = {(e["caller"], e["callee"]) for e in diff["callgraph"]["edges_removed"]}
+    for u, v, data in union.edges(data=True):
+        data.update(paths=(), kind=("static",))  # unchanged edges: grey
+        if (u, v) in added:
+            data.update(colour=_ADDED, tooltip=f"added in {diff['b']}")
+        elif (u, v) in removed:
+            data.update(colour=_REMOVED, tooltip=f"gone in {diff['b']}")
+    for node in union.nodes:
+        if node not in ga:
+            union.nodes[node]["fill"] = "#c8e6c9"
+        elif node not in gb:
+            union.nodes[node]["fill"] = "#ffcdd2"
+    legend = "green: added (edge or function)\\lred: removed\\lgrey dashed: in both\\l"
+    return to_dot(union, f"attention call graph: torch {diff['a']} → {diff['b']}", legend=legend)

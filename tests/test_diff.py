@@ -1,0 +1,167 @@
+"""`qkvtrace diff` / `compare` over the committed reports, checked against facts verified by hand."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from qkvtrace.diff import diff_reports
+from qkvtrace.reportio import load_report
+
+ROOT = Path(__file__).resolve().parents[1]
+REPORTS = ROOT / "reports"
+OLD, MID, NEW = "torch-2.4.1+cu121", "torch-2.13.0+cpu", "torch-2.14.1+cu130"
+ENV = {**os.environ, "COLUMNS": "200", "PYTHONWARNINGS": "ignore"}
+
+
+def qkv(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "qkvtrace", *args], capture_output=True, text=True,
+                          env=env or ENV, timeout=600)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def reports() -> dict[str, dict]:
+    return {v: load_report(REPORTS / v) for v in (OLD, MID, NEW)}
+
+
+def texts(report: dict) -> dict[str, str]:
+    return {s["name"]: s["text"] for s in report["sources"]}
+
+
+def test_close_versions_give_a_nearly_empty_diff(reports: dict[str, dict]) -> None:
+    d = diff_reports(reports[MID], reports[NEW])
+    # verified by reading both texts: 2.14.1 only rewrote the GQA paragraph of SDPA's docstring
+    assert d["sources"] == {"changed": ["torch.nn.functional.scaled_dot_product_attention"], "added": [], "removed": []}
+    assert "cuDNN attention" in d["source_diffs"]["torch.nn.functional.scaled_dot_product_attention"]
+    assert d["fast_path_conditions"] == {"added": [], "removed": [], "reworded": []}
+    assert d["callgraph"] == {"edges_added": [], "edges_removed": []}
+    assert d["probes"]["changed"] == []
+    assert d["summary"] == "torch 2.13.0+cpu → 2.14.1+cu130: 1 function changed"
+
+
+def test_distant_versions_find_every_real_change(reports: dict[str, dict]) -> None:
+    a, b = reports[OLD], reports[MID]
+    d = diff_reports(a, b)
+    ta, tb = texts(a), texts(b)
+    # every function whose text differs, and no other, is "changed" (line moves alone are not)
+    assert set(d["sources"]["changed"]) == {n for n in ta.keys() & tb.keys() if ta[n] != tb[n]}
+    assert d["sources"]["added"] == sorted(tb.keys() - ta.keys())
+    # facts checked by hand in the two PyTorch trees:
+    assert "torch.nn.functional._check_key_padding_mask" in d["sources"]["added"]  # new helper after 2.4
+    added = {(c["function"].rsplit(".", 2)[-2], c["reason"]) for c in d["fast_path_conditions"]["added"]}
+    assert ("TransformerEncoderLayer", "forward pre-/hooks are attached to the module") in added
+    assert ("TransformerEncoder", "mask_check enabled with torch.compile or torch.export") in added
+    rows = {ch["key"]: (ch["was"], ch["became"]) for ch in d["probes"]["changed"] if ch["kind"] == "fully_masked_rows"}
+    was, became = rows["F.scaled_dot_product_attention (bool mask) / MATH"]
+    assert (was["result"], became["result"]) == ("nan", "zero")
+    assert (was["grad_finite"], became["grad_finite"]) == (False, True)
+    assert "fully-masked rows: nan → zero for" in d["summary"]
+    edge = {"caller": "torch.nn.functional.multi_head_attention_forward",
+            "callee": "torch.nn.functional._check_key_padding_mask"}  # fmt: skip
+    assert edge in d["callgraph"]["edges_added"]
+
+
+def test_same_version_is_empty(reports: dict[str, dict]) -> None:
+    d = diff_reports(reports[MID], reports[MID])
+    assert d["summary"].endswith("no change in the attention path")
+    assert not any(d["sources"].values()) and d["probes"]["changed"] == []
+
+
+def test_committed_diffs_are_what_diff_prints(reports: dict[str, dict]) -> None:
+    for a, b in ((OLD, MID), (MID, NEW)):
+        committed = json.loads((REPORTS / "diffs" / f"{a}..{b}.json").read_text())
+        assert committed == json.loads(json.dumps(diff_reports(reports[a], reports[b])))
+        assert (REPORTS / "diffs" / f"{a}..{b}.svg").read_text().lstrip().startswith("<?xml")
+
+
+def test_cli_diff_writes_all_formats(tmp_path: Path) -> None:
+    proc = qkv("diff", str(REPORTS / OLD), str(REPORTS / MID / "report.json"), "--json", str(tmp_path / "d.json"),
+               "--md", str(tmp_path / "d.md"), "--svg", str(tmp_path / "d.svg"))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[0].startswith("torch 2.4.1+cu121 → 2.13.0+cpu:")
+    assert json.loads((tmp_path / "d.json").read_text())["schema"] == "qkvtrace.diff/1"
+    md = (tmp_path / "d.md").read_text()
+    assert "```diff" in md and "![union call graph" in md and "(d.svg)" in md
+    assert "<svg" in (tmp_path / "d.svg").read_text()
+
+
+@pytest.mark.parametrize(
+    ("content", "needle"),
+    [
+        ("not json", "not a readable JSON report"),
+        ('{"schema": "qkvtrace.trace/1"}', "not 'qkvtrace.report/1'"),
+        ('{"schema": "qkvtrace.report/9"}', "newer than this qkvtrace reads"),
+    ],
+)
+def test_cli_diff_refuses_bad_reports(tmp_path: Path, content: str, needle: str) -> None:
+    bad = tmp_path / "report.json"
+    bad.write_text(content)
+    proc = qkv("diff", str(bad), str(REPORTS / MID))
+    assert proc.returncode == 2
+    assert needle in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    missing = qkv("diff", str(tmp_path / "nope"), str(REPORTS / MID))
+    assert missing.returncode == 2 and "does not exist" in missing.stderr
+
+
+def test_diff_needs_no_torch() -> None:
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "from qkvtrace.reportio import load_report\nfrom qkvtrace.diff import diff_reports\n"
+        f"d = diff_reports(load_report({str(REPORTS / OLD)!r}), load_report({str(REPORTS / MID)!r}))\n"
+        "print(d['summary'])\n"
+        "from qkvtrace.cli.main import main\n"
+        f"sys.exit(main(['diff', {str(REPORTS / MID)!r}, {str(REPORTS / NEW)!r}]))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("torch 2.4.1+cu121 → 2.13.0+cpu")
+    assert "torch 2.13.0+cpu → 2.14.1+cu130: 1 function changed" in proc.stdout  # the command, too
+
+
+def test_collector_runs_without_rendering_libraries() -> None:
+    """What `compare` ships to the other environment needs torch only."""
+    code = (
+        "import sys\nfor name in ('rich', 'networkx', 'graphviz'): sys.modules[name] = None\n"
+        "import runpy; runpy.run_module('qkvtrace.report', run_name='__main__')"
+    )
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, env=ENV,
+                          timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout)["schema"] == "qkvtrace.report/1"
+
+
+def test_compare_same_interpreter_twice(tmp_path: Path) -> None:
+    proc = qkv("compare", "--python", sys.executable, "--python", sys.executable, "--out", str(tmp_path),
+               "--md", str(tmp_path / "d.md"))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "no change in the attention path" in proc.stdout
+    assert (tmp_path / "diffs").is_dir() and (tmp_path / "d.md").exists()
+
+
+@pytest.mark.parametrize("kind", ["not-python", "no-torch", "missing"])
+def test_compare_refuses_bad_interpreters(tmp_path: Path, kind: str) -> None:
+    if kind == "not-python":
+        exe = tmp_path / "fake"
+        exe.write_text("#!/bin/sh\nexit 3\n")
+        exe.chmod(0o755)
+        needle = "does not run as a Python interpreter"
+    elif kind == "no-torch":
+        exe = Path(sys.executable)
+        needle = "cannot import torch"
+    else:
+        exe = tmp_path / "nothing"
+        needle = "is not an executable file"
+    env = dict(ENV)
+    if kind == "no-torch":  # this interpreter, but torch hidden from it
+        blocker = tmp_path / "block"
+        blocker.mkdir()
+        (blocker / "torch.py").write_text("raise ImportError('torch hidden for this test')\n")
+        env["PYTHONPATH"] = str(blocker)
+    proc = qkv("compare", "--python", str(exe), "--python", sys.executable, "--out", str(tmp_path / "o"), env=env)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert needle in proc.stderr and "Traceback" not in proc.stderr
