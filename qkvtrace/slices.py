@@ -111,6 +111,7 @@ class NormCache:
     def __init__(self) -> None:
         self._cache: dict[tuple[int, int, tuple[int, int] | None], float] = {}
         self._qkv: dict[tuple[int, tuple[int, ...]], QKVInfo] = {}
+        self._params: dict[int, list[torch.Tensor]] = {}
 
     def norm(self, param: torch.Tensor, rows: tuple[int, int] | None) -> float:
         key = (id(param), param._version, rows)
@@ -125,8 +126,11 @@ class NormCache:
         """Q/K/V slice records; calls with unchanged parameters share one record."""
         if spec is None:
             return QKVInfo(layout=None, q=None, k=None, v=None)
-        versions = tuple(p._version for p in module.parameters(recurse=True))
-        key = (id(module), versions)
+        params = self._params.get(id(module))
+        if params is None:
+            names = {n for _, ps in spec.parts() for n in (ps.param, ps.bias_param) if n is not None}
+            params = self._params[id(module)] = [module.get_parameter(n) for n in sorted(names)]
+        key = (id(module), tuple(p._version for p in params))
         cached = self._qkv.get(key)
         if cached is not None:
             return cached

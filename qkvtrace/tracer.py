@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import math
 import sys
 import threading
 import types
@@ -93,12 +94,12 @@ def _nan_count(t: Any) -> int | None:
     """NaNs in ``t``; a sum first, so the common all-finite case costs one reduction."""
     if not isinstance(t, torch.Tensor) or not t.is_floating_point():
         return None
-    with torch.no_grad():
-        if t.is_nested:
-            return sum(int(torch.isnan(x).sum()) for x in t.unbind())
-        if bool(torch.isfinite(t.sum())):
-            return 0
-        return int(torch.isnan(t).sum())
+    t = t.detach()
+    if t.is_nested:
+        return sum(int(torch.isnan(x).sum()) for x in t.unbind())
+    if math.isfinite(t.sum().item()):  # a NaN anywhere makes the sum NaN
+        return 0
+    return int(torch.isnan(t).sum())
 
 
 def _frame_of(code: types.CodeType, frame: types.FrameType | None, depth: int = 12) -> types.FrameType | None:
@@ -165,6 +166,7 @@ class Trace:
         self._callback_queued = False
         self._backward_index = 0
         self._originals: dict[str, Any] = {}
+        self._has_layers = False
 
     # -- public face -------------------------------------------------------
 
@@ -189,6 +191,7 @@ class Trace:
         if self._model is None:
             raise RuntimeError("this trace has ended; make a new qkvtrace.trace(model)")
         self._names = {id(m): (name, m) for name, m in self._model.named_modules()}
+        self._has_layers = any(isinstance(m, nn.TransformerEncoderLayer) for _, m in self._names.values())
         self._thread = threading.get_ident()
         stack = contextlib.ExitStack()
         try:
@@ -371,7 +374,8 @@ class Trace:
             kpm_c = attn_c = None
         inputs["key_padding_mask"] = _mha_mask_info(ctx.kpm, kpm_c)
         inputs["attn_mask"] = _mha_mask_info(ctx.attn_mask, attn_c)
-        if ctx.error is None and isinstance(query, torch.Tensor) and not query.is_nested:
+        has_mask = isinstance(kpm_c, torch.Tensor) or isinstance(attn_c, torch.Tensor)
+        if has_mask and ctx.error is None and isinstance(query, torch.Tensor) and not query.is_nested:
             if query.dim() == 3:
                 b, length = (query.shape[0], query.shape[1]) if module.batch_first else (query.shape[1], query.shape[0])
             else:
@@ -382,7 +386,7 @@ class Trace:
                     masks.blocked_by_additive(kpm_c) if isinstance(kpm_c, torch.Tensor) else None,
                     masks.blocked_by_additive(attn_c) if isinstance(attn_c, torch.Tensor) else None,
                 )
-        layer_reason = self._layer_reason(module)
+        layer_reason = self._layer_reason(module) if self._has_layers else None
         call = AttentionCall(
             index=ctx.index,
             module=self._name_of(module) or "",
