@@ -51,7 +51,6 @@ Method
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import gc
 import os
@@ -68,6 +67,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 import qkvtrace
+from qkvtrace.paths import quiet_native_stderr
 from qkvtrace.tracer import trace as qkv_trace
 
 MEMORY_CALLS = 10_000
@@ -153,21 +153,6 @@ def build_workloads() -> list[Workload]:
 # -- the three arms ------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def native_stderr_to_devnull() -> Iterator[None]:
-    """Send file descriptor 2 to /dev/null (the profiler logs each start/stop there)."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(devnull)
-
-
 def time_baseline(w: Workload) -> float:
     gc.collect()
     start = time.perf_counter()
@@ -206,7 +191,7 @@ def time_traced(w: Workload) -> TracedSample:
 
 
 def time_profiler(w: Workload) -> float:
-    with native_stderr_to_devnull():
+    with quiet_native_stderr():
         gc.collect()
         start = time.perf_counter()
         with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -233,7 +218,7 @@ class Samples:
 
 def warm_up_profiler() -> None:
     """Start, stop and read the profiler once (its first start loads and sets up Kineto)."""
-    with native_stderr_to_devnull(), profile(activities=[ProfilerActivity.CPU]) as prof:
+    with quiet_native_stderr(), profile(activities=[ProfilerActivity.CPU]) as prof:
         torch.ones(4).add(1)
     prof.key_averages()
 

@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rich.console import Console
 
 from qkvtrace.cli._common import add_budget_options, check_output_file, load_with_inputs
 from qkvtrace.errors import InputError
 from qkvtrace.render.terminal import summary_line, trace_table
-
-if TYPE_CHECKING:  # torch is imported when the command runs, so `qkvtrace diff` works without it
-    import torch
 
 __all__ = ["register", "run"]
 
@@ -73,28 +70,11 @@ def register(sub: Any) -> None:
     p.set_defaults(run=run, mode="eval")
 
 
-def _first_tensor(out: Any) -> torch.Tensor | None:
-    import torch
-
-    if isinstance(out, torch.Tensor):
-        return out
-    if isinstance(out, (tuple, list)):
-        for item in out:
-            t = _first_tensor(item)
-            if t is not None:
-                return t
-    if isinstance(out, dict):
-        for item in out.values():
-            t = _first_tensor(item)
-            if t is not None:
-                return t
-    return None
-
-
 def run(args: argparse.Namespace, console: Console) -> int:
     import torch
 
     import qkvtrace
+    from qkvtrace.target import first_tensor
 
     if args.json is not None:
         check_output_file(args.json, "--json")
@@ -110,7 +90,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
                 "return (model, example_inputs) from the factory or adjust --input-shape"
             ) from exc
         if args.backward:
-            first = _first_tensor(out)
+            first = first_tensor(out)
             if first is None or not first.requires_grad:
                 raise InputError(
                     f"{args.target}: the output does not require grad, so there is nothing to backward through"

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from qkvtrace.errors import InputError
+from qkvtrace.target import first_tensor
 from qkvtrace.tracer import trace
 
 __all__ = ["CheckReport", "Finding", "run_checks"]
@@ -55,19 +56,6 @@ class CheckReport:
     @property
     def ok(self) -> bool:
         return all(f.passed for f in self.findings)
-
-
-def _first_tensor(out: Any) -> torch.Tensor | None:
-    if isinstance(out, torch.Tensor):
-        return out
-    if isinstance(out, (tuple, list)):
-        for item in out:
-            t = _first_tensor(item)
-            if t is not None:
-                return t
-    if isinstance(out, dict):
-        return _first_tensor(list(out.values()))
-    return None
 
 
 def _seq_dim(model: nn.Module) -> int:
@@ -109,7 +97,7 @@ class _Runner:
                 out = self.model(*args, **{**self.kwargs, **(extra or {})})
             except TypeError as exc:
                 raise InputError(f"calling the model failed: {exc}") from exc
-        t = _first_tensor(out)
+        t = first_tensor(out)
         if t is None:
             raise InputError("the model returned no tensor to compare")
         if t.dim() <= self.seq_dim or t.shape[self.seq_dim] != self.length:

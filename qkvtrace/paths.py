@@ -27,6 +27,7 @@ from qkvtrace import compat
 __all__ = [
     "KernelEvidence",
     "is_attention_op",
+    "quiet_native_stderr",
     "sdp_flags",
     "sdpa_backend",
     "sdpa_refusals",
@@ -114,7 +115,7 @@ def sdpa_refusals(
 
 
 @contextlib.contextmanager
-def _quiet_native_stderr() -> Iterator[None]:
+def quiet_native_stderr() -> Iterator[None]:
     """Silence file descriptor 2 briefly (some builds log each profiler start/stop)."""
     try:
         sys.stderr.flush()
@@ -152,12 +153,12 @@ class KernelEvidence:
         if torch.autograd._profiler_enabled():
             return fn(*args, **kwargs), None
         prof = torch.autograd.profiler.profile()
-        with _quiet_native_stderr():
+        with quiet_native_stderr():
             prof.__enter__()
         try:
             result = fn(*args, **kwargs)
         finally:
-            with _quiet_native_stderr():
+            with quiet_native_stderr():
                 prof.__exit__(None, None, None)
         events = sorted(prof.function_events, key=lambda e: e.time_range.start)
         ops = [e.name for e in events if is_attention_op(e.name)]

@@ -22,7 +22,7 @@ from torch import nn
 from qkvtrace.demos import DEMOS
 from qkvtrace.errors import InputError, TargetError
 
-__all__ = ["Loaded", "load_target", "synthesize_inputs"]
+__all__ = ["Loaded", "first_tensor", "load_target", "synthesize_inputs"]
 
 _FORM = "package.module:callable, path/to/file.py:callable or demo:NAME"
 
@@ -152,3 +152,15 @@ def synthesize_inputs(model: nn.Module, batch: int, length: int) -> tuple[Any, .
         f"cannot make example inputs for {type(model).__name__}: it starts with neither "
         "nn.Embedding nor an attention layer; return (model, example_inputs) from your factory"
     )
+
+
+def first_tensor(out: Any) -> torch.Tensor | None:
+    """The first tensor in a model's output (a tensor, or nested tuples/lists/dicts)."""
+    if isinstance(out, torch.Tensor):
+        return out
+    items = out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else ()
+    for item in items:
+        found = first_tensor(item)
+        if found is not None:
+            return found
+    return None

@@ -102,6 +102,16 @@ def _nan_count(t: Any) -> int | None:
     return int(torch.isnan(t).sum())
 
 
+_DTYPE_NAMES: dict[Any, str] = {}
+
+
+def _dtype_name(dtype: Any) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype)
+    return name
+
+
 def _frame_of(code: types.CodeType, frame: types.FrameType | None, depth: int = 12) -> types.FrameType | None:
     """The nearest frame running ``code``, looking at most ``depth`` frames up."""
     while frame is not None and depth > 0:
@@ -115,12 +125,13 @@ def _frame_of(code: types.CodeType, frame: types.FrameType | None, depth: int = 
 class _Open:
     """A ``MultiheadAttention`` call that has started and not yet ended."""
 
-    __slots__ = ("attn_mask", "backend", "error", "index", "inputs", "kpm", "local", "module", "ops", "path",
-                 "query", "refusals")  # fmt: skip
+    __slots__ = ("attn_mask", "backend", "error", "index", "inputs", "kpm", "local", "module", "name", "ops",
+                 "path", "query", "refusals")  # fmt: skip
 
-    def __init__(self, index: int, module: nn.MultiheadAttention) -> None:
+    def __init__(self, index: int, module: nn.MultiheadAttention, name: str) -> None:
         self.index = index
         self.module = module
+        self.name = name
         self.path: str | None = None
         #: ``why_not_fast_path`` and the canonical masks, read from PyTorch's frame
         self.local: dict[str, Any] = {}
@@ -302,17 +313,23 @@ class Trace:
         tracer = self
 
         def forward(self: nn.MultiheadAttention, *args: Any, **kwargs: Any) -> Any:
-            if not tracer._active() or tracer._name_of(self) is None:
+            name = tracer._name_of(self) if tracer._active() else None
+            if name is None:
                 return original(self, *args, **kwargs)
-            return tracer._run_mha(original, self, args, kwargs)
+            return tracer._run_mha(original, self, name, args, kwargs)
 
         forward.__wrapped__ = original  # type: ignore[attr-defined]
         return forward
 
     def _run_mha(
-        self, original: Callable[..., Any], module: nn.MultiheadAttention, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self,
+        original: Callable[..., Any],
+        module: nn.MultiheadAttention,
+        name: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
     ) -> Any:
-        ctx = _Open(self._take_index(), module)
+        ctx = _Open(self._take_index(), module, name)
         a = _bind_mha(args, kwargs)
         query, key, value = a["query"], a["key"], a["value"]
         ctx.query, ctx.kpm, ctx.attn_mask = query, a["key_padding_mask"], a["attn_mask"]
@@ -321,7 +338,7 @@ class Trace:
             "key_shape": _shape(key),
             "value_shape": _shape(value),
             "nested_lengths": _nested_lengths(query) if isinstance(query, torch.Tensor) else None,
-            "dtype": str(getattr(query, "dtype", None)),
+            "dtype": _dtype_name(getattr(query, "dtype", None)),
             "device": getattr(getattr(query, "device", None), "type", None),
             "batch_first": bool(module.batch_first),
             "need_weights": bool(a["need_weights"]),
@@ -389,7 +406,7 @@ class Trace:
         layer_reason = self._layer_reason(module) if self._has_layers else None
         call = AttentionCall(
             index=ctx.index,
-            module=self._name_of(module) or "",
+            module=ctx.name,
             module_type=type(module).__name__,
             path=path or "unknown",
             why_not_fast_path=None if path == "fast" else why,
@@ -695,14 +712,16 @@ _MHA_PARAMS: tuple[tuple[str, Any], ...] = tuple(
 )
 
 
+_MHA_DEFAULTS: dict[str, Any] = {n: (None if d is inspect.Parameter.empty else d) for n, d in _MHA_PARAMS}
+_MHA_NAMES: tuple[str, ...] = tuple(n for n, _ in _MHA_PARAMS)
+
+
 def _bind_mha(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
     """``MultiheadAttention.forward``'s arguments by name (signature read from PyTorch once)."""
-    bound = {}
-    for i, (name, default) in enumerate(_MHA_PARAMS):
-        if i < len(args):
-            bound[name] = args[i]
-        else:
-            bound[name] = kwargs.get(name, None if default is inspect.Parameter.empty else default)
+    bound = dict(_MHA_DEFAULTS)
+    bound.update(zip(_MHA_NAMES, args, strict=False))  # positional ones only
+    if kwargs:
+        bound.update(kwargs)
     return bound
 
 
