@@ -42,7 +42,8 @@ examples:
   qkvtrace check demo:tiny-lm --causal             # leakage by perturbation
   qkvtrace diff reports/torch-A reports/torch-B    # what changed between versions
 
-exit codes: 0 done, 1 a check found a problem, 2 bad input or usage
+exit codes: 0 done, 1 a check found a problem, 2 bad input or usage (--debug: traceback)
+
 """
 
 
@@ -71,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     probe_cmd.register(sub)
     check_cmd.register(sub)
     diff_cmd.register(sub)
+    for command in sub.choices.values():  # `qkvtrace trace X --debug` works too
+        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks")
     return parser
 
 
