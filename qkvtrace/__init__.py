@@ -1,6 +1,8 @@
 """qkvtrace: what really happens inside PyTorch attention.
 
-The public face is small: :func:`trace` and the record types it produces.
+The public face is small: :func:`trace` and the record types it produces,
+:func:`guard`, :func:`run_checks`, and the report functions
+(:func:`collect_report`, :func:`load_report`, :func:`diff_reports`).
 Names are imported on first use, so ``import qkvtrace`` stays cheap and
 does not import PyTorch until something needs it.
 """
@@ -23,6 +25,11 @@ __all__ = [
     "Trace",
     "TraceResult",
     "__version__",
+    "collect_report",
+    "diff_reports",
+    "guard",
+    "load_report",
+    "run_checks",
     "trace",
 ]
 
@@ -37,10 +44,18 @@ _WHERE = {
     "QkvtraceError": "qkvtrace.errors",
     "Trace": "qkvtrace.tracer",
     "trace": "qkvtrace.tracer",
+    "collect_report": "qkvtrace.report",
+    "diff_reports": "qkvtrace.diff",
+    "guard": "qkvtrace.guard",
+    "load_report": "qkvtrace.reportio",
+    "run_checks": "qkvtrace.check",
 }
 
 if TYPE_CHECKING:
+    from qkvtrace.check import run_checks
+    from qkvtrace.diff import diff_reports
     from qkvtrace.errors import QkvtraceError
+    from qkvtrace.guard import guard
     from qkvtrace.records import (
         AttentionCall,
         GradientRecord,
@@ -50,6 +65,8 @@ if TYPE_CHECKING:
         SliceInfo,
         TraceResult,
     )
+    from qkvtrace.report import collect_report
+    from qkvtrace.reportio import load_report
     from qkvtrace.tracer import Trace, trace
 
 

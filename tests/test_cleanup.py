@@ -430,3 +430,16 @@ def test_public_trace_is_the_function_whatever_was_imported_first() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split()[-2:] == ["function", "True"], done.stdout
+
+
+def test_public_face() -> None:
+    """A sorted ``__all__`` whose every name imports, in a fresh interpreter, in any order."""
+    assert list(qkvtrace.__all__) == sorted(qkvtrace.__all__)
+    code = (
+        "import qkvtrace, qkvtrace.tracer, qkvtrace.report, qkvtrace.diff\n"
+        "missing = [n for n in qkvtrace.__all__ if getattr(qkvtrace, n, None) is None]\n"
+        "assert not missing, missing\n"
+        "assert callable(qkvtrace.trace) and qkvtrace.trace.__module__ == 'qkvtrace.tracer'\n"
+    )
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
