@@ -14,7 +14,6 @@ import torch
 
 __all__ = [
     "fused_sdp_choice",
-    "has_post_accumulate_grad_hook",
     "sdp_backend_name",
     "sdp_backend_names",
     "sdpa_params",
@@ -47,10 +46,6 @@ def sdp_backend_name(value: int) -> str | None:
 def fused_sdp_choice() -> Callable[..., int] | None:
     """PyTorch's own SDPA backend selection function, if it is exposed."""
     return getattr(torch, "_fused_sdp_choice", None)
-
-
-def has_post_accumulate_grad_hook() -> bool:
-    return hasattr(torch.Tensor, "register_post_accumulate_grad_hook")
 
 
 def sdpa_params(

@@ -31,7 +31,8 @@ __all__ = [
 
 TRACE_SCHEMA = "qkvtrace.trace/1"
 
-#: The four paths an attention call can take (DESIGN.md, "Vocabulary").
+#: The four paths an attention call can take (DESIGN.md, "Vocabulary"). A call
+#: whose wrapper evidence is missing (a future PyTorch routing elsewhere) says "unknown".
 PATHS = ("fast", "fallback", "fused_encoder_layer", "sdpa")
 
 

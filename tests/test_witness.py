@@ -491,3 +491,16 @@ def test_untraced_traced_untraced_run_the_same_kernels(name: str, packed_attenti
     assert_identical(first.out, third.out)
     # the tracer still recorded every call while an outer profiler ran
     assert [c.module for c in t.calls] == SCENARIOS[name][1]
+
+
+def test_every_recorded_path_is_in_the_vocabulary() -> None:
+    from qkvtrace.demos import DEMOS
+    from qkvtrace.records import PATHS
+
+    for build in DEMOS.values():
+        model, args = build()
+        for train in (False, True):
+            model.train(train)
+            with qkvtrace.trace(model) as t, torch.set_grad_enabled(train):
+                model(*args)
+            assert t.calls and all(c.path in PATHS for c in t.calls)
