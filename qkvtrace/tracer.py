@@ -377,40 +377,31 @@ class Trace:
 
     def _finish_mha(self, ctx: _Open, out: Any) -> None:
         module = ctx.module
-        assert isinstance(module, nn.MultiheadAttention)
-        f_locals = ctx.local
-        why = f_locals.get("why_not_fast_path")
+        local = ctx.local
         path = ctx.path
         query = ctx.query
-        # masks as PyTorch's own _canonical_mask left them (additive floats)
-        kpm_c = f_locals.get("key_padding_mask")
-        attn_c = f_locals.get("attn_mask")
         inputs = ctx.inputs
-        rows: int | None = None if ctx.error is not None else 0
+        rows: int | None = 0
         if ctx.error is not None:  # the inputs were refused: record them as given, measure nothing
-            kpm_c = attn_c = None
-        inputs["key_padding_mask"] = _mha_mask_info(ctx.kpm, kpm_c)
-        inputs["attn_mask"] = _mha_mask_info(ctx.attn_mask, attn_c)
-        has_mask = isinstance(kpm_c, torch.Tensor) or isinstance(attn_c, torch.Tensor)
-        if has_mask and ctx.error is None and isinstance(query, torch.Tensor) and not query.is_nested:
-            if query.dim() == 3:
-                b, length = (query.shape[0], query.shape[1]) if module.batch_first else (query.shape[1], query.shape[0])
-            else:
-                b, length = 1, query.shape[0]
-            with torch.no_grad():
-                rows = masks.count_fully_masked(
-                    (b, module.num_heads, length),
-                    masks.blocked_by_additive(kpm_c) if isinstance(kpm_c, torch.Tensor) else None,
-                    masks.blocked_by_additive(attn_c) if isinstance(attn_c, torch.Tensor) else None,
-                )
-        layer_reason = self._layer_reason(module) if self._has_layers else None
+            rows = None
+            inputs["key_padding_mask"] = _mha_mask_info(ctx.kpm, None)
+            inputs["attn_mask"] = _mha_mask_info(ctx.attn_mask, None)
+        elif ctx.kpm is None and ctx.attn_mask is None:
+            inputs["key_padding_mask"] = inputs["attn_mask"] = None
+        else:
+            # masks as PyTorch's own _canonical_mask left them (additive floats)
+            kpm_c, attn_c = local.get("key_padding_mask"), local.get("attn_mask")
+            inputs["key_padding_mask"] = _mha_mask_info(ctx.kpm, kpm_c)
+            inputs["attn_mask"] = _mha_mask_info(ctx.attn_mask, attn_c)
+            if isinstance(query, torch.Tensor) and not query.is_nested:
+                rows = _mha_fully_masked(module, query, kpm_c, attn_c)
         call = AttentionCall(
             index=ctx.index,
             module=ctx.name,
             module_type=type(module).__name__,
             path=path or "unknown",
-            why_not_fast_path=None if path == "fast" else why,
-            why_not_fused_layer=layer_reason,
+            why_not_fast_path=None if path == "fast" else local.get("why_not_fast_path"),
+            why_not_fused_layer=self._layer_reason(module) if self._has_layers else None,
             sdpa_backend=ctx.backend,
             aten_ops=ctx.ops,
             inputs=inputs,
@@ -723,6 +714,20 @@ def _bind_mha(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
     if kwargs:
         bound.update(kwargs)
     return bound
+
+
+def _mha_fully_masked(module: nn.MultiheadAttention, query: torch.Tensor, kpm_c: Any, attn_c: Any) -> int:
+    """Query rows of an MHA call whose keys are all blocked by PyTorch's canonical masks."""
+    if query.dim() == 3:
+        b, length = (query.shape[0], query.shape[1]) if module.batch_first else (query.shape[1], query.shape[0])
+    else:
+        b, length = 1, query.shape[0]
+    with torch.no_grad():
+        return masks.count_fully_masked(
+            (b, module.num_heads, length),
+            masks.blocked_by_additive(kpm_c) if isinstance(kpm_c, torch.Tensor) else None,
+            masks.blocked_by_additive(attn_c) if isinstance(attn_c, torch.Tensor) else None,
+        )
 
 
 def _mha_mask_info(original: Any, canonical: Any) -> dict[str, Any] | None:
