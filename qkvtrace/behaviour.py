@@ -16,11 +16,10 @@ expectations. Collection only: no rendering imports.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qkvtrace import compat
+from qkvtrace.errors import first_line
 
 __all__ = ["agreement", "fully_masked_rows", "mask_semantics", "reference_attention", "run_behaviour"]
 
@@ -50,32 +50,12 @@ def reference_attention(
     return weights @ v, weights
 
 
-def _raw_sdpa() -> Callable[..., torch.Tensor]:
-    # The C++ entry itself: unaffected by any wrapper an active trace installs.
-    return torch._C._nn.scaled_dot_product_attention  # type: ignore[no-any-return]
-
-
-@contextlib.contextmanager
-def _backend(name: str | None) -> Iterator[None]:
-    if name is None:
-        yield
-        return
-    enum = compat._sdp_backend_enum()
-    with torch.nn.attention.sdpa_kernel(enum.__members__[name]):
-        yield
-
-
 def _backends() -> list[str]:
     return [n for n in compat.sdp_backend_names().values() if n != "ERROR"]
 
 
 def _round(t: torch.Tensor) -> list[Any]:
     return [[None if math.isnan(x) else round(x, 4) for x in row] for row in t.detach().double().tolist()]
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
 
 
 # -- mask semantics ---------------------------------------------------------
@@ -105,7 +85,7 @@ def _sdpa_weights(mask: torch.Tensor) -> torch.Tensor:
     k = torch.zeros(1, 1, 2, 4)
     v = torch.eye(2).reshape(1, 1, 2, 2)
     with torch.no_grad():
-        return _raw_sdpa()(q, k, v, attn_mask=mask)[0, 0]
+        return compat.raw_sdpa()(q, k, v, attn_mask=mask)[0, 0]
 
 
 def _mha_weights(**masks: torch.Tensor) -> torch.Tensor:
@@ -158,7 +138,7 @@ def mask_semantics() -> list[dict[str, Any]]:
         try:
             record.update(measure())
         except Exception as exc:  # an API this PyTorch lacks or refuses
-            record.update({"true_means": None, "error": _first_line(exc)})
+            record.update({"true_means": None, "error": first_line(exc)})
         out.append(record)
     return out
 
@@ -186,8 +166,8 @@ def _sdpa_fully_masked(backend: str | None, kind: str, dtype: torch.dtype) -> di
         mask = attend if sdpa_bool_true_means() == "attend" else ~attend
     else:
         mask = torch.zeros(3, 3, dtype=dtype).masked_fill(~attend, float("-inf"))
-    with _backend(backend):
-        out = _raw_sdpa()(q, k, v, attn_mask=mask)
+    with compat.forced_backend(backend):
+        out = compat.raw_sdpa()(q, k, v, attn_mask=mask)
     result, values = _result_kind(out[:, :, 0])
     out.float().nan_to_num(0.0).sum().backward()
     finite = all(bool(torch.isfinite(t.grad).all()) for t in (q, k, v) if t.grad is not None)
@@ -235,7 +215,7 @@ def fully_masked_rows() -> list[dict[str, Any]]:
             try:
                 record.update(measure())
             except Exception as exc:  # backend not available here, or the API refuses the input
-                record.update({"result": "error", "values": None, "grad_finite": None, "error": _first_line(exc)})
+                record.update({"result": "error", "values": None, "grad_finite": None, "error": first_line(exc)})
         out.append(record)
     return out  # fmt: skip
 
@@ -284,12 +264,12 @@ def agreement() -> dict[str, Any]:
         for backend in [None, *_backends()]:
             record: dict[str, Any] = {"backend": backend or "default", "dtype": str(dtype).replace("torch.", "")}
             try:
-                with _backend(backend), torch.no_grad():
-                    out = _raw_sdpa()(q.to(dtype), k.to(dtype), v.to(dtype))
+                with compat.forced_backend(backend), torch.no_grad():
+                    out = compat.raw_sdpa()(q.to(dtype), k.to(dtype), v.to(dtype))
                 record["max_abs_diff"] = _sig(float((out.double() - ref).abs().max()))
             except RuntimeError as exc:
                 record["max_abs_diff"] = None
-                record["error"] = _first_line(exc)
+                record["error"] = first_line(exc)
             sdpa.append(record)
 
     torch.manual_seed(0)

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from qkvtrace.errors import InputError
-from qkvtrace.target import first_tensor
+from qkvtrace.target import first_mha, first_tensor
 from qkvtrace.tracer import trace
 
 __all__ = ["CheckReport", "Finding", "run_checks"]
@@ -59,11 +59,8 @@ class CheckReport:
 
 
 def _seq_dim(model: nn.Module) -> int:
-    for m in model.modules():
-        mha = m if isinstance(m, nn.MultiheadAttention) else getattr(m, "self_attn", None)
-        if isinstance(mha, nn.MultiheadAttention):
-            return 1 if mha.batch_first else 0
-    return 1
+    mha = first_mha(model)
+    return 0 if mha is not None and not mha.batch_first else 1
 
 
 @contextlib.contextmanager

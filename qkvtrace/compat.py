@@ -6,14 +6,17 @@ free of version checks and follow whatever the installed PyTorch offers.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 __all__ = [
+    "forced_backend",
     "fused_sdp_choice",
+    "raw_sdpa",
     "sdp_backend_name",
     "sdp_backend_names",
     "sdpa_params",
@@ -41,6 +44,21 @@ def sdp_backend_name(value: int) -> str | None:
     """The member name for a backend number, ``None`` for ``ERROR``/unknown."""
     name = sdp_backend_names().get(int(value))
     return None if name in (None, "ERROR") else name
+
+
+def raw_sdpa() -> Callable[..., torch.Tensor]:
+    """SDPA's C++ entry itself: untouched by the wrappers an active trace installs."""
+    return torch._C._nn.scaled_dot_product_attention  # type: ignore[no-any-return]
+
+
+@contextlib.contextmanager
+def forced_backend(name: str | None) -> Iterator[None]:
+    """``sdpa_kernel`` with the backend of that ``SDPBackend`` name (no-op for ``None``)."""
+    if name is None:
+        yield
+        return
+    with torch.nn.attention.sdpa_kernel(_sdp_backend_enum().__members__[name]):
+        yield
 
 
 def fused_sdp_choice() -> Callable[..., int] | None:

@@ -13,7 +13,7 @@ Every message is one sentence naming the input and what to do about it.
 
 from __future__ import annotations
 
-__all__ = ["InputError", "OutputError", "QkvtraceError", "SchemaError", "TargetError"]
+__all__ = ["InputError", "OutputError", "QkvtraceError", "SchemaError", "TargetError", "first_line"]
 
 
 class QkvtraceError(Exception):
@@ -34,3 +34,9 @@ class OutputError(QkvtraceError):
 
 class SchemaError(QkvtraceError):
     """A JSON document of an unknown or newer schema."""
+
+
+def first_line(exc: BaseException) -> str:
+    """``"RuntimeError: <first line of the message>"``, for records of what PyTorch refused."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}".strip()

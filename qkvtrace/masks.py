@@ -13,6 +13,7 @@ import functools
 
 import torch
 
+from qkvtrace import compat
 from qkvtrace.records import MaskInfo
 
 __all__ = ["count_fully_masked", "mask_info", "sdpa_bool_true_means"]
@@ -27,13 +28,12 @@ def sdpa_bool_true_means() -> str:
     One query, two keys with equal scores, values 1 and 2; the mask is
     ``[True, False]``. Output 1 means only the first key was read.
     """
-    raw_sdpa = torch._C._nn.scaled_dot_product_attention
     q = torch.zeros(1, 1, 1, 1)
     k = torch.zeros(1, 1, 2, 1)
     v = torch.tensor([[[[1.0], [2.0]]]])
     mask = torch.tensor([[True, False]])
     with torch.no_grad():
-        out = float(raw_sdpa(q, k, v, attn_mask=mask))
+        out = float(compat.raw_sdpa()(q, k, v, attn_mask=mask))
     return "attend" if abs(out - 1.0) < 1e-4 else "ignore"
 
 

@@ -183,20 +183,16 @@ class KernelEvidence:
 
     def _calibrate(self, device_type: str) -> None:
         """Force each SDPA backend on a tiny input and note the kernel it runs."""
-        attention = getattr(torch.nn, "attention", None)
-        sdpa_kernel = getattr(attention, "sdpa_kernel", None)
-        if sdpa_kernel is None or torch.autograd._profiler_enabled():
+        if torch.autograd._profiler_enabled():
             return
         dtype = torch.float16 if device_type == "cuda" else torch.float32
         q = torch.randn(1, 2, 8, 16, device=device_type, dtype=dtype)
-        raw_sdpa = torch._C._nn.scaled_dot_product_attention
         for name in compat.sdp_backend_names().values():
             if name == "ERROR":
                 continue
-            backend = compat._sdp_backend_enum().__members__[name]
             try:
-                with sdpa_kernel(backend):
-                    _, ops = KernelEvidence().run(("calibrate",), raw_sdpa, q, q, q)
+                with compat.forced_backend(name):
+                    _, ops = KernelEvidence().run(("calibrate",), compat.raw_sdpa(), q, q, q)
             except RuntimeError:  # backend not available on this device/build
                 continue
             for op in ops or []:

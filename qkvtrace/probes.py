@@ -10,13 +10,12 @@ on this PyTorch records the error instead.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import itertools
 import sys
 import types
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qkvtrace import compat
+from qkvtrace.errors import first_line
 from qkvtrace.tracer import trace
 
 __all__ = ["SCENARIOS", "Scenario", "run_scenarios"]
@@ -170,23 +170,12 @@ def _sdpa(
             model.eval()
             x = _x(2, 6, 32)
             mask = torch.ones(6, 6, dtype=torch.bool).tril() if masked else None
-            with torch.no_grad(), _forced(backend):
+            with torch.no_grad(), compat.forced_backend(backend):
                 return model(x, mask)
 
         return block, run
 
     return build
-
-
-@contextlib.contextmanager
-def _forced(backend: str | None) -> Iterator[None]:
-    if backend is None:
-        yield
-        return
-    attention = getattr(torch.nn, "attention", None)
-    enum = compat._sdp_backend_enum()
-    with attention.sdpa_kernel(enum.__members__[backend]):  # type: ignore[union-attr]
-        yield
 
 
 def _scenarios() -> list[Scenario]:
@@ -267,11 +256,6 @@ def _scenarios() -> list[Scenario]:
 
 
 SCENARIOS: list[Scenario] = _scenarios()
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}".strip()
 
 
 class _CallRecorder:
@@ -361,7 +345,7 @@ def run_scenarios(
                 record["error"] = None
             except Exception as exc:  # a scenario this PyTorch cannot run
                 record["calls"] = []
-                record["error"] = _first_line(exc)
+                record["error"] = first_line(exc)
             if objects and record["error"] is None:
                 recorder = _CallRecorder(objects)
                 model, run = scenario.build()

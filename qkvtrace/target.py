@@ -22,7 +22,7 @@ from torch import nn
 from qkvtrace.demos import DEMOS
 from qkvtrace.errors import InputError, TargetError
 
-__all__ = ["Loaded", "first_tensor", "load_target", "synthesize_inputs"]
+__all__ = ["Loaded", "first_mha", "first_tensor", "load_target", "synthesize_inputs"]
 
 _FORM = "package.module:callable, path/to/file.py:callable or demo:NAME"
 
@@ -142,12 +142,11 @@ def synthesize_inputs(model: nn.Module, batch: int, length: int) -> tuple[Any, .
     first_leaf = next((m for m in model.modules() if not list(m.children())), None)
     if isinstance(first_leaf, nn.Embedding):
         return (torch.randint(0, first_leaf.num_embeddings, (batch, length)),)
-    for m in model.modules():
-        mha = m if isinstance(m, nn.MultiheadAttention) else getattr(m, "self_attn", None)
-        if isinstance(mha, nn.MultiheadAttention):
-            shape = (batch, length, mha.embed_dim) if mha.batch_first else (length, batch, mha.embed_dim)
-            x = torch.randn(*shape)
-            return (x, x, x) if model is mha else (x,)
+    mha = first_mha(model)
+    if mha is not None:
+        shape = (batch, length, mha.embed_dim) if mha.batch_first else (length, batch, mha.embed_dim)
+        x = torch.randn(*shape)
+        return (x, x, x) if model is mha else (x,)
     raise InputError(
         f"cannot make example inputs for {type(model).__name__}: it starts with neither "
         "nn.Embedding nor an attention layer; return (model, example_inputs) from your factory"
@@ -163,4 +162,13 @@ def first_tensor(out: Any) -> torch.Tensor | None:
         found = first_tensor(item)
         if found is not None:
             return found
+    return None
+
+
+def first_mha(model: nn.Module) -> nn.MultiheadAttention | None:
+    """The first ``MultiheadAttention`` of a model (or of its first encoder/decoder layer)."""
+    for m in model.modules():
+        mha = m if isinstance(m, nn.MultiheadAttention) else getattr(m, "self_attn", None)
+        if isinstance(mha, nn.MultiheadAttention):
+            return mha
     return None

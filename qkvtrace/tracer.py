@@ -102,6 +102,16 @@ def _nan_count(t: Any) -> int | None:
     return int(torch.isnan(t).sum())
 
 
+def _modes(module: nn.Module) -> dict[str, bool]:
+    """The switches that decide PyTorch's paths, as they were when the call ran."""
+    return {
+        "training": bool(module.training),
+        "grad_enabled": torch.is_grad_enabled(),
+        "inference_mode": torch.is_inference_mode_enabled(),
+        "autocast": torch.is_autocast_enabled(),
+    }
+
+
 _DTYPE_NAMES: dict[Any, str] = {}
 
 
@@ -345,10 +355,7 @@ class Trace:
             "average_attn_weights": bool(a["average_attn_weights"]),
             "is_causal": bool(a["is_causal"]),
             "self_attention": query is key and key is value,
-            "training": bool(module.training),
-            "grad_enabled": torch.is_grad_enabled(),
-            "inference_mode": torch.is_inference_mode_enabled(),
-            "autocast": torch.is_autocast_enabled(),
+            **_modes(module),
         }
         self._stack.append(ctx)
         try:
@@ -477,10 +484,7 @@ class Trace:
                 "merged_mask": mask_record,
                 "mask_type": mask_type,
                 "is_causal": False,
-                "training": bool(layer.training),
-                "grad_enabled": torch.is_grad_enabled(),
-                "inference_mode": torch.is_inference_mode_enabled(),
-                "autocast": torch.is_autocast_enabled(),
+                **_modes(layer),
             },
             qkv=self._norms.qkv(mha, self._spec(mha)),
             output={"nan_count": _nan_count(out), "fully_masked_rows": rows},
@@ -630,10 +634,7 @@ class Trace:
                 "attn_mask": mask_record,
                 "is_causal": is_causal,
                 "dropout_p": dropout_p,
-                "training": bool(owner.training),
-                "grad_enabled": torch.is_grad_enabled(),
-                "inference_mode": torch.is_inference_mode_enabled(),
-                "autocast": torch.is_autocast_enabled(),
+                **_modes(owner),
             },
             qkv=qkv,
             output={"nan_count": _nan_count(out), "fully_masked_rows": rows},
