@@ -24,6 +24,7 @@ __all__ = [
     "SliceInfo",
     "Trace",
     "TraceResult",
+    "Unobserved",
     "__version__",
     "collect_report",
     "diff_reports",
@@ -41,6 +42,7 @@ _WHERE = {
     "SliceGrad": "qkvtrace.records",
     "SliceInfo": "qkvtrace.records",
     "TraceResult": "qkvtrace.records",
+    "Unobserved": "qkvtrace.records",
     "QkvtraceError": "qkvtrace.errors",
     "Trace": "qkvtrace.tracer",
     "trace": "qkvtrace.tracer",
@@ -64,6 +66,7 @@ if TYPE_CHECKING:
         SliceGrad,
         SliceInfo,
         TraceResult,
+        Unobserved,
     )
     from qkvtrace.report import collect_report
     from qkvtrace.reportio import load_report

@@ -15,6 +15,8 @@ import torch
 
 __all__ = [
     "forced_backend",
+    "is_compiling",
+    "torchscript_builtins",
     "fused_sdp_choice",
     "raw_sdpa",
     "sdp_backend_name",
@@ -108,3 +110,41 @@ def sdpa_refusal_checks() -> dict[str, Callable[..., bool]]:
             continue
         checks[backend] = fn
     return checks
+
+
+def _is_compiling_fn() -> Callable[[], bool]:
+    compiler = getattr(torch, "compiler", None)
+    fn = getattr(compiler, "is_compiling", None)
+    if fn is None:
+        fn = getattr(getattr(torch, "_dynamo", None), "is_compiling", None)
+    return fn if fn is not None else (lambda: False)
+
+
+#: ``torch.compiler.is_compiling`` (or its older home): True while Dynamo traces a frame.
+is_compiling: Callable[[], bool] = _is_compiling_fn()
+
+
+def torchscript_builtins() -> dict[int, str] | None:
+    """TorchScript's table of builtin functions (``id(fn) -> "aten::op"``), built if needed."""
+    builtins_mod = getattr(getattr(torch, "jit", None), "_builtins", None)
+    get_table = getattr(builtins_mod, "_get_builtin_table", None)
+    if get_table is None:
+        return None
+    table = get_table()
+    return table if isinstance(table, dict) else None
+
+
+def compiled_module_types() -> tuple[type, ...]:
+    """Wrapper types ``torch.compile`` returns for a module (``OptimizedModule``)."""
+    found: list[type] = []
+    eval_frame = getattr(getattr(torch, "_dynamo", None), "eval_frame", None)
+    optimized = getattr(eval_frame, "OptimizedModule", None)
+    if isinstance(optimized, type):
+        found.append(optimized)
+    return tuple(found)
+
+
+def scripted_module_types() -> tuple[type, ...]:
+    """TorchScript module types (``torch.jit.ScriptModule``)."""
+    script_module = getattr(getattr(torch, "jit", None), "ScriptModule", None)
+    return (script_module,) if isinstance(script_module, type) else ()

@@ -5,6 +5,10 @@ Boolean masks mean different things to different APIs (seed section 6.3):
 ``nn.MultiheadAttention``'s masks. Nothing here assumes either: SDPA's meaning
 is measured on a two-key example, and MHA's masks are read after PyTorch's
 own ``F._canonical_mask`` turned them into additive float masks.
+
+Counts are returned as 0-dim tensors and small position lists as
+:class:`~qkvtrace.lazy.Deferred` values: nothing is read back to the host
+while a trace is open.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import functools
 import torch
 
 from qkvtrace import compat
+from qkvtrace.lazy import Deferred
 from qkvtrace.records import MaskInfo
 
 __all__ = ["count_fully_masked", "mask_info", "sdpa_bool_true_means"]
@@ -37,20 +42,24 @@ def sdpa_bool_true_means() -> str:
     return "attend" if abs(out - 1.0) < 1e-4 else "ignore"
 
 
-def mask_info(mask: torch.Tensor, blocked: torch.Tensor, true_means: str | None) -> MaskInfo:
-    """Describe ``mask`` given the boolean tensor of what it blocks."""
-    n_blocked = int(blocked.sum())
-    positions = None
-    if blocked.numel() <= _MAX_LISTED:
-        positions = [list(map(int, idx)) for idx in blocked.nonzero().tolist()]
+def _positions(blocked: torch.Tensor) -> Deferred:
+    small = blocked.detach().clone()
+    return Deferred(lambda: [list(map(int, idx)) for idx in small.nonzero().tolist()])
+
+
+def mask_info(
+    mask: torch.Tensor, blocked: torch.Tensor, true_means: str | Deferred | None, kind: str | None = None
+) -> MaskInfo:
+    """Describe ``mask`` given the boolean tensor of what it blocks (counts stay on the device)."""
+    is_bool = mask.dtype == torch.bool
     return MaskInfo(
-        kind="bool" if mask.dtype == torch.bool else "float",
+        kind=kind or ("bool" if is_bool else "float"),
         dtype=str(mask.dtype),
         shape=list(mask.shape),
-        true_means=true_means if mask.dtype == torch.bool else None,
-        blocked=n_blocked,
+        true_means=true_means if is_bool else None,  # type: ignore[arg-type]  # resolved later
+        blocked=blocked.sum(),  # type: ignore[arg-type]
         total=blocked.numel(),
-        blocked_positions=positions,
+        blocked_positions=_positions(blocked) if blocked.numel() <= _MAX_LISTED else None,  # type: ignore[arg-type]
     )
 
 
@@ -59,24 +68,22 @@ def blocked_by_additive(mask: torch.Tensor) -> torch.Tensor:
     return torch.isneginf(mask)
 
 
-def true_means_from_canonical(original: torch.Tensor, canonical: torch.Tensor) -> str | None:
-    """Compare a bool mask with PyTorch's additive version of it."""
+def true_means_from_canonical(original: torch.Tensor, canonical: torch.Tensor) -> Deferred | None:
+    """Compare a bool mask with PyTorch's additive version of it (decided when resolved)."""
     if original.dtype != torch.bool or original.numel() == 0:
         return None
     blocked = torch.isneginf(canonical).reshape(original.shape)
-    if torch.equal(blocked, original):
-        return "ignore"
-    if torch.equal(blocked, ~original):
-        return "attend"
-    return None
+    same = torch.eq(blocked, original).all()
+    opposite = torch.eq(blocked, ~original).all()
+    return Deferred(lambda: "ignore" if bool(same) else ("attend" if bool(opposite) else None))
 
 
 def count_fully_masked(
     query_rows: tuple[int, int, int],
     key_padding_blocked: torch.Tensor | None,
     attn_blocked: torch.Tensor | None,
-) -> int:
-    """Query rows whose keys are all blocked.
+) -> torch.Tensor | int:
+    """Query rows whose keys are all blocked (a 0-dim tensor; ``0`` without masks).
 
     ``query_rows`` is ``(batch, heads, length)``. ``key_padding_blocked`` is
     ``(B, S)``; ``attn_blocked`` is ``(L, S)``, ``(B*H, L, S)`` or anything
@@ -101,4 +108,4 @@ def count_fully_masked(
         blocked = blocked | p
     fully = blocked.all(dim=-1)  # (B|1, H'|1, L|1)
     heads = fully.shape[1]
-    return int(fully.expand(b, heads, length).sum())
+    return fully.expand(b, heads, length).sum()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 import warnings
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any
@@ -23,8 +24,10 @@ from typing import Any
 import torch
 
 from qkvtrace import compat
+from qkvtrace.records import EVIDENCE_CACHED, EVIDENCE_WITNESSED
 
 __all__ = [
+    "UNAVAILABLE_PROFILER",
     "KernelEvidence",
     "is_attention_op",
     "quiet_native_stderr",
@@ -133,37 +136,54 @@ def quiet_native_stderr() -> Iterator[None]:
         os.close(devnull)
 
 
+_MARK = "qkvtrace::evidence"
+UNAVAILABLE_PROFILER = "unavailable: another profiler was active and this call signature was not witnessed before"
+
+
 class KernelEvidence:
-    """Attention ``aten::`` ops per call signature, seen by the profiler once each."""
+    """Attention ``aten::`` ops per call signature, seen by the profiler once each.
+
+    Thread-safe: one profiler run at a time (profilers do not nest), and only
+    the events of the calling thread inside a marker range are kept, so a
+    call in another thread cannot lend its kernels to this one.
+    """
 
     def __init__(self) -> None:
         self._ops: dict[Hashable, list[str]] = {}
         self._kernel_backend: dict[tuple[str, str], str] = {}
+        self._lock = threading.Lock()
 
-    def run(self, key: Hashable, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, list[str] | None]:
-        """Call ``fn`` and return its result with the attention ops it ran.
+    def run(self, key: Hashable, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, list[str] | None, str]:
+        """Call ``fn``; return its result, the attention ops it ran and the evidence for them.
 
-        ``None`` for the ops means there is no evidence: another profiler was
-        already running (profilers do not nest).
+        The evidence is ``"witnessed"`` (profiled now), ``"cached"`` (an
+        identical signature was profiled earlier in this process) or
+        ``"unavailable: ..."`` with ``None`` for the ops (another profiler was
+        running: profilers do not nest, and nothing is made up in its place).
         """
         key = (key, sdp_flags())  # switching a backend off can change what runs
         known = self._ops.get(key)
         if known is not None:
-            return fn(*args, **kwargs), known
-        if torch.autograd._profiler_enabled():
-            return fn(*args, **kwargs), None
-        prof = torch.autograd.profiler.profile()
-        with quiet_native_stderr():
-            prof.__enter__()
+            return fn(*args, **kwargs), known, EVIDENCE_CACHED
+        if torch.autograd._profiler_enabled() or not self._lock.acquire(blocking=False):
+            return fn(*args, **kwargs), None, UNAVAILABLE_PROFILER
         try:
-            result = fn(*args, **kwargs)
-        finally:
+            if torch.autograd._profiler_enabled():
+                return fn(*args, **kwargs), None, UNAVAILABLE_PROFILER
+            prof = torch.autograd.profiler.profile()
             with quiet_native_stderr():
-                prof.__exit__(None, None, None)
-        events = sorted(prof.function_events, key=lambda e: e.time_range.start)
-        ops = [e.name for e in events if is_attention_op(e.name)]
+                prof.__enter__()
+            try:
+                with torch.autograd.profiler.record_function(_MARK):
+                    result = fn(*args, **kwargs)
+            finally:
+                with quiet_native_stderr():
+                    prof.__exit__(None, None, None)
+        finally:
+            self._lock.release()
+        ops = _ops_inside_mark(prof.function_events)
         self._ops[key] = ops
-        return result, ops
+        return result, ops, EVIDENCE_WITNESSED
 
     def learn(self, device_type: str, kernel_op: str, backend: str) -> None:
         """Remember that ``kernel_op`` is how ``backend`` ran on this device."""
@@ -181,6 +201,11 @@ class KernelEvidence:
                 return backend
         return None
 
+    def calibrate_once(self, device_type: str) -> None:
+        """Learn each backend's kernel on this device, if not yet learned."""
+        if not any(dev == device_type for dev, _ in self._kernel_backend):
+            self._calibrate(device_type)
+
     def _calibrate(self, device_type: str) -> None:
         """Force each SDPA backend on a tiny input and note the kernel it runs."""
         if torch.autograd._profiler_enabled():
@@ -192,12 +217,27 @@ class KernelEvidence:
                 continue
             try:
                 with compat.forced_backend(name):
-                    _, ops = KernelEvidence().run(("calibrate",), compat.raw_sdpa(), q, q, q)
+                    _, ops, _ = KernelEvidence().run(("calibrate",), compat.raw_sdpa(), q, q, q)
             except RuntimeError:  # backend not available on this device/build
                 continue
             for op in ops or []:
                 if op != "aten::scaled_dot_product_attention":
                     self.learn(device_type, op, name)
+
+
+def _ops_inside_mark(events: Any) -> list[str]:
+    """Attention ops of the marker's thread inside the marker's time range, in order."""
+    marks = [e for e in events if e.name == _MARK]
+    if not marks:
+        return []
+    mark = marks[0]
+    start, end = mark.time_range.start, mark.time_range.end
+    inside = [
+        e for e in events
+        if e.thread == mark.thread and start <= e.time_range.start <= end and is_attention_op(e.name)
+    ]  # fmt: skip
+    inside.sort(key=lambda e: e.time_range.start)
+    return [e.name for e in inside]
 
 
 def sdp_flags() -> tuple[bool | None, ...]:

@@ -26,14 +26,21 @@ __all__ = [
     "SliceGrad",
     "SliceInfo",
     "TraceResult",
+    "Unobserved",
     "atomic_write_text",
 ]
 
 TRACE_SCHEMA = "qkvtrace.trace/1"
 
-#: The four paths an attention call can take (DESIGN.md, "Vocabulary"). A call
+#: The paths an attention call can take (DESIGN.md, "Vocabulary"). A call
 #: whose wrapper evidence is missing (a future PyTorch routing elsewhere) says "unknown".
-PATHS = ("fast", "fallback", "fused_encoder_layer", "sdpa")
+PATHS = ("fast", "fallback", "fused_encoder_layer", "sdpa", "flex")
+
+#: ``evidence`` of a call's ``aten_ops``: seen by qkvtrace's own profiler run of
+#: this call, or of an identical call signature earlier in this process; else
+#: ``"unavailable: <why>"`` with ``aten_ops`` null.
+EVIDENCE_WITNESSED = "witnessed"
+EVIDENCE_CACHED = "cached"
 
 
 @dataclass(slots=True)
@@ -71,6 +78,9 @@ class SliceInfo:
     #: Norm of the projected tensor handed to the kernel (only where the
     #: tracer sees it: direct SDPA calls); ``None`` elsewhere.
     activation_norm: float | None = None
+    #: The weight dimension ``rows`` index: 0 for ``nn.Linear``-style ``[out, in]``
+    #: weights, 1 for ``Conv1D``-style ``[in, out]`` weights (then ``rows`` are columns).
+    dim: int = 0
 
 
 @dataclass(slots=True)
@@ -83,6 +93,11 @@ class QKVInfo:
     q: SliceInfo | None
     k: SliceInfo | None
     v: SliceInfo | None
+    #: Dotted name (in the trace) of the module holding the projection, when it
+    #: is not the call's own module (e.g. the parent of a small "attend" module).
+    holder: str | None = None
+    #: Why no projection was identified (``layout`` is ``None``).
+    reason: str | None = None
 
 
 @dataclass(slots=True)
@@ -93,7 +108,7 @@ class AttentionCall:
     #: Dotted module name inside the traced model, ``""`` for the root.
     module: str
     module_type: str
-    #: ``fast``, ``fallback``, ``fused_encoder_layer`` or ``sdpa``.
+    #: ``fast``, ``fallback``, ``fused_encoder_layer``, ``sdpa`` or ``flex``.
     path: str
     #: PyTorch's own reason, verbatim; ``None`` when the fast path ran or the
     #: call never went through ``MultiheadAttention.forward``.
@@ -103,8 +118,9 @@ class AttentionCall:
     why_not_fused_layer: str | None
     #: ``SDPBackend`` member name of the kernel that ran, ``None`` if no SDPA ran.
     sdpa_backend: str | None
-    #: ``aten::...`` names of the attention kernels that ran for the call.
-    aten_ops: list[str]
+    #: ``aten::...`` names of the attention kernels that ran for the call;
+    #: ``None`` when there is no evidence (see ``evidence``).
+    aten_ops: list[str] | None
     #: Shapes, dtypes, masks and modes of the call.
     inputs: dict[str, Any]
     qkv: QKVInfo
@@ -114,6 +130,12 @@ class AttentionCall:
     sdpa_refusals: dict[str, list[str]] | None = None
     #: The exception the call raised (the trace records it; it still propagates).
     error: str | None = None
+    #: Where ``aten_ops`` come from: ``"witnessed"`` (qkvtrace's profiler saw this
+    #: call), ``"cached"`` (it saw an identical call signature earlier in this
+    #: process) or ``"unavailable: <why>"`` (then ``aten_ops`` is ``None``).
+    evidence: str = EVIDENCE_WITNESSED
+    #: Name of the thread that made the call (``threading.current_thread().name``).
+    thread: str | None = None
 
 
 @dataclass(slots=True)
@@ -141,6 +163,17 @@ class GradientRecord:
     v: SliceGrad
 
 
+@dataclass(slots=True)
+class Unobserved:
+    """A module that looks like attention but made no call the trace recorded."""
+
+    module: str
+    module_type: str
+    #: Why the tracer did not see it (hand-written attention, a compiled or
+    #: scripted region, an entry point it does not wrap).
+    reason: str
+
+
 @dataclass
 class TraceResult:
     """Everything one trace observed."""
@@ -148,6 +181,10 @@ class TraceResult:
     calls: list[AttentionCall] = field(default_factory=list)
     gradients: list[GradientRecord] = field(default_factory=list)
     torch_version: str = ""
+    #: Attention-looking modules with no recorded call: silence is not absence.
+    unobserved: list[Unobserved] = field(default_factory=list)
+    #: What the trace could not see or do, in sentences (compiled regions...).
+    warnings: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """The ``qkvtrace.trace/1`` JSON object."""
@@ -156,6 +193,8 @@ class TraceResult:
             "torch_version": self.torch_version,
             "calls": [asdict(c) for c in self.calls],
             "gradients": [asdict(g) for g in self.gradients],
+            "unobserved": [asdict(u) for u in self.unobserved],
+            "warnings": list(self.warnings),
         }
 
     def to_json(self) -> str:
@@ -190,6 +229,8 @@ class TraceResult:
             c = dict(c)
             c["qkv"] = QKVInfo(
                 layout=qkv["layout"],
+                holder=qkv.get("holder"),
+                reason=qkv.get("reason"),
                 **{part: (SliceInfo(**qkv[part]) if qkv[part] is not None else None) for part in ("q", "k", "v")},
             )
             calls.append(AttentionCall(**c))
@@ -201,7 +242,14 @@ class TraceResult:
             )
             for g in data["gradients"]
         ]
-        return cls(calls=calls, gradients=grads, torch_version=data.get("torch_version", ""))
+        unobserved = [Unobserved(**u) for u in data.get("unobserved", [])]
+        return cls(
+            calls=calls,
+            gradients=grads,
+            torch_version=data.get("torch_version", ""),
+            unobserved=unobserved,
+            warnings=list(data.get("warnings", [])),
+        )
 
 
 def atomic_write_text(path: Path, text: str) -> Path:

@@ -4,14 +4,23 @@
 ``[2E,3E)`` of one ``in_proj_weight`` (layout ``packed``) unless ``kdim`` or
 ``vdim`` differ from ``embed_dim``, when it keeps ``q_proj_weight``,
 ``k_proj_weight`` and ``v_proj_weight`` (layout ``separate``). The bias stays
-packed in ``in_proj_bias`` either way. Custom modules that call SDPA
-themselves are searched for a packed ``Linear(E, 3E)`` child or for
-``q``/``k``/``v`` ``Linear`` children.
+packed in ``in_proj_bias`` either way.
+
+Modules that call SDPA themselves are searched for a packed projection -- a
+``Linear(E, 3E)``, or a ``Conv1D``-style module whose weight is stored
+transposed as ``[E, 3E]`` (GPT-2) -- or for ``q``/``k``/``v`` projections,
+first among their own children, then among their parent's (an attention
+module that hands the kernel call to a small child module).
+
+Norms are computed on the device and returned as 0-dim tensors: nothing here
+reads a value back to the host (DESIGN.md, principle 7); the tracer resolves
+them when the block ends.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -19,9 +28,19 @@ from torch import nn
 
 from qkvtrace.records import QKVInfo, SliceGrad, SliceInfo
 
-__all__ = ["NormCache", "PartSpec", "ProjectionSpec", "find_projection", "grad_slices", "slice_norms_of"]
+__all__ = [
+    "NormCache",
+    "PartSpec",
+    "Projection",
+    "ProjectionSpec",
+    "find_projection",
+    "grad_slices",
+    "slice_norms_of",
+]
 
 PARTS = ("q", "k", "v")
+
+Rows = tuple[int, int] | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,9 +48,11 @@ class PartSpec:
     """Where one of Q, K, V lives inside a module."""
 
     param: str
-    rows: tuple[int, int] | None
+    rows: Rows
     bias_param: str | None
-    bias_rows: tuple[int, int] | None
+    bias_rows: Rows
+    #: the weight dimension ``rows`` index (1 for ``[in, out]`` Conv1D weights)
+    dim: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +64,14 @@ class ProjectionSpec:
 
     def parts(self) -> tuple[tuple[str, PartSpec], ...]:
         return (("q", self.q), ("k", self.k), ("v", self.v))
+
+
+@dataclass(frozen=True, slots=True)
+class Projection:
+    """A found projection: ``spec``'s parameter names are relative to ``holder``."""
+
+    holder: nn.Module
+    spec: ProjectionSpec
 
 
 def _mha_spec(module: nn.MultiheadAttention) -> ProjectionSpec:
@@ -67,38 +96,70 @@ _SEPARATE_NAMES = {
 }
 
 
-def _linear_part(name: str, lin: nn.Linear, rows: tuple[int, int] | None) -> PartSpec:
-    bias = f"{name}.bias" if lin.bias is not None else None
-    return PartSpec(f"{name}.weight", rows, bias, rows if bias else None)
+def _weight_layout(module: nn.Module) -> tuple[int, int, int] | None:
+    """``(in_features, out_features, out_dim)`` of a projection module, or ``None``.
+
+    ``nn.Linear`` keeps ``[out, in]``; a ``Conv1D``-style module (a leaf with
+    a 2-D ``weight`` and an ``nf`` attribute equal to its second dimension)
+    keeps ``[in, out]``.
+    """
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features, 0
+    weight = getattr(module, "weight", None)
+    nf = getattr(module, "nf", None)
+    if isinstance(weight, nn.Parameter) and weight.dim() == 2 and isinstance(nf, int) and weight.shape[1] == nf:
+        return int(weight.shape[0]), nf, 1
+    return None
 
 
-def find_projection(module: nn.Module) -> ProjectionSpec | None:
-    """The Q/K/V projection of an attention module, or ``None`` if not found."""
+def _part(name: str, module: nn.Module, rows: Rows, dim: int) -> PartSpec:
+    bias = f"{name}.bias" if getattr(module, "bias", None) is not None else None
+    return PartSpec(f"{name}.weight", rows, bias, rows if bias else None, dim)
+
+
+def _own_projection(module: nn.Module) -> ProjectionSpec | None:
     if isinstance(module, nn.MultiheadAttention):
         return _mha_spec(module)
-    linears = {n: m for n, m in module.named_children() if isinstance(m, nn.Linear)}
-    for name, lin in linears.items():
-        if lin.out_features == 3 * lin.in_features:
-            e = lin.in_features
-            rows = [(0, e), (e, 2 * e), (2 * e, 3 * e)]
-            return ProjectionSpec("packed", *(_linear_part(name, lin, r) for r in rows))
+    layouts = {n: (m, lay) for n, m in module.named_children() if (lay := _weight_layout(m)) is not None}
+    for name, (child, (fan_in, fan_out, dim)) in layouts.items():
+        if fan_out == 3 * fan_in:
+            rows = [(0, fan_in), (fan_in, 2 * fan_in), (2 * fan_in, 3 * fan_in)]
+            return ProjectionSpec("packed", *(_part(name, child, r, dim) for r in rows))
     found: dict[str, PartSpec] = {}
     for part, pattern in _SEPARATE_NAMES.items():
-        for name, lin in linears.items():
+        for name, (child, (_, _, dim)) in layouts.items():
             if pattern.match(name):
-                found[part] = _linear_part(name, lin, None)
+                found[part] = _part(name, child, None, dim)
                 break
     if len(found) == 3:
         return ProjectionSpec("separate", found["q"], found["k"], found["v"])
     return None
 
 
-def _rows(t: torch.Tensor, rows: tuple[int, int] | None) -> torch.Tensor:
-    return t if rows is None else t[rows[0] : rows[1]]
+def find_projection(module: nn.Module, parents: Sequence[nn.Module] = ()) -> Projection | str:
+    """The Q/K/V projection of an attention module, or why none was found.
+
+    ``parents`` are the module's ancestors, innermost first; they are searched
+    after the module itself.
+    """
+    for holder in (module, *parents):
+        spec = _own_projection(holder)
+        if spec is not None:
+            return Projection(holder, spec)
+    where = "its children" + (" or its parent's" if parents else "")
+    return (
+        f"no packed Linear(E, 3E) / Conv1D(E, 3E) or q/k/v-named projections among {where}; "
+        "the Q/K/V slices are unknown"
+    )
 
 
-def _norm(t: torch.Tensor) -> float:
-    return float(torch.linalg.vector_norm(t.detach().float()))
+def _rows(t: torch.Tensor, rows: Rows, dim: int = 0) -> torch.Tensor:
+    return t if rows is None else t.narrow(dim, rows[0], rows[1] - rows[0])
+
+
+def _norm(t: torch.Tensor) -> torch.Tensor:
+    """A 0-dim float tensor on ``t``'s device (no host read)."""
+    return torch.linalg.vector_norm(t.detach().float())
 
 
 class NormCache:
@@ -109,23 +170,24 @@ class NormCache:
     """
 
     def __init__(self) -> None:
-        self._cache: dict[tuple[int, int, tuple[int, int] | None], float] = {}
+        self._cache: dict[tuple[int, int, Rows, int], torch.Tensor] = {}
         self._qkv: dict[tuple[int, tuple[int, ...]], QKVInfo] = {}
         self._params: dict[int, list[torch.Tensor]] = {}
 
-    def norm(self, param: torch.Tensor, rows: tuple[int, int] | None) -> float:
-        key = (id(param), param._version, rows)
+    def norm(self, param: torch.Tensor, rows: Rows, dim: int = 0) -> torch.Tensor:
+        key = (id(param), param._version, rows, dim)
         value = self._cache.get(key)
         if value is None:
             with torch.no_grad():
-                value = _norm(_rows(param, rows))
+                value = _norm(_rows(param, rows, dim))
             self._cache[key] = value
         return value
 
-    def qkv(self, module: nn.Module, spec: ProjectionSpec | None) -> QKVInfo:
+    def qkv(self, projection: Projection | str) -> QKVInfo:
         """Q/K/V slice records; calls with unchanged parameters share one record."""
-        if spec is None:
-            return QKVInfo(layout=None, q=None, k=None, v=None)
+        if isinstance(projection, str):
+            return QKVInfo(layout=None, q=None, k=None, v=None, reason=projection)
+        module, spec = projection.holder, projection.spec
         params = self._params.get(id(module))
         if params is None:
             names = {n for _, ps in spec.parts() for n in (ps.param, ps.bias_param) if n is not None}
@@ -137,7 +199,7 @@ class NormCache:
         infos = {}
         for part, ps in spec.parts():
             weight = module.get_parameter(ps.param)
-            w = _rows(weight, ps.rows)
+            w = _rows(weight, ps.rows, ps.dim)
             bias_norm = None
             if ps.bias_param is not None:
                 bias_norm = self.norm(module.get_parameter(ps.bias_param), ps.bias_rows)
@@ -145,9 +207,10 @@ class NormCache:
                 param=ps.param,
                 rows=list(ps.rows) if ps.rows else None,
                 shape=list(w.shape),
-                weight_norm=self.norm(weight, ps.rows),
+                weight_norm=self.norm(weight, ps.rows, ps.dim),  # type: ignore[arg-type]  # resolved later
                 bias_param=ps.bias_param,
-                bias_norm=bias_norm,
+                bias_norm=bias_norm,  # type: ignore[arg-type]
+                dim=ps.dim,
             )
         info = QKVInfo(layout=spec.layout, **infos)
         self._qkv[key] = info
@@ -155,29 +218,29 @@ class NormCache:
 
 
 def grad_slices(
-    module: nn.Module,
-    spec: ProjectionSpec,
-    pass_norms: dict[tuple[str, tuple[int, int] | None], float],
+    projection: Projection,
+    pass_norms: dict[tuple[str, Rows], torch.Tensor],
 ) -> dict[str, SliceGrad]:
-    """Slice norms of the real ``.grad``, and of this pass's gradient (``pass_norms``)."""
+    """Slice norms of the real ``.grad``, and of this pass's gradient (``pass_norms``), as 0-dim tensors."""
+    module, spec = projection.holder, projection.spec
 
-    def real(name: str | None, rows: tuple[int, int] | None) -> float | None:
+    def real(name: str | None, rows: Rows, dim: int = 0) -> torch.Tensor | None:
         if name is None:
             return None
         grad = module.get_parameter(name).grad
-        return None if grad is None else _norm(_rows(grad, rows))
+        return None if grad is None else _norm(_rows(grad, rows, dim))
 
     return {
         part: SliceGrad(
-            grad_norm=real(ps.param, ps.rows),
-            bias_grad_norm=real(ps.bias_param, ps.bias_rows),
-            pass_grad_norm=pass_norms.get((ps.param, ps.rows)),
-            pass_bias_grad_norm=(pass_norms.get((ps.bias_param, ps.bias_rows)) if ps.bias_param else None),
+            grad_norm=real(ps.param, ps.rows, ps.dim),  # type: ignore[arg-type]  # resolved later
+            bias_grad_norm=real(ps.bias_param, ps.bias_rows),  # type: ignore[arg-type]
+            pass_grad_norm=pass_norms.get((ps.param, ps.rows)),  # type: ignore[arg-type]
+            pass_bias_grad_norm=(pass_norms.get((ps.bias_param, ps.bias_rows)) if ps.bias_param else None),  # type: ignore[arg-type]
         )
         for part, ps in spec.parts()
     }
 
 
-def slice_norms_of(grad: torch.Tensor, rows_list: list[tuple[int, int] | None]) -> list[float]:
-    """Norms of several row ranges of one gradient tensor."""
-    return [_norm(_rows(grad, rows)) for rows in rows_list]
+def slice_norms_of(grad: torch.Tensor, rows_list: list[tuple[Rows, int]]) -> list[torch.Tensor]:
+    """Norms of several ``(rows, dim)`` ranges of one gradient tensor (0-dim tensors)."""
+    return [_norm(_rows(grad, rows, dim)) for rows, dim in rows_list]

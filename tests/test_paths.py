@@ -31,13 +31,14 @@ def test_kernel_evidence_sees_the_kernel_and_caches_per_signature() -> None:
     q = torch.randn(1, 2, 8, 16)
     raw = torch._C._nn.scaled_dot_product_attention
     with sdpa_kernel(SDPBackend.MATH):
-        _, ops = ev.run(("t", "math"), raw, q, q, q)
+        _, ops, evidence = ev.run(("t", "math"), raw, q, q, q)
+    assert evidence == "witnessed"
     assert ops is not None and "aten::scaled_dot_product_attention" in ops
     assert any("math" in op for op in ops)
     # the same signature is not profiled again; switching a backend off changes the key
     with sdpa_kernel(SDPBackend.MATH):
-        _, again = ev.run(("t", "math"), raw, q, q, q)
-    assert again is ops
+        _, again, evidence = ev.run(("t", "math"), raw, q, q, q)
+    assert again is ops and evidence == "cached"
     assert paths.sdp_flags() != ()
 
 
@@ -45,8 +46,9 @@ def test_no_evidence_under_a_user_profiler() -> None:
     ev = paths.KernelEvidence()
     q = torch.randn(1, 2, 8, 16)
     with torch.autograd.profiler.profile():
-        _, ops = ev.run(("t",), torch._C._nn.scaled_dot_product_attention, q, q, q)
+        _, ops, evidence = ev.run(("t",), torch._C._nn.scaled_dot_product_attention, q, q, q)
     assert ops is None  # profilers do not nest: no evidence rather than a wrong one
+    assert evidence.startswith("unavailable: ")
 
 
 def _refusing_check(params: object, debug: bool = False) -> bool:

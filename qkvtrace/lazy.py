@@ -1,0 +1,87 @@
+"""Values measured on the device now and read on the host later.
+
+On an accelerator every ``.item()``, ``float(t)`` or ``.tolist()`` waits for
+the device to finish (DESIGN.md, principle 7). While a trace is open its
+records therefore hold 0-dim tensors, or :class:`Deferred` values for what
+needs more than a number (blocked positions of a small mask). :func:`resolve`
+turns them into Python values in one pass: one host read per device for all
+the numbers, then each deferred value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+__all__ = ["Deferred", "resolve"]
+
+
+class Deferred:
+    """A value computed when the records are resolved (host reads allowed then)."""
+
+    __slots__ = ("finish",)
+
+    def __init__(self, finish: Callable[[], Any]) -> None:
+        self.finish = finish
+
+
+# A place holding a pending value: (container, key) with container a dict, a
+# list or a dataclass instance (key is then an attribute name).
+_Slot = tuple[Any, Any]
+
+
+def _collect(obj: Any, tensors: list[tuple[_Slot, torch.Tensor]], deferred: list[tuple[_Slot, Deferred]],
+             seen: set[int]) -> None:  # fmt: skip
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, dict):
+        items: Iterable[tuple[Any, Any]] = obj.items()
+    elif isinstance(obj, list):
+        items = enumerate(obj)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        items = ((f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj))
+    else:
+        return
+    for key, value in list(items):
+        if isinstance(value, torch.Tensor):
+            tensors.append(((obj, key), value))
+        elif isinstance(value, Deferred):
+            deferred.append(((obj, key), value))
+        elif isinstance(value, (dict, list)) or (dataclasses.is_dataclass(value) and not isinstance(value, type)):
+            _collect(value, tensors, deferred, seen)
+
+
+def _store(slot: _Slot, value: Any) -> None:
+    obj, key = slot
+    if isinstance(obj, (dict, list)):
+        obj[key] = value
+    else:
+        setattr(obj, key, value)
+
+
+def resolve(roots: Iterable[Any]) -> None:
+    """Replace every 0-dim tensor and :class:`Deferred` inside ``roots`` by a Python value, in place.
+
+    Integer and boolean tensors become ``int``, floating ones ``float``. The
+    tensors of one device are stacked and read back together.
+    """
+    tensors: list[tuple[_Slot, torch.Tensor]] = []
+    deferred: list[tuple[_Slot, Deferred]] = []
+    seen: set[int] = set()
+    for root in roots:
+        _collect(root, tensors, deferred, seen)
+    by_device: dict[torch.device, list[tuple[_Slot, torch.Tensor]]] = {}
+    for slot, t in tensors:
+        by_device.setdefault(t.device, []).append((slot, t))
+    for group in by_device.values():
+        with torch.no_grad():
+            values = torch.stack([t.detach().reshape(()).to(torch.float64) for _, t in group]).tolist()
+        for (slot, t), value in zip(group, values, strict=True):
+            is_int = not (t.is_floating_point() or t.is_complex())
+            _store(slot, int(value) if is_int else float(value))
+    for slot, d in deferred:
+        _store(slot, d.finish())

@@ -1,0 +1,98 @@
+"""Turning what a wrapper saw into records, without reading the device.
+
+Numbers measured here (NaN counts, norms, blocked entries) stay 0-dim
+tensors until the trace resolves its records (:mod:`qkvtrace.lazy`). One
+call is observed once, however many traces record it: :func:`deliver` gives
+each of them its own copy with its own index and its own module name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import types
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from qkvtrace.records import AttentionCall, QKVInfo
+from qkvtrace.slices import Projection
+
+if TYPE_CHECKING:
+    from qkvtrace.tracer.session import Trace
+
+__all__ = ["Target", "deliver", "dtype_name", "frame_of", "modes", "nan_count", "nested_lengths", "shape"]
+
+#: an open trace that records a call, its name for the module, and the call's index in it
+Target = tuple["Trace", str, int]
+
+
+def shape(t: Any) -> list[int] | None:
+    if not isinstance(t, torch.Tensor) or t.is_nested:
+        return None
+    return list(t.shape)
+
+
+def nested_lengths(t: Any) -> list[int] | None:
+    if not isinstance(t, torch.Tensor) or not t.is_nested:
+        return None
+    return [int(x.shape[0]) for x in t.unbind()]
+
+
+def nan_count(t: Any) -> torch.Tensor | int | None:
+    """NaNs in ``t`` as a 0-dim tensor (no host read), ``None`` for non-float results."""
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+        return None
+    with torch.no_grad():
+        t = t.detach()
+        if t.is_nested:
+            parts = [torch.isnan(x).sum() for x in t.unbind()]
+            return torch.stack(parts).sum() if parts else 0
+        return torch.isnan(t).sum()
+
+
+def modes(module: nn.Module) -> dict[str, bool]:
+    """The switches that decide PyTorch's paths, as they were when the call ran."""
+    return {
+        "training": bool(module.training),
+        "grad_enabled": torch.is_grad_enabled(),
+        "inference_mode": torch.is_inference_mode_enabled(),
+        "autocast": torch.is_autocast_enabled(),
+    }
+
+
+_DTYPE_NAMES: dict[Any, str] = {}
+
+
+def dtype_name(dtype: Any) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype)
+    return name
+
+
+def frame_of(code: types.CodeType, frame: types.FrameType | None, depth: int = 12) -> types.FrameType | None:
+    """The nearest frame running ``code``, looking at most ``depth`` frames up."""
+    while frame is not None and depth > 0:
+        if frame.f_code is code:
+            return frame
+        frame = frame.f_back
+        depth -= 1
+    return None
+
+
+def deliver(call: AttentionCall, targets: list[Target], owner: nn.Module, projection: Projection | str) -> None:
+    """Hand one observed call to every trace that records it."""
+    call.thread = threading.current_thread().name
+    for i, (trace, name, index) in enumerate(targets):
+        record = call if i == 0 else dataclasses.replace(call)
+        record.index, record.module = index, name
+        if isinstance(projection, Projection) and projection.holder is not owner:
+            holder = trace.name_of(projection.holder)
+            record.qkv = dataclasses.replace(record.qkv, holder=holder)
+        trace.add_call(record, owner, projection)
+
+
+def empty_qkv(reason: str) -> QKVInfo:
+    return QKVInfo(layout=None, q=None, k=None, v=None, reason=reason)

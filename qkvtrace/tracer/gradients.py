@@ -1,0 +1,91 @@
+"""Q/K/V slice gradients, one record per traced module and backward pass.
+
+A hook on each Q/K/V parameter keeps the norm of this pass's gradient for
+each slice; a callback queued on the autograd engine runs once the backward
+pass is over and takes the norms of the slices of the real ``.grad`` -- what
+an optimizer step would use. Every norm stays a 0-dim tensor on the device
+until the trace resolves its records (no host read during backward).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from qkvtrace.records import GradientRecord
+from qkvtrace.slices import Projection, Rows, grad_slices, slice_norms_of
+
+if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
+
+__all__ = ["GradientRecorder"]
+
+
+class GradientRecorder:
+    """The gradient side of one trace: hooks in, records out, hooks removed by :meth:`close`."""
+
+    def __init__(self, name_of: Callable[[nn.Module], str | None]) -> None:
+        self._name_of = name_of
+        self._watched: dict[int, tuple[nn.Module, Projection]] = {}
+        self._handles: list[RemovableHandle] = []
+        self._pending: dict[int, dict[tuple[str, Rows], torch.Tensor]] = {}
+        self._queued = False
+        self._backward_index = 0
+        self._open = True
+        self.records: list[GradientRecord] = []
+
+    def watch(self, owner: nn.Module, projection: Projection) -> None:
+        """Hook the Q/K/V parameters of ``owner``'s projection (once per module)."""
+        if not self._open or id(owner) in self._watched:
+            return
+        self._watched[id(owner)] = (owner, projection)
+        by_param: dict[str, list[tuple[Rows, int]]] = {}
+        for _, ps in projection.spec.parts():
+            by_param.setdefault(ps.param, []).append((ps.rows, ps.dim))
+            if ps.bias_param is not None:
+                by_param.setdefault(ps.bias_param, []).append((ps.bias_rows, 0))
+        for pname, rows_list in by_param.items():
+            param = projection.holder.get_parameter(pname)
+            if param.requires_grad:
+                self._handles.append(param.register_hook(self._hook(id(owner), pname, rows_list)))
+
+    def _hook(self, mid: int, pname: str, rows_list: list[tuple[Rows, int]]) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            if not self._open:
+                return
+            with torch.no_grad():
+                norms = slice_norms_of(grad, rows_list)
+            pending = self._pending.setdefault(mid, {})
+            for (rows, _), norm in zip(rows_list, norms, strict=True):
+                pending[(pname, rows)] = norm
+            if not self._queued:
+                self._queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+        return hook
+
+    def _end_of_backward(self) -> None:
+        self._queued = False
+        if not self._pending or not self._open:
+            self._pending = {}
+            return
+        with torch.no_grad():
+            for mid, pass_norms in self._pending.items():
+                owner, projection = self._watched[mid]
+                name = self._name_of(owner) or ""
+                parts = grad_slices(projection, pass_norms)
+                self.records.append(GradientRecord(module=name, backward_index=self._backward_index, **parts))
+        self._pending = {}
+        self._backward_index += 1
+
+    def close(self) -> None:
+        """Remove every hook; keep the records."""
+        self._open = False
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._watched.clear()
+        self._pending.clear()

@@ -1,0 +1,296 @@
+"""One installation of the tracer's wrappers per process.
+
+Why wrappers, and why these: PyTorch refuses its fast paths for many
+innocent things -- a forward hook on the encoder layer or its children, an
+active ``TorchFunctionMode``, a tensor subclass -- so qkvtrace replaces a few
+attributes with thin wrappers instead: ``MultiheadAttention.forward`` (the
+module and its arguments as passed), ``torch._native_multi_head_attention``
+(the fast path), ``F.multi_head_attention_forward`` (the fallback),
+``torch._transformer_encoder_layer_fwd`` (the fused encoder layer) and
+``F.scaled_dot_product_attention`` (also where a traced model's module bound
+it to a name of its own). Each wrapper calls what it replaced with the very
+same arguments and returns its result untouched.
+
+Why one installation per process: traces nest, overlap and end in any order
+in any thread. If each trace saved "the original" and put it back, any
+order but strict LIFO would leave a finished trace's wrapper in PyTorch. So
+the wrappers are made once per process, installed when the first trace
+opens and removed when the last one closes (a reference count under a lock),
+and a wrapper asks the registry which open traces a call belongs to.
+Reusing the same wrapper objects also keeps ``torch.compile``'s caches
+valid: a graph compiled inside one trace is reused inside the next.
+
+Why the identity of PyTorch's functions survives (DESIGN.md, principle 8):
+
+* ``__torch_function__`` overrides such as ``torch.nn.attention.bias.CausalBias``
+  take their path only ``if func is torch.nn.functional.scaled_dot_product_attention``.
+  The SDPA wrapper dispatches such overrides itself, with ``func`` set to
+  what ``F.scaled_dot_product_attention`` is at that moment, so the check
+  holds while a trace is open as it does without one -- in eager mode and
+  inside ``torch.compile``.
+* TorchScript compiles a Python function from its source and resolves names
+  in the function's globals. A wrapper of a Python function is built with
+  the globals of the function it wraps (its own state lives in its closure,
+  under names PyTorch's sources never use) and points ``__wrapped__`` at it,
+  so scripting sees PyTorch's own source resolved in PyTorch's own module.
+  A wrapper of a builtin is registered with TorchScript as the ``aten`` op it
+  stands for while it is installed. Scripted code calls PyTorch directly:
+  the tracer does not see inside it, and says so (``unobserved``).
+* Under ``torch.compile`` a wrapper does nothing but call what it wrapped
+  (no host reads, no thread ids, no caches), so Dynamo's graphs are the
+  same as without the trace.
+"""
+
+from __future__ import annotations
+
+import builtins
+import threading
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qkvtrace import compat
+
+__all__ = ["Installation", "installation", "relevant_overrides"]
+
+Observer = Callable[[Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]
+
+_SDPA_TENSORS = ("query", "key", "value", "attn_mask")
+
+
+def relevant_overrides(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """SDPA's tensor arguments that may carry ``__torch_function__`` (as PyTorch's C++ entry checks them)."""
+    found = [a for a in args[:4] if a is not None]
+    if kwargs:
+        found += [kwargs[n] for n in _SDPA_TENSORS[len(args[:4]) :] if kwargs.get(n) is not None]
+    return tuple(found)
+
+
+def _sdpa_api() -> Any:
+    return F.scaled_dot_product_attention
+
+
+def redispatch_sdpa(original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Call SDPA as PyTorch would: ``__torch_function__`` overrides first, with ``func`` = the public name."""
+    relevant = relevant_overrides(args, kwargs)
+    if torch.overrides.has_torch_function(relevant):
+        return torch.overrides.handle_torch_function(_sdpa_api(), relevant, *args, **kwargs)
+    return original(*args, **kwargs)
+
+
+def _make_wrapper(
+    original: Callable[..., Any], observe: Observer, compiled: Callable[..., Any] | None
+) -> Callable[..., Any]:
+    """A wrapper of ``original`` that hands eager calls to ``observe``.
+
+    The closure names start with ``_qkv_`` so that they never shadow a name
+    in PyTorch's source when TorchScript resolves it (see the module docstring).
+    """
+    _qkv_original = original
+    _qkv_observe = observe
+    _qkv_compiled = compiled
+    _qkv_is_compiling = compat.is_compiling
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if _qkv_is_compiling():
+            if _qkv_compiled is not None:
+                return _qkv_compiled(_qkv_original, args, kwargs)
+            return _qkv_original(*args, **kwargs)
+        return _qkv_observe(_qkv_original, args, kwargs)
+
+    globs = getattr(original, "__globals__", None)
+    if globs is None:
+        globs = {"__builtins__": builtins}
+    fn = types.FunctionType(wrapper.__code__, globs, getattr(original, "__name__", "wrapper"), None, wrapper.__closure__)
+    for attr in ("__qualname__", "__module__", "__doc__"):
+        value = getattr(original, attr, None)
+        if value is not None:
+            setattr(fn, attr, value)
+    fn.__wrapped__ = original  # type: ignore[attr-defined]
+    fn.__qkvtrace_wrapper__ = True  # type: ignore[attr-defined]
+    return fn
+
+
+@dataclass
+class _Target:
+    label: str
+    owner: Any
+    attr: str
+    #: the TorchScript builtin a wrapper of a builtin stands for
+    aten: str | None
+    original: Any
+    wrapper: Any
+
+
+def _current(owner: Any, attr: str) -> Any:
+    return owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
+
+
+class Installation:
+    """The process-wide installation: reference-counted, thread-safe, reversible."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._count = 0
+        self._targets: list[_Target] | None = None
+        #: (id(globals), name) -> [globals, name, original, wrapper, count]
+        self._bound: dict[tuple[int, str], list[Any]] = {}
+
+    # -- the wrappers, made once ---------------------------------------------
+
+    def _make_targets(self) -> list[_Target]:
+        from qkvtrace.tracer.observers import layer, mha, sdpa
+
+        spec: list[tuple[str, Any, str, str | None, Observer, Callable[..., Any] | None]] = [
+            ("nn.MultiheadAttention.forward", nn.MultiheadAttention, "forward", None, mha.observe_forward, None),
+            ("torch._native_multi_head_attention", torch, "_native_multi_head_attention",
+             "aten::_native_multi_head_attention", mha.observe_native, None),
+            ("F.multi_head_attention_forward", F, "multi_head_attention_forward", None, mha.observe_function, None),
+            ("torch._transformer_encoder_layer_fwd", torch, "_transformer_encoder_layer_fwd",
+             "aten::_transformer_encoder_layer_fwd", layer.observe_layer, None),
+            ("F.scaled_dot_product_attention", F, "scaled_dot_product_attention",
+             "aten::scaled_dot_product_attention", sdpa.observe_sdpa, redispatch_sdpa),
+        ]  # fmt: skip
+        targets = []
+        for label, owner, attr, aten, observe, compiled in spec:
+            original = _current(owner, attr)
+            targets.append(_Target(label, owner, attr, aten, original, _make_wrapper(original, observe, compiled)))
+        return targets
+
+    def originals(self) -> dict[str, Any]:
+        """What each wrapped attribute was before qkvtrace (label -> object)."""
+        with self._lock:
+            if self._targets is None:
+                self._targets = self._make_targets()
+            return {t.label: t.original for t in self._targets}
+
+    def wrapper_of(self, label: str) -> Any:
+        with self._lock:
+            if self._targets is None:
+                self._targets = self._make_targets()
+            return next(t.wrapper for t in self._targets if t.label == label)
+
+    # -- install / remove ------------------------------------------------------
+
+    def acquire(self) -> None:
+        """Install the wrappers if no trace has them installed yet."""
+        with self._lock:
+            if self._count == 0:
+                self._install()
+            self._count += 1
+
+    def release(self) -> None:
+        """Remove the wrappers when the last open trace releases them."""
+        with self._lock:
+            if self._count <= 0:
+                return
+            self._count -= 1
+            if self._count == 0:
+                self._remove()
+
+    @property
+    def installed(self) -> bool:
+        return self._count > 0
+
+    def _install(self) -> None:
+        if self._targets is None:
+            self._targets = self._make_targets()
+        table = compat.torchscript_builtins()  # built now, while it still sees PyTorch's own functions
+        done: list[_Target] = []
+        try:
+            for t in self._targets:
+                if _current(t.owner, t.attr) is not t.original:
+                    continue  # someone else replaced it since: leave theirs alone
+                setattr(t.owner, t.attr, t.wrapper)
+                done.append(t)
+                if t.aten is not None and table is not None:
+                    table[id(t.wrapper)] = t.aten
+        except BaseException:
+            for t in done:
+                self._restore(t, table)
+            raise
+
+    def _restore(self, t: _Target, table: dict[int, str] | None) -> None:
+        if _current(t.owner, t.attr) is t.wrapper:
+            setattr(t.owner, t.attr, t.original)
+        if table is not None and t.aten is not None:
+            table.pop(id(t.wrapper), None)
+
+    def _remove(self) -> None:
+        table = compat.torchscript_builtins()
+        assert self._targets is not None
+        for t in self._targets:
+            self._restore(t, table)
+        for globs, name, original, wrapper, _ in self._bound.values():
+            if globs.get(name) is wrapper:
+                globs[name] = original
+        self._bound.clear()
+
+    # -- names a model's own modules bound ------------------------------------
+
+    def bind_names(self, model: nn.Module) -> list[tuple[int, str]]:
+        """Wrap SDPA where ``model``'s code bound it to a name of its own; returns keys for :meth:`unbind`.
+
+        (``from torch.nn.functional import scaled_dot_product_attention`` binds
+        the builtin in the importing module's globals, out of reach of the
+        attribute on ``F``.)
+        """
+        with self._lock:
+            originals = {t.original: t for t in self._targets or () if t.label == "F.scaled_dot_product_attention"}
+            keys: list[tuple[int, str]] = []
+            seen: set[int] = {id(F.__dict__)}
+            for module in model.modules():
+                for cls in type(module).__mro__:
+                    if cls in (nn.Module, object):
+                        break
+                    for attr in vars(cls).values():
+                        globs = getattr(attr, "__globals__", None)
+                        if globs is None or id(globs) in seen:
+                            continue
+                        seen.add(id(globs))
+                        for gname, value in list(globs.items()):
+                            target = originals.get(value) if _hashable(value) else None
+                            if target is None:
+                                continue
+                            key = (id(globs), gname)
+                            entry = self._bound.get(key)
+                            if entry is None:
+                                entry = self._bound[key] = [globs, gname, value, target.wrapper, 0]
+                                globs[gname] = target.wrapper
+                            entry[4] += 1
+                            keys.append(key)
+            return keys
+
+    def unbind(self, keys: list[tuple[int, str]]) -> None:
+        with self._lock:
+            for key in keys:
+                entry = self._bound.get(key)
+                if entry is None:
+                    continue
+                entry[4] -= 1
+                if entry[4] <= 0:
+                    globs, name, original, wrapper, _ = entry
+                    if globs.get(name) is wrapper:
+                        globs[name] = original
+                    del self._bound[key]
+
+
+def _hashable(value: Any) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
+
+
+_INSTALLATION = Installation()
+
+
+def installation() -> Installation:
+    """The one installation of this process."""
+    return _INSTALLATION

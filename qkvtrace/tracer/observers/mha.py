@@ -1,0 +1,366 @@
+"""``nn.MultiheadAttention`` and ``F.multi_head_attention_forward``.
+
+``MultiheadAttention.forward`` opens a call (the module and its arguments as
+passed); the builtin it then calls says the path: the fast path
+(``torch._native_multi_head_attention``) or the fallback
+(``F.multi_head_attention_forward``, whose SDPA call reports the kernel).
+PyTorch's own ``why_not_fast_path`` and the canonical masks are local
+variables of ``MultiheadAttention.forward``: the inner wrappers read them
+from that very frame, so the reason is the running version's text.
+
+A custom module that calls ``F.multi_head_attention_forward`` itself opens
+the call there: path ``fallback``, owned by that module, with the Q/K/V
+slices of the ``in_proj_weight`` it passed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import sys
+import types
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qkvtrace import masks, paths
+from qkvtrace.records import EVIDENCE_WITNESSED, AttentionCall
+from qkvtrace.slices import PartSpec, Projection, ProjectionSpec
+from qkvtrace.tracer import registry
+from qkvtrace.tracer.build import Target, deliver, dtype_name, frame_of, modes, nan_count, nested_lengths, shape
+
+__all__ = ["OpenMHA", "observe_forward", "observe_function", "observe_native"]
+
+_MHA_FORWARD_CODE = inspect.unwrap(nn.MultiheadAttention.forward).__code__
+_LAYER_FORWARD_CODE = inspect.unwrap(nn.TransformerEncoderLayer.forward).__code__
+_EVIDENCE = paths.shared_evidence()
+
+_NATIVE_MHA_ARGS = (
+    "query", "key", "value", "embed_dim", "num_head", "qkv_weight", "qkv_bias",
+    "proj_weight", "proj_bias", "mask", "need_weights", "average_attn_weights", "mask_type",
+)  # fmt: skip
+
+
+def arg(args: tuple[Any, ...], kwargs: dict[str, Any], names: tuple[str, ...], name: str, default: Any = None) -> Any:
+    i = names.index(name)
+    if i < len(args):
+        return args[i]
+    return kwargs.get(name, default)
+
+
+class OpenMHA:
+    """A multi-head attention call that has started and not yet ended (on this thread)."""
+
+    __slots__ = ("attn_mask", "backend", "canonical", "error", "evidence", "inputs", "kpm", "local", "module",
+                 "ops", "path", "projection", "query", "refusals", "targets")  # fmt: skip
+
+    def __init__(self, module: nn.Module, targets: list[Target]) -> None:
+        self.module = module
+        self.targets = targets
+        self.path: str | None = None
+        #: ``why_not_fast_path`` and the canonical masks, read from PyTorch's frame
+        self.local: dict[str, Any] = {}
+        self.backend: str | None = None
+        self.ops: list[str] | None = []
+        self.evidence = EVIDENCE_WITNESSED
+        self.inputs: dict[str, Any] = {}
+        self.query: Any = None
+        self.kpm: Any = None
+        self.attn_mask: Any = None
+        #: masks as PyTorch's ``_canonical_mask`` makes them, for direct calls
+        self.canonical: bool = False
+        self.refusals: dict[str, list[str]] | None = None
+        self.error: str | None = None
+        self.projection: Projection | str | None = None
+
+
+def _innermost() -> OpenMHA | None:
+    stack = registry.open_calls()
+    if stack and isinstance(stack[-1], OpenMHA):
+        return stack[-1]
+    return None
+
+
+def _pop(ctx: Any) -> None:
+    stack = registry.open_calls()
+    while stack:
+        if stack.pop() is ctx:
+            break
+
+
+def _targets(found: list[tuple[Any, str]]) -> list[Target]:
+    return [(t, name, t.take_index()) for t, name in found]
+
+
+def _run(ctx: OpenMHA, original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Run the call with ``ctx`` open; record it whether it returns or raises."""
+    stack = registry.open_calls()
+    stack.append(ctx)
+    try:
+        out = original(*args, **kwargs)
+    except BaseException as exc:
+        ctx.error = f"{type(exc).__name__}: {exc}"
+        _pop(ctx)
+        with contextlib.suppress(Exception):  # the user's exception goes on, unchanged, whatever happens here
+            _finish(ctx, None)
+        raise
+    _pop(ctx)
+    _finish(ctx, out)
+    return out
+
+
+# -- MultiheadAttention.forward ---------------------------------------------------
+
+_MHA_PARAMS: tuple[tuple[str, Any], ...] = tuple(
+    (p.name, p.default)
+    for p in inspect.signature(inspect.unwrap(nn.MultiheadAttention.forward)).parameters.values()
+    if p.name != "self"
+)
+_MHA_DEFAULTS: dict[str, Any] = {n: (None if d is inspect.Parameter.empty else d) for n, d in _MHA_PARAMS}
+_MHA_NAMES: tuple[str, ...] = tuple(n for n, _ in _MHA_PARAMS)
+
+
+def _bind(names: tuple[str, ...], defaults: dict[str, Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    bound = dict(defaults)
+    bound.update(zip(names, args, strict=False))  # positional ones only
+    if kwargs:
+        bound.update(kwargs)
+    return bound
+
+
+def observe_forward(original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    if not registry.is_active() or not args:
+        return original(*args, **kwargs)
+    module = args[0]
+    found = registry.covering(module)
+    if not found:
+        return original(*args, **kwargs)
+    ctx = OpenMHA(module, _targets(found))
+    a = _bind(_MHA_NAMES, _MHA_DEFAULTS, args[1:], kwargs)
+    query, key, value = a["query"], a["key"], a["value"]
+    ctx.query, ctx.kpm, ctx.attn_mask = query, a["key_padding_mask"], a["attn_mask"]
+    ctx.inputs = {
+        "query_shape": shape(query),
+        "key_shape": shape(key),
+        "value_shape": shape(value),
+        "nested_lengths": nested_lengths(query),
+        "dtype": dtype_name(getattr(query, "dtype", None)),
+        "device": getattr(getattr(query, "device", None), "type", None),
+        "batch_first": bool(module.batch_first),
+        "need_weights": bool(a["need_weights"]),
+        "average_attn_weights": bool(a["average_attn_weights"]),
+        "is_causal": bool(a["is_causal"]),
+        "self_attention": query is key and key is value,
+        **modes(module),
+    }
+    return _run(ctx, original, args, kwargs)
+
+
+def _read_frame(ctx: OpenMHA, caller: types.FrameType | None) -> None:
+    """Copy PyTorch's reason and canonical masks out of ``MultiheadAttention.forward``'s frame."""
+    frame = frame_of(_MHA_FORWARD_CODE, caller)
+    if frame is not None:
+        local = frame.f_locals
+        ctx.local = {k: local.get(k) for k in ("why_not_fast_path", "key_padding_mask", "attn_mask")}
+
+
+# -- the C++ fast path ---------------------------------------------------------------
+
+
+def observe_native(original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    ctx = _innermost()
+    if ctx is None or not registry.is_active():
+        return original(*args, **kwargs)
+    query = arg(args, kwargs, _NATIVE_MHA_ARGS, "query")
+    key = ("native_mha", query.device.type, query.dtype, query.is_nested,
+           arg(args, kwargs, _NATIVE_MHA_ARGS, "mask") is None,
+           bool(arg(args, kwargs, _NATIVE_MHA_ARGS, "need_weights", True)),
+           arg(args, kwargs, _NATIVE_MHA_ARGS, "mask_type"))  # fmt: skip
+    _read_frame(ctx, sys._getframe(1))
+    ctx.path = "fast"
+    out, ops, evidence = _EVIDENCE.run(key, original, *args, **kwargs)
+    ctx.ops, ctx.evidence = ops, evidence
+    ctx.backend = _EVIDENCE.backend_of(query.device.type, ops) if ops is not None else None
+    return out
+
+
+# -- F.multi_head_attention_forward: the fallback, or a custom module's direct call ---
+
+_FN_PARAMS = inspect.signature(inspect.unwrap(F.multi_head_attention_forward)).parameters
+_FN_NAMES: tuple[str, ...] = tuple(_FN_PARAMS)
+_FN_DEFAULTS: dict[str, Any] = {
+    n: (None if p.default is inspect.Parameter.empty else p.default) for n, p in _FN_PARAMS.items()
+}
+
+
+def observe_function(original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    ctx = _innermost()
+    if ctx is not None and ctx.path is None and not ctx.canonical:
+        ctx.path = "fallback"
+        _read_frame(ctx, sys._getframe(1))
+        return original(*args, **kwargs)
+    if not registry.is_active():
+        return original(*args, **kwargs)
+    owner = registry.owner_module(sys._getframe(1))
+    if owner is None:
+        return original(*args, **kwargs)
+    module, found = owner
+    a = _bind(_FN_NAMES, _FN_DEFAULTS, args, kwargs)
+    ctx = OpenMHA(module, _targets(found))
+    ctx.path = "fallback"
+    ctx.canonical = True
+    query, key, value = a["query"], a["key"], a["value"]
+    ctx.query, ctx.kpm, ctx.attn_mask = query, a["key_padding_mask"], a["attn_mask"]
+    ctx.projection = _passed_projection(module, a)
+    ctx.inputs = {
+        "query_shape": shape(query),
+        "key_shape": shape(key),
+        "value_shape": shape(value),
+        "nested_lengths": nested_lengths(query),
+        "dtype": dtype_name(getattr(query, "dtype", None)),
+        "device": getattr(getattr(query, "device", None), "type", None),
+        "batch_first": False,  # this function takes (L, N, E) or (L, E)
+        "num_heads": a["num_heads"],
+        "need_weights": bool(a["need_weights"]),
+        "average_attn_weights": bool(a["average_attn_weights"]),
+        "is_causal": bool(a["is_causal"]),
+        "self_attention": query is key and key is value,
+        **modes(module),
+        "training": bool(a["training"]),
+    }
+    return _run(ctx, original, args, kwargs)
+
+
+def _passed_projection(module: nn.Module, a: dict[str, Any]) -> Projection | str:
+    """The Q/K/V slices of the weights a direct call passed, named as ``module``'s parameters."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    bias = a["in_proj_bias"]
+    bias_name = names.get(id(bias)) if bias is not None else None
+    query = a["query"]
+    e = int(query.shape[-1]) if isinstance(query, torch.Tensor) and not query.is_nested else None
+    if e is None:
+        return "the query is a nested tensor; the embedding width is unknown"
+    rows = [(0, e), (e, 2 * e), (2 * e, 3 * e)]
+    if a["use_separate_proj_weight"]:
+        weights = [a["q_proj_weight"], a["k_proj_weight"], a["v_proj_weight"]]
+        wnames = [names.get(id(w)) if w is not None else None for w in weights]
+        if any(n is None for n in wnames):
+            return "the q/k/v_proj_weight passed are not parameters of the calling module"
+        parts = [PartSpec(n, None, bias_name, r if bias_name else None) for n, r in zip(wnames, rows, strict=True)]  # type: ignore[arg-type]
+        return Projection(module, ProjectionSpec("separate", *parts))
+    weight = a["in_proj_weight"]
+    wname = names.get(id(weight)) if weight is not None else None
+    if wname is None:
+        return "the in_proj_weight passed is not a parameter of the calling module"
+    parts = [PartSpec(wname, r, bias_name, r if bias_name else None) for r in rows]
+    return Projection(module, ProjectionSpec("packed", *parts))
+
+
+# -- the record ------------------------------------------------------------------------
+
+
+def _fully_masked(ctx: OpenMHA, query: torch.Tensor, kpm_c: Any, attn_c: Any) -> Any:
+    """Query rows of an MHA call whose keys are all blocked by PyTorch's canonical masks."""
+    module = ctx.module
+    batch_first = bool(ctx.inputs.get("batch_first"))
+    if query.dim() == 3:
+        b, length = (query.shape[0], query.shape[1]) if batch_first else (query.shape[1], query.shape[0])
+    else:
+        b, length = 1, query.shape[0]
+    heads = int(getattr(module, "num_heads", 0) or ctx.inputs.get("num_heads") or 1)
+    with torch.no_grad():
+        return masks.count_fully_masked(
+            (b, heads, length),
+            masks.blocked_by_additive(kpm_c) if isinstance(kpm_c, torch.Tensor) else None,
+            masks.blocked_by_additive(attn_c) if isinstance(attn_c, torch.Tensor) else None,
+        )
+
+
+def _mask_info(original: Any, canonical: Any) -> dict[str, Any] | None:
+    if not isinstance(original, torch.Tensor):
+        return None
+    with torch.no_grad():
+        if isinstance(canonical, torch.Tensor) and canonical.is_floating_point():
+            blocked = masks.blocked_by_additive(canonical)
+            true_means = masks.true_means_from_canonical(original, canonical)
+        else:
+            blocked = masks.blocked_by_additive(original) if original.is_floating_point() else original
+            true_means = None
+        return asdict(masks.mask_info(original, blocked, true_means))
+
+
+def _canonical(mask: Any, name: str, query: Any) -> Any:
+    """PyTorch's own reading of a mask (``F._canonical_mask``), for calls whose frame holds none."""
+    canonical_mask = getattr(F, "_canonical_mask", None)
+    if not isinstance(mask, torch.Tensor) or canonical_mask is None or not isinstance(query, torch.Tensor):
+        return None
+    try:
+        return canonical_mask(mask=mask, mask_name=name, other_type=None, other_name="", target_type=query.dtype)
+    except (RuntimeError, TypeError, AssertionError):
+        return None
+
+
+def _finish(ctx: OpenMHA, out: Any) -> None:
+    module = ctx.module
+    local = ctx.local
+    path = ctx.path
+    query = ctx.query
+    inputs = ctx.inputs
+    rows: Any = 0
+    if ctx.error is not None:  # the inputs were refused: record them as given, measure nothing
+        rows = None
+        inputs["key_padding_mask"] = _mask_info(ctx.kpm, None)
+        inputs["attn_mask"] = _mask_info(ctx.attn_mask, None)
+    elif ctx.kpm is None and ctx.attn_mask is None:
+        inputs["key_padding_mask"] = inputs["attn_mask"] = None
+    else:
+        if ctx.canonical:
+            kpm_c = _canonical(ctx.kpm, "key_padding_mask", query)
+            attn_c = _canonical(ctx.attn_mask, "attn_mask", query)
+        else:  # masks as PyTorch's own _canonical_mask left them in forward's frame (additive floats)
+            kpm_c, attn_c = local.get("key_padding_mask"), local.get("attn_mask")
+        inputs["key_padding_mask"] = _mask_info(ctx.kpm, kpm_c)
+        inputs["attn_mask"] = _mask_info(ctx.attn_mask, attn_c)
+        if isinstance(query, torch.Tensor) and not query.is_nested:
+            rows = _fully_masked(ctx, query, kpm_c, attn_c)
+    first = ctx.targets[0][0]
+    projection = ctx.projection if ctx.projection is not None else first.projection(module)
+    layer_reason = _layer_reason(module) if any(t.has_layers for t, _, _ in ctx.targets) else None
+    call = AttentionCall(
+        index=-1,
+        module="",
+        module_type=type(module).__name__,
+        path=path or "unknown",
+        why_not_fast_path=None if path == "fast" else local.get("why_not_fast_path"),
+        why_not_fused_layer=layer_reason,
+        sdpa_backend=ctx.backend,
+        aten_ops=ctx.ops,
+        inputs=inputs,
+        qkv=first.norms.qkv(projection),
+        output={
+            "nan_count": nan_count(out[0] if isinstance(out, tuple) else out),
+            "fully_masked_rows": rows,
+        },
+        sdpa_refusals=ctx.refusals,
+        error=ctx.error,
+        evidence=ctx.evidence,
+    )
+    ctx.query = ctx.kpm = ctx.attn_mask = None
+    ctx.local = {}
+    deliver(call, ctx.targets, module, projection)
+
+
+def _layer_reason(mha: nn.Module) -> str | None:
+    """The enclosing encoder layer's ``why_not_sparsity_fast_path``, verbatim, read from its frame."""
+    frame = frame_of(_LAYER_FORWARD_CODE, sys._getframe(2))
+    if frame is None:
+        return None
+    local = frame.f_locals
+    if getattr(local.get("self"), "self_attn", None) is not mha:
+        return None
+    reason = local.get("why_not_sparsity_fast_path")
+    return reason if isinstance(reason, str) else None

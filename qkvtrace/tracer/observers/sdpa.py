@@ -1,0 +1,272 @@
+"""``F.scaled_dot_product_attention``: a model's own call, or the kernel of an MHA fallback.
+
+A call made inside an open ``MultiheadAttention`` call reports its kernel to
+it. A call made by a module of a traced model is a call of its own (path
+``sdpa``), owned by the innermost traced module on the Python stack.
+
+The backend is PyTorch's own choice on the very arguments
+(``torch._fused_sdp_choice``, what SDPA's C++ entry calls to pick its
+kernel), evaluated before the call runs; the ``aten::`` kernels come from
+:class:`~qkvtrace.paths.KernelEvidence`.
+
+Arguments that override ``__torch_function__`` (``CausalBias`` from
+``torch.nn.attention.bias``, a user's own tensor subclass, an active mode)
+are dispatched as PyTorch's C++ entry would, with ``func`` the public
+``F.scaled_dot_product_attention`` (see :mod:`qkvtrace.tracer.install`).
+Such a call is recorded once, with its mask described as what it is (a
+causal variant, not a tensor); the SDPA calls the override makes on its
+behalf report their kernel to it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any
+
+import torch
+from torch import nn
+
+from qkvtrace import masks, paths
+from qkvtrace.records import AttentionCall, QKVInfo, SliceInfo
+from qkvtrace.tracer import registry
+from qkvtrace.tracer.build import Target, deliver, modes, nan_count, shape
+from qkvtrace.tracer.install import redispatch_sdpa, relevant_overrides
+from qkvtrace.tracer.observers.mha import OpenMHA, arg
+
+__all__ = ["OpenOverride", "observe_sdpa"]
+
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
+_EVIDENCE = paths.shared_evidence()
+
+
+class OpenOverride:
+    """An SDPA call dispatched to a ``__torch_function__`` override, not yet ended."""
+
+    __slots__ = ("backend", "refusals")
+
+    def __init__(self) -> None:
+        self.backend: str | None = None
+        self.refusals: dict[str, list[str]] | None = None
+
+
+def _overrides(value: Any) -> bool:
+    """A tensor subclass with a ``__torch_function__`` of its own."""
+    tf = getattr(type(value), "__torch_function__", None)
+    return tf is not None and getattr(tf, "__func__", tf) is not torch.Tensor.__torch_function__.__func__  # type: ignore[attr-defined]
+
+
+class _Args:
+    __slots__ = ("dropout_p", "gqa", "is_causal", "k", "mask", "q", "scale", "v")
+
+    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.q = arg(args, kwargs, _SDPA_ARGS, "query")
+        self.k = arg(args, kwargs, _SDPA_ARGS, "key")
+        self.v = arg(args, kwargs, _SDPA_ARGS, "value")
+        self.mask = arg(args, kwargs, _SDPA_ARGS, "attn_mask")
+        self.dropout_p = float(arg(args, kwargs, _SDPA_ARGS, "dropout_p", 0.0))
+        self.is_causal = bool(arg(args, kwargs, _SDPA_ARGS, "is_causal", False))
+        self.scale = kwargs.get("scale")
+        self.gqa = bool(kwargs.get("enable_gqa", False))
+
+    def backend(self) -> str | None:
+        return paths.sdpa_backend(self.q, self.k, self.v, self.mask, self.dropout_p, self.is_causal, self.scale,
+                                  self.gqa)  # fmt: skip
+
+    def refusals(self, owner: Any) -> dict[str, list[str]] | None:
+        if self.q.device.type != "cuda" or not owner.record_refusals:
+            return None
+        return paths.sdpa_refusals(self.q, self.k, self.v, self.mask, self.dropout_p, self.is_causal, self.gqa)
+
+    def grad(self) -> bool:
+        return torch.is_grad_enabled() and any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in (self.q, self.k, self.v)
+        )
+
+
+def observe_sdpa(original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    if not registry.is_active():
+        return redispatch_sdpa(original, args, kwargs)
+    relevant = relevant_overrides(args, kwargs)
+    if torch.overrides.has_torch_function(relevant):
+        return _observe_override(original, args, kwargs, relevant)
+    stack = registry.open_calls()
+    enclosing = stack[-1] if stack else None
+    if isinstance(enclosing, OpenOverride):  # made on behalf of an override that is being recorded
+        a = _Args(args, kwargs)
+        enclosing.backend = a.backend()
+        return original(*args, **kwargs)
+    if isinstance(enclosing, OpenMHA):  # the kernel of a MultiheadAttention fallback
+        return _kernel_of_mha(enclosing, original, args, kwargs)
+    found = registry.owner_module(sys._getframe(1))
+    if found is None:  # not made by a traced model
+        return original(*args, **kwargs)
+    owner, covering = found
+    targets = [(t, name, t.take_index()) for t, name in covering]
+    a = _Args(args, kwargs)
+    backend = a.backend()
+    refusals = a.refusals(targets[0][0])
+    sig = ("sdpa", a.q.device.type, a.q.dtype, backend, None if a.mask is None else a.mask.dtype,
+           a.is_causal, a.dropout_p > 0, a.grad(), a.q.is_nested)  # fmt: skip
+    try:
+        out, ops, evidence = _EVIDENCE.run(sig, original, *args, **kwargs)
+    except BaseException as exc:  # record the refused call, then let the error go on unchanged
+        call = _record(owner, targets, a, backend, None, "unavailable: the call raised", None, refusals)
+        call.error = f"{type(exc).__name__}: {exc}"
+        _deliver(call, owner, targets)
+        raise
+    _learn(a, backend, ops)
+    _deliver(_record(owner, targets, a, backend, ops, evidence, out, refusals), owner, targets)
+    return out
+
+
+def _learn(a: _Args, backend: str | None, ops: list[str] | None) -> None:
+    if backend is not None and ops is not None:
+        for op in ops:
+            if op != "aten::scaled_dot_product_attention":
+                _EVIDENCE.learn(a.q.device.type, op, backend)
+
+
+def _kernel_of_mha(ctx: OpenMHA, original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    a = _Args(args, kwargs)
+    backend = a.backend()
+    ctx.backend = backend
+    ctx.refusals = a.refusals(ctx.targets[0][0])
+    sig = ("sdpa", a.q.device.type, a.q.dtype, backend, None if a.mask is None else a.mask.dtype,
+           a.is_causal, a.dropout_p > 0, a.grad(), a.q.is_nested)  # fmt: skip
+    out, ops, evidence = _EVIDENCE.run(sig, original, *args, **kwargs)
+    _learn(a, backend, ops)
+    ctx.ops = list(ops) if ops is not None else None
+    ctx.evidence = evidence
+    return out
+
+
+def _observe_override(
+    original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], relevant: tuple[Any, ...]
+) -> Any:
+    found = registry.owner_module(sys._getframe(2))
+    if found is None or not any(_overrides(x) for x in relevant):
+        # not a traced module's call, or only a mode is active: the SDPA calls it makes are observed as usual
+        return redispatch_sdpa(original, args, kwargs)
+    owner, covering = found
+    targets = [(t, name, t.take_index()) for t, name in covering]
+    a = _Args(args, kwargs)
+    ctx = OpenOverride()
+    stack = registry.open_calls()
+    stack.append(ctx)
+    sig = ("sdpa-override", type(a.mask).__name__, str(getattr(a.mask, "variant", None)), a.q.device.type,
+           a.q.dtype, a.is_causal, a.dropout_p > 0, a.grad())  # fmt: skip
+    try:
+        out, ops, evidence = _EVIDENCE.run(sig, redispatch_sdpa, original, args, kwargs)
+    except BaseException as exc:
+        _pop(stack, ctx)
+        call = _record(owner, targets, a, ctx.backend, None, "unavailable: the call raised", None, None)
+        call.error = f"{type(exc).__name__}: {exc}"
+        _deliver(call, owner, targets)
+        raise
+    _pop(stack, ctx)
+    backend = ctx.backend
+    if backend is None and ops is not None:
+        backend = _EVIDENCE.backend_of(a.q.device.type, ops)
+    _deliver(_record(owner, targets, a, backend, ops, evidence, out, ctx.refusals), owner, targets)
+    return out
+
+
+def _pop(stack: list[Any], ctx: Any) -> None:
+    while stack:
+        if stack.pop() is ctx:
+            break
+
+
+def _deliver(call: AttentionCall, owner: nn.Module, targets: list[Target]) -> None:
+    deliver(call, targets, owner, targets[0][0].projection(owner))
+
+
+def _override_mask(mask: Any, device: torch.device) -> dict[str, Any]:
+    """A ``__torch_function__`` mask described as what it is (e.g. ``CausalBias`` and its variant)."""
+    info: dict[str, Any] = {"kind": type(mask).__name__, "dtype": None, "shape": None, "true_means": None,
+                            "blocked": None, "total": None, "blocked_positions": None}  # fmt: skip
+    variant = getattr(mask, "variant", None)
+    if variant is not None:
+        info["variant"] = getattr(variant, "name", str(variant))
+    lq, lk = getattr(mask, "seq_len_q", None), getattr(mask, "seq_len_kv", None)
+    materialize = getattr(mask, "_materialize", None)
+    if isinstance(lq, int) and isinstance(lk, int) and callable(materialize):
+        with torch.no_grad():
+            attend = materialize(device)  # the override's own boolean mask: True = attend
+        if isinstance(attend, torch.Tensor) and attend.dtype == torch.bool:
+            described = asdict(masks.mask_info(attend, ~attend, "attend", kind=type(mask).__name__))
+            described["dtype"] = None
+            info.update(described)
+    return info
+
+
+def _record(
+    owner: nn.Module, targets: list[Target], a: _Args, backend: str | None, ops: list[str] | None,
+    evidence: str, out: Any, refusals: dict[str, list[str]] | None,
+) -> AttentionCall:  # fmt: skip
+    q, k, v, mask = a.q, a.k, a.v, a.mask
+    mask_record: dict[str, Any] | None = None
+    rows: Any = 0
+    with torch.no_grad():
+        blocked = None
+        if isinstance(mask, torch.Tensor) and _overrides(mask):
+            mask_record = _override_mask(mask, q.device)
+        elif isinstance(mask, torch.Tensor):
+            if mask.dtype == torch.bool:
+                true_means = masks.sdpa_bool_true_means()
+                blocked = ~mask if true_means == "attend" else mask
+            else:
+                true_means = None
+                blocked = masks.blocked_by_additive(mask)
+            mask_record = asdict(masks.mask_info(mask, blocked, true_means))
+        if a.is_causal and not q.is_nested:
+            length, s = q.shape[-2], k.shape[-2]
+            causal = torch.ones(length, s, dtype=torch.bool, device=q.device).tril().logical_not()
+            blocked = causal if blocked is None else (blocked | causal)
+        if blocked is not None and not q.is_nested:
+            lead = q.shape[:-2]
+            b = int(lead[0]) if len(lead) >= 1 else 1
+            h = int(lead[1]) if len(lead) >= 2 else 1
+            attn = blocked
+            while attn.dim() < 4:
+                attn = attn.unsqueeze(0)
+            rows = masks.count_fully_masked((b, h, q.shape[-2]), None, attn)
+        first = targets[0][0]
+        projection = first.projection(owner)
+        base = first.norms.qkv(projection)
+        parts = {}
+        for part, t in (("q", q), ("k", k), ("v", v)):
+            norm = None if t.is_nested else torch.linalg.vector_norm(t.detach().float())
+            info = getattr(base, part) or SliceInfo(None, None, None, None)
+            parts[part] = dataclasses.replace(info, activation_norm=norm)  # type: ignore[arg-type]  # resolved later
+        qkv = QKVInfo(layout=base.layout, holder=base.holder, reason=base.reason, **parts)
+    return AttentionCall(
+        index=-1,
+        module="",
+        module_type=type(owner).__name__,
+        path="sdpa",
+        why_not_fast_path=None,
+        why_not_fused_layer=None,
+        sdpa_backend=backend,
+        aten_ops=list(ops) if ops is not None else None,
+        inputs={
+            "query_shape": shape(q),
+            "key_shape": shape(k),
+            "value_shape": shape(v),
+            "dtype": str(q.dtype),
+            "device": q.device.type,
+            "attn_mask": mask_record,
+            "is_causal": a.is_causal,
+            "dropout_p": a.dropout_p,
+            "enable_gqa": a.gqa,
+            **modes(owner),
+        },
+        qkv=qkv,
+        output={"nan_count": nan_count(out), "fully_masked_rows": rows},
+        sdpa_refusals=refusals,
+        evidence=evidence,
+    )
+

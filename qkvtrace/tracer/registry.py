@@ -1,0 +1,86 @@
+"""Which traces are open, and which of them a call belongs to.
+
+Traces nest, overlap and live in several threads (DESIGN.md, principle 6).
+A call is delivered to every open trace that covers the calling thread
+(the thread that entered it, or every thread for ``threads="all"``) and
+whose model contains the module that made the call; each of them records
+it with its own index and its own name for the module.
+
+State that belongs to one thread -- the attention calls that have started
+and not yet ended on it -- lives in a ``threading.local``.
+"""
+
+from __future__ import annotations
+
+import threading
+import types
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+if TYPE_CHECKING:
+    from qkvtrace.tracer.session import Trace
+
+__all__ = ["covering", "is_active", "open_calls", "owner_module", "register", "traces", "unregister"]
+
+_lock = threading.Lock()
+#: the open traces; replaced, never mutated, so readers need no lock
+_traces: tuple[Trace, ...] = ()
+_local = threading.local()
+
+
+def register(trace: Trace) -> None:
+    global _traces
+    with _lock:
+        _traces = (*_traces, trace)
+
+
+def unregister(trace: Trace) -> None:
+    global _traces
+    with _lock:
+        _traces = tuple(t for t in _traces if t is not trace)
+
+
+def traces() -> tuple[Trace, ...]:
+    return _traces
+
+
+def is_active() -> bool:
+    return bool(_traces)
+
+
+def covering(module: nn.Module) -> list[tuple[Trace, str]]:
+    """``(trace, name of module in it)`` for every open trace that records this call."""
+    if not _traces:
+        return []
+    ident = threading.get_ident()
+    out = []
+    for t in _traces:
+        if t.thread is not None and t.thread != ident:
+            continue
+        name = t.name_of(module)
+        if name is not None:
+            out.append((t, name))
+    return out
+
+
+def open_calls() -> list[Any]:
+    """This thread's attention calls that have started and not yet ended (innermost last)."""
+    stack: list[Any] | None = getattr(_local, "stack", None)
+    if stack is None:
+        stack = _local.stack = []
+    return stack
+
+
+def owner_module(frame: types.FrameType | None) -> tuple[nn.Module, list[tuple[Trace, str]]] | None:
+    """The innermost module on the Python stack that an open trace covers, with those traces."""
+    while frame is not None:
+        code = frame.f_code
+        if code.co_argcount and code.co_varnames[0] == "self":
+            obj = frame.f_locals.get("self")
+            if isinstance(obj, nn.Module):
+                targets = covering(obj)
+                if targets:
+                    return obj, targets
+        frame = frame.f_back
+    return None

@@ -1,0 +1,281 @@
+"""``qkvtrace.trace(model)``: the trace a user opens, and what it keeps.
+
+A trace owns what lives exactly as long as its ``with`` block: the names of
+its model's modules, the projections it found, the records it made and its
+gradient hooks. It does not own PyTorch's attributes: those belong to the
+process-wide installation (:mod:`qkvtrace.tracer.install`), which the trace
+acquires on entry and releases on exit. Everything a trace set up is undone
+in ``__exit__`` through one ``ExitStack``, on every exit, exceptions included.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import re
+import threading
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from qkvtrace import compat, lazy, masks, paths
+from qkvtrace.records import AttentionCall, GradientRecord, TraceResult, Unobserved
+from qkvtrace.slices import NormCache, Projection, find_projection
+from qkvtrace.tracer import registry
+from qkvtrace.tracer.gradients import GradientRecorder
+from qkvtrace.tracer.install import installation
+
+__all__ = ["Trace", "trace"]
+
+Threads = Literal["entering", "all"]
+
+_COMPILED_PREFIX = "_orig_mod."
+_ATTENTION_NAME = re.compile(r"attn|attention", re.IGNORECASE)
+
+
+class Trace:
+    """Records every attention call of ``model`` while the ``with`` block runs.
+
+    Use :func:`trace` to make one. After (or during) the block:
+
+    * ``calls``: :class:`~qkvtrace.records.AttentionCall` records, in execution order;
+    * ``gradients``: :class:`~qkvtrace.records.GradientRecord` per traced module
+      and backward pass;
+    * ``result.unobserved``: modules that look like attention but made no
+      recorded call; ``result.warnings``: what the trace could not see;
+    * ``to_dict()`` / ``save(path)``: the ``qkvtrace.trace/1`` JSON.
+
+    While the block runs, measured numbers stay on the device; reading
+    ``calls`` or ``gradients`` inside the block reads them back (on an
+    accelerator that waits for the device). After the block nothing waits.
+    """
+
+    def __init__(
+        self, model: nn.Module, *, gradients: bool = True, refusals: bool = True, threads: Threads = "entering"
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"qkvtrace.trace() needs an nn.Module, got {type(model).__name__}")
+        if threads not in ("entering", "all"):
+            raise ValueError(f"threads must be 'entering' or 'all', got {threads!r}")
+        self._model: nn.Module | None = model
+        self.record_gradients = gradients
+        self.record_refusals = refusals
+        self.threads = threads
+        #: the thread recorded (``threading.get_ident()``), ``None`` for every thread
+        self.thread: int | None = None
+        self.has_layers = False
+        self.norms = NormCache()
+        self._result = TraceResult(torch_version=str(torch.__version__))
+        self._names: dict[int, tuple[str, nn.Module]] = {}
+        self._by_name: dict[str, nn.Module] = {}
+        self._projections: dict[int, Projection | str] = {}
+        self._counter = itertools.count()
+        self._grads = GradientRecorder(self.name_of)
+        self._exit: contextlib.ExitStack | None = None
+        self._ended = False
+        self._unresolved = False
+        self._seen: set[int] = set()
+
+    # -- public face -------------------------------------------------------
+
+    @property
+    def result(self) -> TraceResult:
+        self._resolve()
+        return self._result
+
+    @property
+    def calls(self) -> list[AttentionCall]:
+        return self.result.calls
+
+    @property
+    def gradients(self) -> list[GradientRecord]:
+        return self.result.gradients
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.result.to_dict()
+
+    def save(self, path: str | Path) -> Path:
+        return self.result.save(path)
+
+    def __enter__(self) -> Trace:
+        if self._exit is not None:
+            raise RuntimeError("this trace is already active; make a new qkvtrace.trace(model)")
+        if self._ended or self._model is None:
+            raise RuntimeError("this trace has ended; make a new qkvtrace.trace(model)")
+        masks.sdpa_bool_true_means()  # measured once, before anything is wrapped
+        model = self._model
+        for name, m in model.named_modules():
+            name = name[len(_COMPILED_PREFIX) :] if name.startswith(_COMPILED_PREFIX) else name
+            if id(m) not in self._names:
+                self._names[id(m)] = (name, m)
+                self._by_name[name] = m
+        self.has_layers = any(isinstance(m, nn.TransformerEncoderLayer) for _, m in self._names.values())
+        self.thread = threading.get_ident() if self.threads == "entering" else None
+        _calibrate(model)
+        stack = contextlib.ExitStack()
+        try:
+            inst = installation()
+            inst.acquire()
+            stack.callback(inst.release)
+            keys = inst.bind_names(model)
+            stack.callback(inst.unbind, keys)
+            stack.callback(self._grads.close)
+            if self.record_gradients:  # MultiheadAttention modules are known up front; others when they call SDPA
+                for _, m in self._names.values():
+                    if isinstance(m, nn.MultiheadAttention):
+                        found = self.projection(m)
+                        if isinstance(found, Projection):
+                            self._grads.watch(m, found)
+            registry.register(self)
+            stack.callback(registry.unregister, self)
+        except BaseException:
+            stack.close()
+            raise
+        self._exit = stack
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        stack, self._exit = self._exit, None
+        try:
+            if stack is not None:
+                stack.close()
+        finally:
+            self._ended = True
+            try:
+                self._find_unobserved()
+                self._resolve()
+            finally:
+                # keep only the records: no module, parameter or tensor outlives the block through the trace
+                self._names.clear()
+                self._by_name.clear()
+                self._projections.clear()
+                self.norms = NormCache()
+                self._model = None
+
+    # -- used by the observers ---------------------------------------------
+
+    def name_of(self, module: nn.Module) -> str | None:
+        entry = self._names.get(id(module))
+        return entry[0] if entry is not None and entry[1] is module else None
+
+    def take_index(self) -> int:
+        return next(self._counter)
+
+    def projection(self, module: nn.Module) -> Projection | str:
+        """Where ``module``'s Q/K/V live (its own children first, then its ancestors')."""
+        key = id(module)
+        found = self._projections.get(key)
+        if found is None:
+            found = self._projections[key] = find_projection(module, self._parents(module))
+        return found
+
+    def add_call(self, call: AttentionCall, owner: nn.Module, projection: Projection | str) -> None:
+        self._result.calls.append(call)
+        self._seen.add(id(owner))
+        self._unresolved = True
+        if self.record_gradients and isinstance(projection, Projection):
+            self._grads.watch(owner, projection)
+
+    # -- internals -----------------------------------------------------------
+
+    def _parents(self, module: nn.Module) -> list[nn.Module]:
+        name = self.name_of(module)
+        parents: list[nn.Module] = []
+        while name:
+            name = name.rpartition(".")[0]
+            parent = self._by_name.get(name)
+            if parent is not None:
+                parents.append(parent)
+            if len(parents) == 2:
+                break
+        return parents
+
+    def _resolve(self) -> None:
+        grads = self._grads.records
+        if not self._unresolved and len(grads) == len(self._result.gradients):
+            return
+        self._result.gradients = list(grads)
+        lazy.resolve([self._result.calls, self._result.gradients])
+        self._result.calls.sort(key=lambda c: c.index)
+        self._result.gradients.sort(key=lambda g: (g.backward_index, g.module))
+        self._unresolved = False
+
+    def _find_unobserved(self) -> None:
+        """Attention-looking modules with no recorded call, and the compiled/scripted regions."""
+        compiled_types = compat.compiled_module_types()
+        scripted_types = compat.scripted_module_types()
+        regions: list[tuple[str, str]] = []
+        for name, m in self._names.values():
+            if compiled_types and isinstance(m, compiled_types):
+                regions.append((name, "torch.compile"))
+            elif getattr(m, "_compiled_call_impl", None) is not None:
+                regions.append((name, "torch.compile"))
+            elif scripted_types and isinstance(m, scripted_types):
+                regions.append((name, "TorchScript"))
+        for name, kind in regions:
+            self._result.warnings.append(
+                f"{name or '(root)'} runs through {kind}: attention calls inside it are not observed "
+                "(its modules are listed as unobserved)"
+            )
+        seen_names = [self._names[i][0] for i in self._seen if i in self._names]
+        for name, m in sorted(self._names.values(), key=lambda e: e[0]):
+            if not _looks_like_attention(name, m):
+                continue
+            if any(_related(name, s) for s in seen_names):
+                continue
+            region = next((r for r in regions if r[0] == "" or name == r[0] or name.startswith(r[0] + ".")), None)
+            if region is not None:
+                reason = f"inside {region[0] or 'the model'}, which runs through {region[1]}; the tracer does not see inside it"
+            else:
+                reason = (
+                    "made no recorded call: attention written by hand (softmax of QK^T), an entry point the "
+                    "tracer does not wrap (e.g. flex_attention), or not run inside the trace"
+                )
+            self._result.unobserved.append(Unobserved(module=name, module_type=type(m).__name__, reason=reason))
+
+
+def _related(a: str, b: str) -> bool:
+    """``a`` and ``b`` are the same module, or one contains the other."""
+    return a == b or not a or not b or a.startswith(b + ".") or b.startswith(a + ".")
+
+
+def _looks_like_attention(name: str, module: nn.Module) -> bool:
+    if isinstance(module, nn.MultiheadAttention):
+        return True
+    children = list(module.children())
+    if not children:
+        return False  # a leaf (a projection, a dropout, a norm) is not an attention module
+    last = name.rpartition(".")[2]
+    if _ATTENTION_NAME.search(last) or _ATTENTION_NAME.search(type(module).__name__):
+        return True
+    return find_projection(module) is not None and isinstance(find_projection(module), Projection)
+
+
+def _calibrate(model: nn.Module) -> None:
+    """Learn which kernel each SDPA backend runs on the model's devices, before anything is wrapped."""
+    devices = {p.device.type for p in itertools.islice(model.parameters(), 64)} or {"cpu"}
+    evidence = paths.shared_evidence()
+    for device in sorted(devices):
+        evidence.calibrate_once(device)
+
+
+def trace(model: nn.Module, *, gradients: bool = True, refusals: bool = True, threads: Threads = "entering") -> Trace:
+    """Trace every attention call ``model`` makes inside a ``with`` block.
+
+    >>> with qkvtrace.trace(model) as t:        # doctest: +SKIP
+    ...     model(x).sum().backward()
+    >>> t.calls[0].path, t.calls[0].why_not_fast_path   # doctest: +SKIP
+
+    ``gradients``: record Q/K/V slice gradients after each backward pass.
+    ``refusals``: on CUDA, record PyTorch's reasons for refusing each faster
+    SDPA backend (costs a few checks per SDPA call).
+    ``threads``: ``"entering"`` (default) records calls of the thread that
+    entered the block; ``"all"`` records the model's calls in every thread
+    (servers, data loaders).
+
+    Traces nest and overlap, in any order and any thread: each records the
+    calls of its own model, with its own indices.
+    """
+    return Trace(model, gradients=gradients, refusals=refusals, threads=threads)
