@@ -16,6 +16,7 @@ import torch
 __all__ = [
     "forced_backend",
     "is_compiling",
+    "is_jit_tracing",
     "torchscript_builtins",
     "fused_sdp_choice",
     "raw_sdpa",
@@ -122,6 +123,14 @@ def _is_compiling_fn() -> Callable[[], bool]:
 
 #: ``torch.compiler.is_compiling`` (or its older home): True while Dynamo traces a frame.
 is_compiling: Callable[[], bool] = _is_compiling_fn()
+
+
+def is_jit_tracing() -> bool:
+    """True while ``torch.jit.trace`` records a graph (ops run now would land in it)."""
+    return bool(_is_tracing())
+
+
+_is_tracing: Callable[[], bool] = getattr(torch._C, "_is_tracing", lambda: False)
 
 
 def torchscript_builtins() -> dict[int, str] | None:

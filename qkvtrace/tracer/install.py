@@ -36,9 +36,10 @@ Why the identity of PyTorch's functions survives (DESIGN.md, principle 8):
   A wrapper of a builtin is registered with TorchScript as the ``aten`` op it
   stands for while it is installed. Scripted code calls PyTorch directly:
   the tracer does not see inside it, and says so (``unobserved``).
-* Under ``torch.compile`` a wrapper does nothing but call what it wrapped
-  (no host reads, no thread ids, no caches), so Dynamo's graphs are the
-  same as without the trace.
+* Under ``torch.compile`` (and while ``torch.jit.trace`` records a graph) a
+  wrapper does nothing but call what it wrapped -- no host reads, no thread
+  ids, no caches, no profiler ranges -- so the graphs are the same as
+  without the trace.
 """
 
 from __future__ import annotations
@@ -95,9 +96,10 @@ def _make_wrapper(
     _qkv_observe = observe
     _qkv_compiled = compiled
     _qkv_is_compiling = compat.is_compiling
+    _qkv_is_jit_tracing = compat.is_jit_tracing
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if _qkv_is_compiling():
+        if _qkv_is_compiling() or _qkv_is_jit_tracing():
             if _qkv_compiled is not None:
                 return _qkv_compiled(_qkv_original, args, kwargs)
             return _qkv_original(*args, **kwargs)

@@ -31,7 +31,8 @@ __all__ = ["Trace", "trace"]
 
 Threads = Literal["entering", "all"]
 
-_COMPILED_PREFIX = "_orig_mod."
+#: the attribute through which a ``torch.compile``d module holds the original; names skip it
+_COMPILED_PART = "_orig_mod"
 _ATTENTION_NAME = re.compile(r"attn|attention", re.IGNORECASE)
 
 
@@ -107,7 +108,7 @@ class Trace:
         masks.sdpa_bool_true_means()  # measured once, before anything is wrapped
         model = self._model
         for name, m in model.named_modules():
-            name = name[len(_COMPILED_PREFIX) :] if name.startswith(_COMPILED_PREFIX) else name
+            name = ".".join(part for part in name.split(".") if part != _COMPILED_PART) if name else name
             if id(m) not in self._names:
                 self._names[id(m)] = (name, m)
                 self._by_name[name] = m

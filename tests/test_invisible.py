@@ -1,0 +1,243 @@
+"""Invisible to PyTorch itself (DESIGN.md, principle 8), and to its compilers.
+
+While any trace is open -- even one that traces an unrelated model -- code
+that compares PyTorch's functions by identity, TorchScript and
+``torch.compile`` must see and do exactly what they do without it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention.bias import CausalBias, causal_lower_right, causal_upper_left
+
+import qkvtrace
+
+E, H, B, L = 16, 4, 2, 5
+
+
+@pytest.fixture
+def open_trace() -> Iterator[qkvtrace.Trace]:
+    """A trace of an unrelated module: every wrapper installed, no test model traced."""
+    with qkvtrace.trace(nn.Linear(1, 1)) as t:
+        yield t
+
+
+def _qkv(lq: int = 4, lk: int = 6) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    return torch.randn(B, H, lq, 8), torch.randn(B, H, lk, 8), torch.randn(B, H, lk, 8)
+
+
+# -- __torch_function__ overrides ---------------------------------------------------
+
+
+@pytest.mark.parametrize("make", [causal_upper_left, causal_lower_right], ids=["upper_left", "lower_right"])
+def test_causal_bias_outside_the_traced_model(make: Any) -> None:
+    q, k, v = _qkv()
+    plain = F.scaled_dot_product_attention(q, k, v, attn_mask=make(4, 6))
+    with qkvtrace.trace(nn.Linear(1, 1)):
+        traced = F.scaled_dot_product_attention(q, k, v, attn_mask=make(4, 6))
+    assert torch.equal(plain, traced)
+
+
+def test_causal_bias_errors_are_pytorchs(open_trace: qkvtrace.Trace) -> None:
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="CausalBias should not be used with causal=True"):
+        F.scaled_dot_product_attention(q, k, v, attn_mask=causal_upper_left(4, 6), is_causal=True)
+
+
+class Tagged(torch.Tensor):
+    """A user's tensor subclass that, like CausalBias, dispatches on SDPA's identity."""
+
+    seen: list[str] = []
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            cls.seen.append("sdpa branch")
+            args = tuple(a.as_subclass(torch.Tensor) if isinstance(a, Tagged) else a for a in args)
+            return func(*args, **kwargs) * 2
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def test_user_tensor_subclass_takes_the_same_branch() -> None:
+    q, k, v = _qkv()
+    Tagged.seen.clear()
+    plain = F.scaled_dot_product_attention(q.as_subclass(Tagged), k, v)
+    with qkvtrace.trace(nn.Linear(1, 1)):
+        traced = F.scaled_dot_product_attention(q.as_subclass(Tagged), k, v)
+    assert Tagged.seen == ["sdpa branch", "sdpa branch"]
+    assert torch.equal(plain.as_subclass(torch.Tensor), traced.as_subclass(torch.Tensor))
+
+
+class CausalBiasLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(E, 3 * E)
+
+    def forward(self, x: torch.Tensor, bias: CausalBias) -> torch.Tensor:
+        q, k, v = (t.reshape(B, -1, H, E // H).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+
+
+@pytest.mark.parametrize("make", [causal_upper_left, causal_lower_right], ids=["upper_left", "lower_right"])
+def test_traced_model_with_causal_bias_is_recorded_as_a_causal_variant(make: Any) -> None:
+    model = nn.Sequential()
+    model.add_module("attn", CausalBiasLM())
+    x = torch.randn(B, L, E)
+    plain = model.attn(x, make(L, L))
+    with qkvtrace.trace(model) as t:
+        traced = model.attn(x, make(L, L))
+    assert torch.equal(plain, traced)
+    [call] = t.calls
+    mask = call.inputs["attn_mask"]
+    assert call.module == "attn" and call.path == "sdpa"
+    assert mask["kind"] == "CausalBias" and mask["variant"] == make(L, L).variant.name
+    # what it blocks, from CausalBias's own materialised mask: the strict upper triangle for a square one
+    assert mask["blocked"] == L * (L - 1) // 2 and mask["total"] == L * L
+    assert call.sdpa_backend is not None  # the SDPA call CausalBias made reported its kernel
+    assert call.qkv.layout == "packed"
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_causal_bias_under_torch_compile(backend: str, open_trace: qkvtrace.Trace) -> None:
+    q, k, v = _qkv()
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(4, 6))
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(4, 6))
+
+    torch._dynamo.reset()
+    got = torch.compile(attend, backend=backend)(q, k, v)
+    assert torch.allclose(got, expected, atol=1e-6, rtol=0)
+
+
+# -- TorchScript -------------------------------------------------------------------------
+
+
+def _encoder_layer() -> nn.TransformerEncoderLayer:
+    return nn.TransformerEncoderLayer(E, H, dim_feedforward=32, dropout=0.0, batch_first=True).eval()
+
+
+class EncoderSubclass(nn.TransformerEncoderLayer):
+    pass
+
+
+def test_torchscript_during_and_after_a_trace() -> None:
+    x = torch.randn(B, L, E)
+    mha = nn.MultiheadAttention(E, H, batch_first=True).eval()
+    layer = _encoder_layer()
+    with qkvtrace.trace(mha) as t:
+        scripted = torch.jit.script(mha)
+        scripted_layer = torch.jit.script(layer)
+        traced_fn = torch.jit.trace(mha, (x, x, x))
+        with torch.no_grad():
+            assert torch.allclose(scripted(x, x, x)[0], mha(x, x, x)[0], atol=1e-6)
+            assert torch.allclose(scripted_layer(x), layer(x), atol=1e-6)
+            assert torch.allclose(traced_fn(x, x, x)[0], mha(x, x, x)[0], atol=1e-6)
+    assert t.calls  # the eager calls were recorded
+    # afterwards the process is no worse: new classes script as usual
+    sub = torch.jit.script(EncoderSubclass(E, H, 32, dropout=0.0, batch_first=True).eval())
+    none_in_proj = torch.jit.script(nn.MultiheadAttention(E, H, kdim=8, vdim=8))
+    assert sub is not None and none_in_proj is not None
+
+
+def test_scripted_model_is_reported_not_silent() -> None:
+    holder = nn.Sequential()
+    holder.add_module("enc", torch.jit.script(_encoder_layer()))
+    x = torch.randn(B, L, E)
+    with qkvtrace.trace(holder) as t:
+        holder(x)
+    assert t.calls == []
+    assert any("enc" in w and "TorchScript" in w for w in t.result.warnings), t.result.warnings
+
+
+# -- torch.compile -------------------------------------------------------------------------
+
+
+def _graph_counts(fn: Any, *args: Any) -> tuple[int, int]:
+    torch._dynamo.reset()
+    ex = torch._dynamo.explain(fn)(*args)
+    return ex.graph_count, ex.graph_break_count
+
+
+class SDPAModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(E, 3 * E)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (t.reshape(B, L, H, E // H).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        p = 0.1 if self.training else 0.0
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True).sum()
+
+
+def _compile_cases() -> dict[str, tuple[nn.Module, Any]]:
+    x = torch.randn(B, L, E)
+    enc = nn.TransformerEncoder(
+        nn.TransformerEncoderLayer(E, H, 32, dropout=0.1, batch_first=True), 2, enable_nested_tensor=False
+    )
+    return {
+        "encoder training step": (enc.train(), lambda m: m(x).sum()),
+        "direct SDPA with dropout": (SDPAModel().train(), lambda m: m(x)),
+    }
+
+
+@pytest.mark.parametrize("case", list(_compile_cases()))
+def test_explain_counts_are_unchanged(case: str) -> None:
+    model, step = _compile_cases()[case]
+    plain = _graph_counts(lambda: step(model))
+    with qkvtrace.trace(model):
+        traced = _graph_counts(lambda: step(model))
+    assert traced == plain
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+@pytest.mark.parametrize("case", list(_compile_cases()))
+def test_compiled_outputs_bit_for_bit_and_no_recompiles(case: str, backend: str) -> None:
+    if backend == "inductor":
+        pytest.importorskip("torch._inductor")
+    model, step = _compile_cases()[case]
+    compiled_frames: list[int] = []
+
+    def run(n: int) -> list[torch.Tensor]:
+        outs = []
+        for _ in range(n):
+            torch.manual_seed(7)  # same dropout stream for every run
+            outs.append(compiled())
+        return outs
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda: step(model), backend=backend)
+    plain = run(2)
+    frames_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    with qkvtrace.trace(model) as t:
+        traced = run(2)
+    frames_first = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    with qkvtrace.trace(model):
+        run(2)
+    after = run(1)
+    compiled_frames.append(torch._dynamo.utils.counters["stats"]["unique_graphs"] - frames_first)
+    assert all(torch.equal(a, b) for a, b in zip(plain, traced, strict=True))
+    assert torch.equal(after[0], plain[0])
+    assert frames_first - frames_before <= 1  # at most the one recompile for the wrapped attribute
+    assert compiled_frames == [0]  # and none after it
+    assert t.calls == []  # compiled graphs call attention without the tracer...
+    assert t.result.unobserved, "...and the trace says so"
+
+
+def test_compiled_module_is_named_in_the_warnings() -> None:
+    model = nn.Sequential()
+    model.add_module("body", torch.compile(_encoder_layer(), backend="eager"))
+    x = torch.randn(B, L, E)
+    with qkvtrace.trace(model) as t, torch.no_grad():
+        model(x)
+    assert any(w.startswith("body runs through torch.compile") for w in t.result.warnings), t.result.warnings
+    assert [u.module for u in t.result.unobserved] == ["body.self_attn"]
+    assert "torch.compile" in t.result.unobserved[0].reason
