@@ -15,6 +15,8 @@ from rich.console import Console
 
 from qkvtrace.cli._common import check_output_file
 from qkvtrace.errors import InputError, QkvtraceError
+from qkvtrace.reportio import REPORT_SCHEMA
+from qkvtrace.validation import check_document
 
 __all__ = ["collect_in", "register", "run_compare", "run_diff"]
 
@@ -136,8 +138,9 @@ def collect_in(python: Path, env_extra: dict[str, str] | None = None) -> dict[st
         )
     try:
         report: dict[str, Any] = json.loads(proc.stdout)
-    except json.JSONDecodeError as exc:
+    except ValueError as exc:  # JSONDecodeError, or a number Python will not convert
         raise QkvtraceError(f"the collector under {python} printed no report ({exc})") from None
+    check_document(report, name=f"the report collected under {python}", expected=REPORT_SCHEMA)
     return report
 
 

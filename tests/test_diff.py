@@ -93,8 +93,8 @@ def test_cli_diff_writes_all_formats(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("content", "needle"),
     [
-        ("not json", "not a readable JSON report"),
-        ('{"schema": "qkvtrace.trace/1"}', "not 'qkvtrace.report/1'"),
+        ("not json", "is not valid JSON"),
+        ('{"schema": "qkvtrace.trace/1"}', 'expected "qkvtrace.report/1", got "qkvtrace.trace/1"'),
         ('{"schema": "qkvtrace.report/9"}', "newer than this qkvtrace reads"),
     ],
 )
