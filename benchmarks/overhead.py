@@ -21,6 +21,11 @@ Method
   so slow drifts of the machine (frequency, neighbours) hit all three alike.
   Each arm's time is divided by the baseline time *of the same repetition*;
   the table gives the minimum, median and maximum of these paired ratios.
+* Verdict: ``met`` when every repetition is within the target, ``median
+  only`` when the median is and some repetitions are not, ``NOT met`` when
+  the median is above it; marked ``*`` (not established) when the spread of
+  the ratios is wider than the margin the target allows (1.05 allows 0.05):
+  such a run cannot tell a 1.00 from a 1.05.
 * Baseline: the unit of work, nothing else.
 * Traced: a fresh ``qkvtrace.trace(model)`` is entered, the unit of work runs
   once untimed inside it (the first traced call of each call signature runs
@@ -354,21 +359,69 @@ def fmt_ratios(ratios: Sequence[float]) -> str:
     return f"{min(ratios):.2f} / {statistics.median(ratios):.2f} / {max(ratios):.2f}"
 
 
+@dataclass
+class Verdict:
+    """Whether a workload met its target, said with the spread of this run."""
+
+    median_met: bool
+    every_met: bool
+    spread: float  # max - min of the paired ratios
+    margin: float  # target - 1.0: the slowdown the target allows
+
+    @property
+    def word(self) -> str:
+        if self.every_met:
+            return "met"
+        return "median only" if self.median_met else "NOT met"
+
+    @property
+    def resolved(self) -> bool:
+        """Is this run's spread narrower than the margin it is judged against?"""
+        return self.spread <= self.margin
+
+
+def verdict(ratios: Sequence[float], target: float) -> Verdict:
+    return Verdict(
+        median_met=statistics.median(ratios) <= target,
+        every_met=max(ratios) <= target,
+        spread=max(ratios) - min(ratios),
+        margin=target - 1.0,
+    )
+
+
 def print_table(workloads: Sequence[Workload], samples: dict[str, Samples]) -> None:
     header = (
         f"{'workload':<30} {'baseline ms':>11}  {'traced ratio min/med/max':>24}  "
-        f"{'profiler ratio min/med/max':>26}  {'target':>7}  {'met':>3}"
+        f"{'profiler ratio min/med/max':>26}  {'target':>7}  {'verdict':>11}"
     )
     print(header)
     print("-" * len(header))
     for w in workloads:
         s = samples[w.key]
-        traced_median = statistics.median(s.traced_ratios())
-        met = "yes" if traced_median <= w.target else "NO"
+        v = verdict(s.traced_ratios(), w.target)
         print(
             f"{w.key + ' ' + w.title:<30} {statistics.median(s.baseline) * 1e3:>11.1f}  "
             f"{fmt_ratios(s.traced_ratios()):>24}  {fmt_ratios(s.profiler_ratios()):>26}  "
-            f"{'<= ' + format(w.target, '.2f'):>7}  {met:>3}"
+            f"{'<= ' + format(w.target, '.2f'):>7}  {v.word + ('' if v.resolved else '*'):>11}"
+        )
+    print()
+    print("Verdicts: 'met' = every repetition within the target; 'median only' = the median is, some")
+    print("repetitions are not; 'NOT met' = the median is above it. * = not established: the spread")
+    print("(max - min of the traced ratios) is wider than the margin the target allows.")
+    for w in workloads:
+        ratios = samples[w.key].traced_ratios()
+        v = verdict(ratios, w.target)
+        median = statistics.median(ratios)
+        if v.resolved:
+            note = f"narrower than the {v.margin:.2f} margin the target allows"
+        else:
+            note = (
+                f"WIDER than the {v.margin:.2f} margin the target allows: this run cannot tell "
+                f"a ratio of 1.00 from {w.target:.2f}, so '{v.word}' is not established"
+            )
+        print(
+            f"  {w.key}: median {median:.2f} {'<=' if v.median_met else '>'} {w.target:.2f}; "
+            f"spread {v.spread:.2f} ({min(ratios):.2f}-{max(ratios):.2f}), {note}"
         )
     print()
     print("Not in the ratios above (medians over repetitions):")

@@ -12,9 +12,12 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 
 from qkvtrace.cli._common import check_output_file
 from qkvtrace.errors import InputError, QkvtraceError
+from qkvtrace.reportio import REPORT_SCHEMA
+from qkvtrace.validation import check_document
 
 __all__ = ["collect_in", "register", "run_compare", "run_diff"]
 
@@ -45,7 +48,7 @@ def register(sub: Any) -> None:
     d.add_argument("b", metavar="B", type=Path, help="the newer report (folder or report.json)")
     d.add_argument("--json", metavar="FILE", type=Path, help="write the qkvtrace.diff/1 JSON")
     d.add_argument("--md", metavar="FILE", type=Path, help="write the diff as Markdown")
-    d.add_argument("--svg", metavar="FILE", type=Path, help="write the union call graph (needs Graphviz's dot)")
+    d.add_argument("--svg", metavar="FILE", type=Path, help="write the union call graph as SVG")
     d.set_defaults(run=run_diff)
 
     c = sub.add_parser("compare", help="collect in two Python environments and diff them in one go",
@@ -69,21 +72,26 @@ def _outputs(args: argparse.Namespace) -> None:
 
 
 def _write_diff(a: dict[str, Any], b: dict[str, Any], diff: dict[str, Any], *, json_path: Path | None,
-                md_path: Path | None, svg_path: Path | None) -> bool:  # fmt: skip
-    """Write what was asked for; return whether the picture could be drawn."""
+                md_path: Path | None, svg_path: Path | None) -> str | None:  # fmt: skip
+    """Write what was asked for; return a warning when the asked-for picture could not be drawn."""
     from qkvtrace.records import atomic_write_text
     from qkvtrace.render.diff_render import diff_dot, diff_markdown
     from qkvtrace.render.graph import render_svg
 
-    svg = render_svg(diff_dot(a, b, diff)) if svg_path is not None else None
+    drawing = render_svg(diff_dot(a, b, diff)) if svg_path is not None else None
+    svg = drawing.svg if drawing is not None else None
+    warning = None
     if svg_path is not None and svg is not None:
         atomic_write_text(svg_path, svg)
+    elif svg_path is not None:
+        left = " (the existing file is left as it was)" if svg_path.exists() else ""
+        warning = f"{svg_path} was not drawn{left}: {drawing.problem if drawing else ''}"
     if json_path is not None:
         atomic_write_text(json_path, json.dumps(diff, indent=1, sort_keys=True, ensure_ascii=False) + "\n")
     if md_path is not None:
         svg_name = os.path.relpath(svg_path, md_path.parent) if svg_path is not None and svg is not None else None
         atomic_write_text(md_path, diff_markdown(diff, svg_name=svg_name))
-    return svg_path is None or svg is not None
+    return warning
 
 
 def run_diff(args: argparse.Namespace, console: Console) -> int:
@@ -95,9 +103,9 @@ def run_diff(args: argparse.Namespace, console: Console) -> int:
     a, b = load_report(args.a), load_report(args.b)
     diff = diff_reports(a, b)
     console.print(diff_renderable(diff))
-    drawn = _write_diff(a, b, diff, json_path=args.json, md_path=args.md, svg_path=args.svg)
-    if not drawn:
-        console.print("[yellow]warning:[/] Graphviz's `dot` is not installed; no SVG was drawn")
+    warning = _write_diff(a, b, diff, json_path=args.json, md_path=args.md, svg_path=args.svg)
+    if warning:
+        console.print(f"[yellow]warning:[/] {escape(warning)}")
     return 0
 
 
@@ -136,13 +144,14 @@ def collect_in(python: Path, env_extra: dict[str, str] | None = None) -> dict[st
         )
     try:
         report: dict[str, Any] = json.loads(proc.stdout)
-    except json.JSONDecodeError as exc:
+    except ValueError as exc:  # JSONDecodeError, or a number Python will not convert
         raise QkvtraceError(f"the collector under {python} printed no report ({exc})") from None
+    check_document(report, name=f"the report collected under {python}", expected=REPORT_SCHEMA)
     return report
 
 
 def run_compare(args: argparse.Namespace, console: Console) -> int:
-    from qkvtrace.cli.inspect_cmd import prepare_out, write_report_dir
+    from qkvtrace.cli.inspect_cmd import picture_note, prepare_out, write_report_dir
     from qkvtrace.diff import diff_reports
     from qkvtrace.render.diff_render import diff_renderable
 
@@ -154,9 +163,12 @@ def run_compare(args: argparse.Namespace, console: Console) -> int:
     for python in args.python:
         with console.status(f"collecting under {python}", spinner="dots"):
             report = collect_in(python)
-        folder, replaced, _ = write_report_dir(report, args.out)
-        console.print(f"torch {report['environment']['torch_version']} ← {python}: wrote {folder}/"
-                      + (" (replaced)" if replaced else ""))  # fmt: skip
+        written = write_report_dir(report, args.out)
+        console.print(f"torch {report['environment']['torch_version']} ← {python}: wrote {written.folder}/"
+                      + (" (replaced)" if written.replaced else ""))  # fmt: skip
+        note = picture_note(written)
+        if note:
+            console.print(note)
         reports.append(report)
     a, b = reports
     diff = diff_reports(a, b)
@@ -164,9 +176,11 @@ def run_compare(args: argparse.Namespace, console: Console) -> int:
     diffs = args.out / "diffs"
     diffs.mkdir(exist_ok=True)
     stem = f"torch-{diff['a']}..torch-{diff['b']}"
-    _write_diff(
+    warning = _write_diff(
         a, b, diff, json_path=diffs / f"{stem}.json", md_path=diffs / f"{stem}.md", svg_path=diffs / f"{stem}.svg"
     )
     _write_diff(a, b, diff, json_path=args.json, md_path=args.md, svg_path=None)
-    console.print(f"wrote {diffs / stem}.md (+ .json, .svg)")
+    console.print(f"wrote {diffs / stem}.md (+ .json" + (")" if warning else ", .svg)"))
+    if warning:
+        console.print(f"[yellow]warning:[/] {escape(warning)}")
     return 0

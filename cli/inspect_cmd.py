@@ -6,27 +6,37 @@ import argparse
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from qkvtrace.errors import OutputError
 
-__all__ = ["prepare_out", "register", "run", "write_report_dir"]
+if TYPE_CHECKING:  # the CLI imports this module at start-up; drawing libraries load only when needed
+    from qkvtrace.render.graph import Drawing
+
+__all__ = ["Written", "picture_note", "prepare_out", "register", "run", "write_report_dir"]
 
 _HELP = """\
 Read the attention path of the installed PyTorch and write it down:
 
   report.json    sources (inspect), fast-path conditions, call graph, scenarios
   report.md      the same, readable, with the call-graph picture
-  callgraph.dot  Graphviz source; callgraph.svg when Graphviz's `dot` is installed
+  callgraph.dot  Graphviz source
+  callgraph.svg  the call-graph picture, laid out by graphviz-pure (installed
+                 with qkvtrace; the same bytes on every machine), else by
+                 Graphviz's `dot` on PATH; $QKVTRACE_DOT names another program
 
 into OUT/torch-<version>/. An existing report of the same version is replaced
-whole; an interrupted run leaves the old one untouched. Two runs in the same
-environment write byte-identical report.json files, so reports can live under
-version control and be compared with `qkvtrace diff`.
+whole; an interrupted run leaves the old one untouched. If no picture can be
+drawn, the previous callgraph.svg is kept, and you are told whether it still
+shows this call graph. Two runs in the same environment write byte-identical
+report.json files, so reports can live under version control and be compared
+with `qkvtrace diff`.
 """
 
 
@@ -51,8 +61,22 @@ def prepare_out(out: Path) -> None:
         raise OutputError(f"--out {str(out)!r} cannot be created ({exc.strerror}); choose another folder") from None
 
 
-def write_report_dir(report: dict[str, Any], out: Path) -> tuple[Path, bool, bool]:
-    """Write the report folder atomically; return ``(folder, replaced, svg_written)``."""
+@dataclass(frozen=True)
+class Written:
+    """What :func:`write_report_dir` did."""
+
+    folder: Path
+    #: a report of the same version was there before and was replaced
+    replaced: bool
+    #: ``"drawn"``; ``"kept"`` (not drawn; the previous picture of the same call graph kept);
+    #: ``"kept-stale"`` (not drawn; the previous picture kept, but the call graph changed); ``"none"``
+    picture: str
+    #: the layout program that drew the picture, or why there is none
+    drawing: Drawing
+
+
+def write_report_dir(report: dict[str, Any], out: Path) -> Written:
+    """Write the report folder atomically, never losing a picture it cannot redraw."""
     from qkvtrace.render.graph import render_svg, report_graph, to_dot
     from qkvtrace.render.markdown import report_markdown
     from qkvtrace.report import dumps_report, report_dirname
@@ -66,12 +90,20 @@ def write_report_dir(report: dict[str, Any], out: Path) -> tuple[Path, bool, boo
         raise OutputError(f"--out {str(out)!r} is not writable ({exc.strerror}); choose another folder") from None
     try:
         dot = to_dot(report_graph(report), f"attention call graph — torch {version}")
-        svg = render_svg(dot)
+        drawing = render_svg(dot)
         (tmp / "report.json").write_text(dumps_report(report), encoding="utf-8")
         (tmp / "callgraph.dot").write_text(dot, encoding="utf-8")
-        if svg is not None:
-            (tmp / "callgraph.svg").write_text(svg, encoding="utf-8")
-        md = report_markdown(report, svg_name="callgraph.svg" if svg is not None else None)
+        picture = "none"
+        if drawing.svg is not None:
+            (tmp / "callgraph.svg").write_text(drawing.svg, encoding="utf-8")
+            picture = "drawn"
+        elif (final / "callgraph.svg").is_file():
+            # No layout program here: keep the picture a previous run (or a commit) left rather than
+            # deleting it with the folder; it is still true when the graph it was drawn from is unchanged.
+            shutil.copy2(final / "callgraph.svg", tmp / "callgraph.svg")
+            same = (final / "callgraph.dot").is_file() and (final / "callgraph.dot").read_text(encoding="utf-8") == dot
+            picture = "kept" if same else "kept-stale"
+        md = report_markdown(report, svg_name="callgraph.svg" if picture in ("drawn", "kept") else None)
         (tmp / "report.md").write_text(md, encoding="utf-8")
         replaced = final.exists()
         old = None
@@ -85,10 +117,26 @@ def write_report_dir(report: dict[str, Any], out: Path) -> tuple[Path, bool, boo
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return final, replaced, svg is not None
+    return Written(final, replaced, picture, drawing)
 
 
-def _summary(report: dict[str, Any], folder: Path, replaced: bool, seconds: float) -> Table:
+def picture_note(written: Written) -> str | None:
+    """A line for the user when the report's picture was not drawn this time, else ``None``."""
+    svg = escape(str(written.folder / "callgraph.svg"))
+    why = escape(written.drawing.problem or "")
+    if written.picture == "kept":
+        return f"[yellow]note:[/] {svg} was not redrawn ({why}); the previous one is kept: the call graph is unchanged"
+    if written.picture == "kept-stale":
+        return (
+            f"[yellow]warning:[/] {svg} was not redrawn ({why}); the previous one is kept but is OUT OF DATE: "
+            "the call graph changed (see callgraph.dot); run again once a layout program is installed"
+        )
+    if written.picture == "none":
+        return f"[yellow]warning:[/] {svg} was not drawn ({why}); callgraph.dot was written"
+    return None
+
+
+def _summary(report: dict[str, Any], written: Written, seconds: float) -> Table:
     env = report["environment"]
     table = Table(title=f"qkvtrace inspect — torch {env['torch_version']}", show_header=False)
     table.add_column(style="bold")
@@ -113,7 +161,14 @@ def _summary(report: dict[str, Any], folder: Path, replaced: bool, seconds: floa
             paths = ", ".join(sorted({c["path"] for c in calls})) or s.get("error") or "-"
             backend = ", ".join(sorted({c["sdpa_backend"] or "none" for c in calls}))
             table.add_row(s["description"], f"{paths} (backend: {backend})")
-    table.add_row("written", f"{folder}/" + ("  (replaced the previous report of this version)" if replaced else ""))
+    if written.picture == "drawn":
+        table.add_row("picture", f"callgraph.svg, drawn by {written.drawing.engine}")
+    else:
+        table.add_row("picture", {"kept": "callgraph.svg kept from the previous report",
+                                  "kept-stale": "callgraph.svg kept from the previous report (out of date)",
+                                  "none": "not drawn"}[written.picture])  # fmt: skip
+    replaced = "  (replaced the previous report of this version)" if written.replaced else ""
+    table.add_row("written", f"{written.folder}/{replaced}")
     table.add_row("took", f"{seconds:.1f} s")
     return table
 
@@ -126,12 +181,9 @@ def run(args: argparse.Namespace, console: Console) -> int:
     with console.status("collecting", spinner="dots") as status:
         report = collect_report(progress=lambda msg: status.update(msg))
         status.update("writing the report")
-        folder, replaced, has_svg = write_report_dir(report, args.out)
-    console.print(_summary(report, folder, replaced, time.perf_counter() - start))
-    if not has_svg:
-        console.print(
-            "[yellow]warning:[/] Graphviz's `dot` program is not installed, so callgraph.svg was not drawn "
-            "(callgraph.dot was written). Install it with `apt-get install graphviz` (Debian/Ubuntu), "
-            "`brew install graphviz` (macOS) or `conda install graphviz`, then run inspect again."
-        )
+        written = write_report_dir(report, args.out)
+    console.print(_summary(report, written, time.perf_counter() - start))
+    note = picture_note(written)
+    if note:
+        console.print(note)
     return 0

@@ -10,6 +10,9 @@ from __future__ import annotations
 import difflib
 from typing import Any
 
+from qkvtrace.reportio import REPORT_SCHEMA
+from qkvtrace.validation import check_document
+
 __all__ = ["DIFF_SCHEMA", "diff_reports", "summary_line"]
 
 DIFF_SCHEMA = "qkvtrace.diff/1"
@@ -173,7 +176,14 @@ def summary_line(diff: dict[str, Any]) -> str:
 
 
 def diff_reports(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-    """The ``qkvtrace.diff/1`` object of report ``a`` → report ``b``."""
+    """The ``qkvtrace.diff/1`` object of report ``a`` → report ``b``.
+
+    Both are checked against the ``qkvtrace.report/1`` schema first (what
+    :func:`~qkvtrace.reportio.load_report` returns already passed), so a
+    damaged report raises :class:`~qkvtrace.errors.SchemaError`, never a ``KeyError``.
+    """
+    for name, report in (("report A", a), ("report B", b)):
+        check_document(report, name=name, expected=REPORT_SCHEMA)
     sources, source_diffs = _sources(a, b)
     result = {
         "schema": DIFF_SCHEMA,

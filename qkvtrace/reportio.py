@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from qkvtrace.errors import SchemaError
+from qkvtrace.validation import load_json
 
 __all__ = ["REPORT_SCHEMA", "dumps_report", "load_report"]
 
@@ -19,21 +20,14 @@ def dumps_report(report: dict[str, Any]) -> str:
 
 
 def load_report(path: str | Path) -> dict[str, Any]:
-    """Read ``report.json`` (or the folder holding it); refuse other schemas."""
+    """Read ``report.json`` (or the folder holding it), checked against the ``qkvtrace.report/1`` schema.
+
+    Raises :class:`~qkvtrace.errors.SchemaError` with one line naming the file
+    and the first bad place (a JSON pointer) when it is not such a report.
+    """
     p = Path(path)
     if p.is_dir():
         p = p / "report.json"
-    try:
-        data = json.loads(p.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise SchemaError(f"{str(p)!r} does not exist; give a report folder or its report.json") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise SchemaError(f"{str(p)!r} is not a readable JSON report ({exc})") from None
-    schema = data.get("schema") if isinstance(data, dict) else None
-    if not isinstance(schema, str) or not schema.startswith("qkvtrace.report/"):
-        raise SchemaError(f"{str(p)!r} has schema {schema!r}, not {REPORT_SCHEMA!r}; is it a qkvtrace report?")
-    if schema != REPORT_SCHEMA:
-        raise SchemaError(
-            f"{str(p)!r} has schema {schema!r}, newer than this qkvtrace reads ({REPORT_SCHEMA}); upgrade qkvtrace"
-        )
-    return data
+    if not p.exists():
+        raise SchemaError(f"{p}: does not exist; give a report folder or its report.json")
+    return load_json(p, REPORT_SCHEMA)

@@ -29,9 +29,11 @@ def test_causal_check(mistake: str) -> None:
     model, args = build(mistake)
     report = run_checks(model, args, causal=True, trials=1)
     causal = [f for f in report.findings if f.check == "causal"]
-    assert {f.mode for f in causal} == {"inference", "training"}
-    assert all(not f.passed for f in causal) is (mistake in CAUGHT_BY_CAUSAL)
-    assert all(f.passed for f in causal) is (mistake not in CAUGHT_BY_CAUSAL)
+    caught = mistake in CAUGHT_BY_CAUSAL
+    # both modes must agree: caught in each, or passed in each
+    assert {f.mode: f.passed for f in causal} == {"inference": not caught, "training": not caught}, [
+        f.detail for f in causal
+    ]
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal-lm", "encoder"])
@@ -40,9 +42,11 @@ def test_padding_check(mistake: str, causal: bool) -> None:
     model, args = build(mistake, causal=causal)
     report = run_checks(model, args, padding=True, trials=1)
     padding = [f for f in report.findings if f.check == "padding"]
-    assert {f.mode for f in padding} == {"inference", "training"}
-    caught = mistake in CAUGHT_BY_PADDING or (mistake in CAUGHT_BY_CAUSAL and not causal and False)
-    assert all(not f.passed for f in padding) is caught, [f.detail for f in padding]
+    caught = mistake in CAUGHT_BY_PADDING
+    # both modes must agree: caught in each, or passed in each
+    assert {f.mode: f.passed for f in padding} == {"inference": not caught, "training": not caught}, [
+        f.detail for f in padding
+    ]
 
 
 def test_leak_pairs_name_positions() -> None:
@@ -73,15 +77,91 @@ class _Causal(nn.Module):
         return self.layer(x, src_mask=self.mask, is_causal=True)
 
 
-def test_mha_fast_path_padding_nan_is_reported() -> None:
-    """The fast path returns NaN for a fully padded sequence here? Whatever it does is reported, not assumed."""
+class _PadsAllOfSequence1(nn.Module):
+    """MHA whose key padding mask also blocks every key of sequence 1: all its query rows are fully masked."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mha = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.received: list[torch.Tensor] = []
+
+    def blocked(self, key_padding_mask: torch.Tensor) -> torch.Tensor:
+        kpm = key_padding_mask.clone()
+        kpm[1] = True  # True = padding (nn.MultiheadAttention's convention)
+        return kpm
+
+    def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor) -> torch.Tensor:
+        self.received.append(key_padding_mask)
+        return self.mha(x, x, x, key_padding_mask=self.blocked(key_padding_mask), need_weights=False)[0]
+
+
+def test_mha_fully_masked_rows_and_nan_are_reported_as_measured() -> None:
+    """Whatever MHA returns for fully-masked rows in each mode (NaN or not) is what check reports."""
     torch.manual_seed(0)
-    mha = nn.MultiheadAttention(16, 2, batch_first=True)
+    model = _PadsAllOfSequence1()
     x = torch.randn(2, 8, 16)
-    report = run_checks(mha, (x, x, x), padding=True, trials=1)
+    report = run_checks(model, (x,), padding=True, trials=1)
     paths = {m: {c["path"] for c in calls} for m, calls in report.calls.items()}
     assert paths == {"inference": {"fast"}, "training": {"fallback"}}
-    assert all(f.passed for f in report.findings if f.check == "padding")
+    kpm = model.received[0]
+    assert all(torch.equal(m, kpm) for m in model.received)  # one padding mask for every forward
+    # independent: the same forward, untraced, in each mode; rows whose keys are all blocked, by hand
+    fully_masked = int(model.blocked(kpm).all(dim=1).sum()) * x.shape[1]
+    assert fully_masked == 8
+    for mode, train in (("inference", False), ("training", True)):
+        model.train(train)
+        with torch.set_grad_enabled(train):
+            nan = int(torch.isnan(model(x, kpm)).sum())
+        nan_findings = [f for f in report.findings if f.check == "nan" and f.mode == mode]
+        if nan:
+            assert [(f.passed, f.detail) for f in nan_findings] == [
+                (False, f"{nan} NaN values in the output (padding check)")
+            ]
+        else:
+            assert nan_findings == []
+        [call] = report.calls[mode]
+        assert (call["nan_count"], call["fully_masked_rows"]) == (nan, fully_masked), mode
+    # seq 0 has real keys in every row: the padding check itself holds in both modes
+    assert [f.passed for f in report.findings if f.check == "padding"] == [True, True]
+
+
+class _CausalWithPadding(nn.Module):
+    """Causal attention with a key padding mask and no guard against NaN: with left padding,
+    the first query rows of a sequence see only padded keys, and softmax over them is NaN."""
+
+    def __init__(self, vocab: int = 50, d: int = 16) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.received: list[torch.Tensor] = []
+
+    def forward(self, ids: torch.Tensor, key_padding_mask: torch.Tensor) -> torch.Tensor:
+        self.received.append(key_padding_mask)
+        q, k, v = self.qkv(self.emb(ids)).chunk(3, dim=-1)  # (B, T, d) each
+        t = ids.shape[1]
+        scores = q @ k.transpose(1, 2) / q.shape[-1] ** 0.5  # (B, T, T)
+        future = torch.ones(t, t, dtype=torch.bool).triu(1)
+        scores = scores.masked_fill(future | key_padding_mask[:, None, :], float("-inf"))
+        return torch.softmax(scores, dim=-1) @ v
+
+
+def test_nan_in_the_output_fails_the_check() -> None:
+    torch.manual_seed(0)
+    model = _CausalWithPadding()
+    ids = torch.randint(0, 50, (2, 8))
+    report = run_checks(model, (ids,), padding=True, trials=1)
+    kpm = model.received[0]
+    # by hand: a query row i is fully masked when every key j <= i is padding
+    allowed = ~kpm[:, None, :] & torch.ones(8, 8, dtype=torch.bool).tril()
+    rows = int((~allowed.any(dim=-1)).sum())
+    assert rows > 0, "the check's padding mask should leave some causal row without a real key"
+    with torch.no_grad():
+        nan = int(torch.isnan(model.eval()(ids, kpm)).sum())
+    assert nan == rows * 16
+    assert not report.ok
+    nan_findings = [(f.mode, f.passed, f.detail) for f in report.findings if f.check == "nan"]
+    detail = f"{nan} NaN values in the output (padding check)"
+    assert nan_findings == [("inference", False, detail), ("training", False, detail)]
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:

@@ -11,12 +11,15 @@ from pathlib import Path
 import pytest
 
 from qkvtrace.diff import diff_reports
+from qkvtrace.render.diff_render import diff_dot
+from qkvtrace.render.graph import ENGINE_ENV, how_to_get_an_engine, layout_engine, render_svg
 from qkvtrace.reportio import load_report
 
 ROOT = Path(__file__).resolve().parents[1]
 REPORTS = ROOT / "reports"
 OLD, MID, NEW = "torch-2.4.1+cu121", "torch-2.13.0+cpu", "torch-2.14.1+cu130"
 ENV = {**os.environ, "COLUMNS": "200", "PYTHONWARNINGS": "ignore"}
+ENGINE = layout_engine()
 
 
 def qkv(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -79,6 +82,7 @@ def test_committed_diffs_are_what_diff_prints(reports: dict[str, dict]) -> None:
         assert (REPORTS / "diffs" / f"{a}..{b}.svg").read_text().lstrip().startswith("<?xml")
 
 
+@pytest.mark.skipif(ENGINE is None, reason=f"cannot draw SVG: {how_to_get_an_engine()}")
 def test_cli_diff_writes_all_formats(tmp_path: Path) -> None:
     proc = qkv("diff", str(REPORTS / OLD), str(REPORTS / MID / "report.json"), "--json", str(tmp_path / "d.json"),
                "--md", str(tmp_path / "d.md"), "--svg", str(tmp_path / "d.svg"))  # fmt: skip
@@ -90,11 +94,33 @@ def test_cli_diff_writes_all_formats(tmp_path: Path) -> None:
     assert "<svg" in (tmp_path / "d.svg").read_text()
 
 
+def test_cli_diff_without_a_layout_program_writes_the_rest(tmp_path: Path) -> None:
+    env = {**ENV, ENGINE_ENV: str(tmp_path / "no-such-program")}
+    proc = qkv("diff", str(REPORTS / OLD), str(REPORTS / MID), "--md", str(tmp_path / "d.md"),
+               "--svg", str(tmp_path / "d.svg"), env=env)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "d.svg was not drawn" in proc.stdout and "no-such-program" in proc.stdout
+    assert not (tmp_path / "d.svg").exists() and "![union call graph" not in (tmp_path / "d.md").read_text()
+
+
+@pytest.mark.skipif(
+    ENGINE is None or not os.path.basename(ENGINE).startswith("graphviz-pure"),
+    reason=f"the committed pictures are drawn by graphviz-pure; this machine has {ENGINE or 'no layout program'}",
+)
+def test_committed_diff_pictures_are_what_graphviz_pure_draws(reports: dict[str, dict]) -> None:
+    """Byte for byte on any machine (graphviz-pure carries its fonts); redraw them when graphviz-pure changes."""
+    for a, b in ((OLD, MID), (MID, NEW)):
+        drawing = render_svg(diff_dot(reports[a], reports[b], diff_reports(reports[a], reports[b])))
+        assert drawing.svg is not None, drawing.problem
+        same = drawing.svg == (REPORTS / "diffs" / f"{a}..{b}.svg").read_text(encoding="utf-8")
+        assert same, f"reports/diffs/{a}..{b}.svg is not what graphviz-pure draws now"
+
+
 @pytest.mark.parametrize(
     ("content", "needle"),
     [
-        ("not json", "not a readable JSON report"),
-        ('{"schema": "qkvtrace.trace/1"}', "not 'qkvtrace.report/1'"),
+        ("not json", "is not valid JSON"),
+        ('{"schema": "qkvtrace.trace/1"}', 'expected "qkvtrace.report/1", got "qkvtrace.trace/1"'),
         ('{"schema": "qkvtrace.report/9"}', "newer than this qkvtrace reads"),
     ],
 )

@@ -18,11 +18,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from qkvtrace import introspect
-from qkvtrace.render.graph import report_graph, to_dot
+from qkvtrace.render.graph import ENGINE_ENV, how_to_get_an_engine, layout_engine, render_svg, report_graph, to_dot
 from qkvtrace.report import collect_report, dumps_report, load_report
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "COLUMNS": "200", "PYTHONWARNINGS": "ignore"}
+ENGINE = layout_engine()
+needs_layout_engine = pytest.mark.skipif(ENGINE is None, reason=f"cannot draw SVG: {how_to_get_an_engine()}")
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +88,30 @@ def test_builtins_record_signature_and_aten_ops(report: dict[str, Any]) -> None:
     assert "aten::scaled_dot_product_attention" in sdpa["aten_ops"]
 
 
+def _reason_matches(why: str, reason: str) -> bool:
+    """Is ``why`` (a string PyTorch computed) the reason ``reason`` (its source form)?
+
+    Plain strings must be equal; an f-string's literal parts must match and each
+    ``{...}`` field stands for some non-empty text.
+    """
+    if not reason.startswith(("f'", 'f"')):
+        return why == reason
+    parts = re.split(r"(\{[^{}]*\})", reason[2:-1])
+    pattern = "".join(".+" if p.startswith("{") else re.escape(p) for p in parts)
+    return re.fullmatch(pattern, why, flags=re.DOTALL) is not None
+
+
+def test_reason_matcher_needs_the_whole_reason() -> None:
+    template = 'f"dtypes of query ({query.dtype}) and self.in_proj_weight ({self.in_proj_weight.dtype}) don\'t match"'
+    assert _reason_matches(
+        "dtypes of query (torch.float16) and self.in_proj_weight (torch.float32) don't match", template
+    )
+    assert not _reason_matches("training is enabled", template)
+    assert not _reason_matches("dtypes of query (torch.float16)", template)
+    assert _reason_matches("training is enabled", "training is enabled")
+    assert not _reason_matches("training is", "training is enabled")
+
+
 def test_fast_path_conditions_match_source_and_observation(report: dict[str, Any]) -> None:
     blocks = {b["function"]: b["conditions"] for b in report["fast_path_conditions"]}
     mha_src = inspect.getsource(nn.MultiheadAttention.forward)
@@ -104,7 +130,7 @@ def test_fast_path_conditions_match_source_and_observation(report: dict[str, Any
     }
     assert observed
     for why in observed:
-        assert why in reasons or any(r.startswith(("f'", 'f"')) for r in reasons), why
+        assert any(_reason_matches(why, r) for r in reasons), why
     layer = blocks["torch.nn.modules.transformer.TransformerEncoderLayer.forward"]
     assert any(c["reason"] == "training is enabled" and c["condition"] == "self.training" for c in layer)
 
@@ -140,6 +166,7 @@ def test_missing_functions_are_recorded_not_fatal() -> None:
     assert "torch.nn.functional.multi_head_attention_forward" in found.entries
 
 
+@needs_layout_engine
 def test_cli_writes_report_and_replaces_it(tmp_path: Path) -> None:
     proc = qkv("inspect", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr
@@ -156,13 +183,68 @@ def test_cli_writes_report_and_replaces_it(tmp_path: Path) -> None:
     assert load_report(folder)["environment"]["torch_version"] == torch.__version__
 
 
-def test_cli_without_dot_warns_and_writes_dot(tmp_path: Path) -> None:
-    env = {**ENV, "PATH": str(tmp_path / "empty-bin")}
+def _without_graphviz_on_path(tmp_path: Path) -> dict[str, str]:
+    env = {k: v for k, v in ENV.items() if k != ENGINE_ENV}
+    return {**env, "PATH": str(tmp_path / "empty-bin")}  # no `dot`, no `graphviz-pure` on PATH
+
+
+def test_cli_draws_the_picture_with_no_graphviz_on_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    env = _without_graphviz_on_path(tmp_path)
+    monkeypatch.setenv("PATH", env["PATH"])
+    monkeypatch.delenv(ENGINE_ENV, raising=False)
+    if layout_engine() is None:
+        pytest.skip(f"nothing installed with this Python draws SVG: {how_to_get_an_engine()}")
     proc = qkv("inspect", "--out", str(tmp_path / "r"), env=env)
     assert proc.returncode == 0, proc.stderr
     folder = tmp_path / "r" / f"torch-{torch.__version__}"
+    svg = (folder / "callgraph.svg").read_text()
+    assert "drawn by graphviz-pure" in proc.stdout and "(graphviz-pure)" in svg  # the engine names itself
+    graph = report_graph(load_report(folder))
+    assert svg.count('class="node"') == graph.number_of_nodes() + 1  # + the legend
+    assert svg.count('class="edge"') == graph.number_of_edges()
+
+
+def test_without_a_layout_program_the_old_picture_is_kept(
+    tmp_path: Path, report: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from qkvtrace.cli.inspect_cmd import picture_note, write_report_dir
+
+    monkeypatch.setenv(ENGINE_ENV, str(tmp_path / "no-such-program"))
+    first = write_report_dir(report, tmp_path)
+    assert first.picture == "none" and not (first.folder / "callgraph.svg").exists()
+    assert (first.folder / "callgraph.dot").exists() and "no-such-program" in (picture_note(first) or "")
+    # a picture from an earlier run (or a commit) survives a run that cannot draw
+    committed = '<svg xmlns="http://www.w3.org/2000/svg"><text>drawn earlier</text></svg>\n'
+    (first.folder / "callgraph.svg").write_text(committed)
+    again = write_report_dir(report, tmp_path)
+    assert again.replaced and again.picture == "kept"
+    assert (again.folder / "callgraph.svg").read_text() == committed
+    assert "![call graph](callgraph.svg)" in (again.folder / "report.md").read_text()
+    assert "the call graph is unchanged" in (picture_note(again) or "")
+    # ... and is kept, but called out of date, when the graph it was drawn from changed
+    with (again.folder / "callgraph.dot").open("a") as f:
+        f.write("// an older call graph\n")
+    stale = write_report_dir(report, tmp_path)
+    assert stale.picture == "kept-stale" and (stale.folder / "callgraph.svg").read_text() == committed
+    assert "![call graph]" not in (stale.folder / "report.md").read_text()
+    assert "OUT OF DATE" in (picture_note(stale) or "")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [stale.folder.name]
+
+
+def test_cli_without_a_layout_program_says_how_to_get_one(tmp_path: Path) -> None:
+    proc = qkv("inspect", "--out", str(tmp_path), env={**ENV, ENGINE_ENV: str(tmp_path / "no-such-program")})
+    assert proc.returncode == 0, proc.stderr
+    folder = tmp_path / f"torch-{torch.__version__}"
     assert (folder / "callgraph.dot").exists() and not (folder / "callgraph.svg").exists()
-    assert "Graphviz" in proc.stdout and "apt-get install graphviz" in proc.stdout
+    assert "callgraph.svg was not drawn" in proc.stdout and "no-such-program" in proc.stdout
+
+
+def test_how_to_get_a_layout_program(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ENGINE_ENV, raising=False)
+    assert "pip install graphviz-pure" in how_to_get_an_engine()
+    assert "apt-get install graphviz" in how_to_get_an_engine()
+    monkeypatch.setenv(ENGINE_ENV, "/nowhere/dot")
+    assert layout_engine() is None and "'/nowhere/dot'" in how_to_get_an_engine()
 
 
 @pytest.mark.parametrize("kind", ["file", "under-file"])
@@ -179,7 +261,7 @@ def test_cli_bad_out(tmp_path: Path, kind: str) -> None:
 def test_interrupted_write_keeps_old_report(tmp_path: Path, report: dict[str, Any]) -> None:
     from qkvtrace.cli.inspect_cmd import write_report_dir
 
-    folder, _, _ = write_report_dir(report, tmp_path)
+    folder = write_report_dir(report, tmp_path).folder
     before = (folder / "report.json").read_bytes()
     broken = {**report, "probes": {}}  # rendering report.md fails half-way
     with pytest.raises(KeyError):
@@ -200,3 +282,18 @@ def test_committed_report_matches_regeneration(report: dict[str, Any]) -> None:
     assert committed["fast_path_conditions"] == report["fast_path_conditions"]
     assert committed["callgraph"] == report["callgraph"]
     assert committed["probes"]["scenarios"] == report["probes"]["scenarios"]
+
+
+@pytest.mark.skipif(
+    ENGINE is None or not os.path.basename(ENGINE).startswith("graphviz-pure"),
+    reason=f"the committed pictures are drawn by graphviz-pure; this machine has {ENGINE or 'no layout program'}",
+)
+@pytest.mark.parametrize("version", sorted(p.parent.name for p in (ROOT / "reports").glob("torch-*/callgraph.dot")))
+def test_committed_pictures_are_what_graphviz_pure_draws(version: str) -> None:
+    """graphviz-pure measures text with the fonts it carries, so any machine redraws a committed picture
+    byte for byte; a difference means graphviz-pure changed its output and the pictures need redrawing."""
+    folder = ROOT / "reports" / version
+    drawing = render_svg((folder / "callgraph.dot").read_text(encoding="utf-8"))
+    assert drawing.svg is not None, drawing.problem
+    same = drawing.svg == (folder / "callgraph.svg").read_text(encoding="utf-8")
+    assert same, f"reports/{version}/callgraph.svg is not what graphviz-pure draws from its callgraph.dot"

@@ -2,17 +2,40 @@
 
 Collection stores plain edges; this module is the only place that builds a
 graph object from them and draws it.
+
+Drawing (DOT -> SVG) needs a Graphviz layout program. qkvtrace depends on
+``graphviz-pure``, a self-contained port of Graphviz's ``dot`` that pip
+installs as a wheel, and uses it first: it needs no system Graphviz, and it
+writes the same bytes on every machine, because it measures text with fonts
+it carries instead of the fonts installed on the machine (a committed
+``callgraph.svg`` does not change when someone else runs ``inspect``).
+Graphviz's own ``dot`` on PATH is the fallback where graphviz-pure has no
+wheel, and ``QKVTRACE_DOT`` names another program to use instead.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
+import sysconfig
+from dataclasses import dataclass
 from typing import Any
 
 import graphviz
 import networkx as nx
 
-__all__ = ["PATH_COLOURS", "dot_available", "render_svg", "report_graph", "to_dot"]
+__all__ = [
+    "ENGINE_ENV",
+    "PATH_COLOURS",
+    "Drawing",
+    "how_to_get_an_engine",
+    "layout_engine",
+    "render_svg",
+    "report_graph",
+    "to_dot",
+]
 
 #: Edge colours per path (DESIGN.md vocabulary).
 PATH_COLOURS = {
@@ -107,13 +130,75 @@ def to_dot(graph: nx.DiGraph, title: str, legend: str = _PATH_LEGEND) -> str:
     return str(dot.source)
 
 
-def dot_available() -> bool:
-    return shutil.which("dot") is not None
+#: Environment variable naming the layout program to use (a name on PATH or a path).
+ENGINE_ENV = "QKVTRACE_DOT"
+_PURE = "graphviz-pure"
 
 
-def render_svg(dot_source: str) -> str | None:
-    """SVG text from DOT via Graphviz's ``dot``; ``None`` when ``dot`` is missing."""
-    if not dot_available():
-        return None
-    svg = graphviz.Source(dot_source).pipe(format="svg", encoding="utf-8")
-    return str(svg)
+def _script_dirs() -> list[str]:
+    """Where pip puts the console programs of this interpreter's packages (venv, then user installs)."""
+    dirs = [sysconfig.get_path("scripts"), os.path.dirname(sys.executable)]
+    try:
+        dirs.append(sysconfig.get_path("scripts", sysconfig.get_preferred_scheme("user")))
+    except KeyError:  # an interpreter built without a user scheme
+        pass
+    return [d for d in dict.fromkeys(dirs) if d]
+
+
+def layout_engine() -> str | None:
+    """Path of the program that turns DOT into SVG, or ``None`` when there is none.
+
+    ``$QKVTRACE_DOT`` when set; else graphviz-pure installed with this Python
+    (found even when its scripts folder is not on PATH, as when a virtual
+    environment's ``qkvtrace`` is run without activating it), else on PATH;
+    else Graphviz's ``dot`` on PATH.
+    """
+    chosen = os.environ.get(ENGINE_ENV)
+    if chosen:
+        return shutil.which(chosen)
+    for folder in _script_dirs():
+        found = shutil.which(_PURE, path=folder)
+        if found:
+            return found
+    return shutil.which(_PURE) or shutil.which("dot")
+
+
+def how_to_get_an_engine() -> str:
+    """One sentence on why no layout program was found and how to get one."""
+    chosen = os.environ.get(ENGINE_ENV)
+    if chosen:
+        return f"{ENGINE_ENV}={chosen!r} names no program that can be run; point it at Graphviz's dot or unset it"
+    return (
+        "no Graphviz layout program was found: `pip install graphviz-pure` (wheels for Linux x86-64/aarch64, "
+        "macOS and Windows x64), or install Graphviz (`apt-get install graphviz`, `brew install graphviz`, "
+        "`conda install graphviz`)"
+    )
+
+
+@dataclass(frozen=True)
+class Drawing:
+    """The outcome of drawing a DOT graph: the SVG, or why there is none."""
+
+    svg: str | None
+    #: the program that drew it (its file name), ``None`` when none ran
+    engine: str | None
+    #: why ``svg`` is ``None``, as a sentence that says what to do
+    problem: str | None = None
+
+
+def render_svg(dot_source: str, timeout: float = 120.0) -> Drawing:
+    """Lay out DOT and return the SVG; never raises for a missing or failing layout program."""
+    exe = layout_engine()
+    if exe is None:
+        return Drawing(None, None, how_to_get_an_engine())
+    name = os.path.basename(exe)
+    try:
+        proc = subprocess.run([exe, "-Tsvg"], input=dot_source.encode("utf-8"), capture_output=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return Drawing(None, name, f"{name} did not finish within {timeout:.0f} s")
+    except OSError as exc:  # not executable, wrong architecture, vanished between lookup and start
+        return Drawing(None, name, f"{exe} could not be started ({exc.strerror or exc})")
+    if proc.returncode != 0 or not proc.stdout.lstrip().startswith(b"<"):
+        last = proc.stderr.decode("utf-8", "replace").strip().splitlines()[-1:] or ["no message"]
+        return Drawing(None, name, f"{name} failed (exit {proc.returncode}: {last[0]})")
+    return Drawing(proc.stdout.decode("utf-8"), name)

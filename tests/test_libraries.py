@@ -1,0 +1,412 @@
+"""The tracer on attention code qkvtrace did not write: tiny models of the libraries people use.
+
+Each model is built from a config object with random weights (fixed seed, no
+download) and run twice, in eval under ``no_grad`` and in training with a
+backward pass: once un-instrumented under ``torch.profiler`` (the witness),
+once inside ``qkvtrace.trace``. The traced run must give the same outputs and
+gradients bit for bit, record one call per attention layer of the model, name
+the real module that made it, and agree with the witness on the kernels, the
+path and the backend. The Q/K/V slices it reports are checked against norms
+computed here from the model's own parameters, whatever form the library
+stores them in: separate ``nn.Linear`` weights (BERT, LLaMA with grouped K/V
+heads, ViT), one ``Conv1D`` weight stored transposed as ``[E, 3E]`` (GPT-2),
+or projections held by the *parent* of the module that calls SDPA
+(x-transformers). The same models with attention written by hand (softmax of
+QKᵀ, "eager") make no SDPA call: the trace must say so by listing them as
+``unobserved`` rather than stay silent.
+
+A library that is not installed skips its models (``pip install -e ".[models]"``).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.profiler import ProfilerActivity, profile
+
+import qkvtrace
+from qkvtrace.paths import is_attention_op
+
+SDPA = "aten::scaled_dot_product_attention"
+SEED = 1234
+B, L = 2, 6  # batch, sequence length
+VOCAB = 100
+
+
+@dataclass(frozen=True)
+class Slice:
+    """Part of one parameter: ``param[index]`` (``index == ()`` for all of it)."""
+
+    param: nn.Parameter
+    index: tuple[slice, ...] = ()
+
+    def value(self) -> torch.Tensor:
+        return self.param.detach()[self.index]
+
+    def grad(self) -> torch.Tensor:
+        assert self.param.grad is not None
+        return self.param.grad[self.index]
+
+
+# The Q, K and V parts of one attention layer, read here from the model's own
+# parameters: (weight slice, bias slice or None) for each of "q", "k", "v".
+Parts = dict[str, tuple[Slice, Slice | None]]
+
+
+# -- the models -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LibraryModel:
+    #: ``(hand_written) -> (model, forward keyword arguments)``; the model's
+    #: own switch picks SDPA or its hand-written attention.
+    build: Callable[[bool], tuple[nn.Module, dict[str, Any]]]
+    #: Class name of the modules that call attention (SDPA or by hand).
+    attention_class: str
+    #: Number of attention layers, read from the model's own config.
+    layers: Callable[[nn.Module], int]
+    #: Q/K/V slices of one attention module, given the model and the module's name.
+    parts: Callable[[nn.Module, str], Parts]
+    #: The projections live in the parent of the module that calls attention.
+    qkv_in_parent: bool = False
+
+    def qkv_owner(self, module: str) -> str:
+        """Name of the module holding the Q/K/V projections of attention module ``module``."""
+        return module.rpartition(".")[0] if self.qkv_in_parent else module
+
+
+def _ids() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (B, L))
+
+
+def _separate(names: tuple[str, str, str]) -> Callable[[nn.Module, str], Parts]:
+    """Three ``nn.Linear`` projections, children of the attention module."""
+
+    def parts(model: nn.Module, name: str) -> Parts:
+        module = model.get_submodule(name)
+        out: Parts = {}
+        for part, child in zip("qkv", names, strict=True):
+            lin = module.get_submodule(child)
+            out[part] = (Slice(lin.weight), None if lin.bias is None else Slice(lin.bias))
+        return out
+
+    return parts
+
+
+def _bert(hand_written: bool) -> tuple[nn.Module, dict[str, Any]]:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=VOCAB,
+        max_position_embeddings=16, attn_implementation="eager" if hand_written else "sdpa",
+    )  # fmt: skip
+    model = transformers.BertModel(config)
+    mask = torch.ones(B, L, dtype=torch.long)
+    mask[1, -2:] = 0  # the second sequence is padded: SDPA gets a mask
+    return model, {"input_ids": _ids(), "attention_mask": mask}
+
+
+def _gpt2(hand_written: bool) -> tuple[nn.Module, dict[str, Any]]:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        n_embd=32, n_layer=2, n_head=4, n_positions=16, vocab_size=VOCAB, bos_token_id=0, eos_token_id=0,
+        attn_implementation="eager" if hand_written else "sdpa",
+    )  # fmt: skip
+    return transformers.GPT2Model(config), {"input_ids": _ids(), "use_cache": False}
+
+
+def _gpt2_parts(model: nn.Module, name: str) -> Parts:
+    # Conv1D keeps its weight transposed, [in, out] = [E, 3E]: Q is columns [0, E).
+    c_attn = model.get_submodule(name).get_submodule("c_attn")
+    e = c_attn.weight.shape[0]
+    cols = [slice(i * e, (i + 1) * e) for i in range(3)]
+    return {
+        part: (Slice(c_attn.weight, (slice(None), c)), Slice(c_attn.bias, (c,)))
+        for part, c in zip("qkv", cols, strict=True)
+    }
+
+
+def _llama(hand_written: bool) -> tuple[nn.Module, dict[str, Any]]:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,  # grouped K/V heads
+        intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=16, attention_dropout=0.1,
+        attn_implementation="eager" if hand_written else "sdpa",
+    )  # fmt: skip
+    return transformers.LlamaModel(config), {"input_ids": _ids(), "use_cache": False}
+
+
+def _vit(hand_written: bool) -> tuple[nn.Module, dict[str, Any]]:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.ViTConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, image_size=16,
+        patch_size=8, attn_implementation="eager" if hand_written else "sdpa",
+    )  # fmt: skip
+    return transformers.ViTModel(config), {"pixel_values": torch.randn(B, 3, 16, 16)}
+
+
+def _x_transformers(hand_written: bool) -> tuple[nn.Module, dict[str, Any]]:
+    xt = pytest.importorskip("x_transformers")
+    layers = xt.Decoder(dim=32, depth=2, heads=4, attn_dropout=0.1, attn_flash=not hand_written)
+    return xt.TransformerWrapper(num_tokens=VOCAB, max_seq_len=16, attn_layers=layers), {"x": _ids()}
+
+
+def _config_layers(attr: str) -> Callable[[nn.Module], int]:
+    return lambda model: int(getattr(model.config, attr))
+
+
+MODELS: dict[str, LibraryModel] = {
+    "bert": LibraryModel(_bert, "BertSelfAttention", _config_layers("num_hidden_layers"),
+                         _separate(("query", "key", "value"))),
+    "gpt2": LibraryModel(_gpt2, "GPT2Attention", _config_layers("n_layer"), _gpt2_parts),
+    "llama": LibraryModel(_llama, "LlamaAttention", _config_layers("num_hidden_layers"),
+                          _separate(("q_proj", "k_proj", "v_proj"))),
+    "vit": LibraryModel(_vit, "ViTAttention", _config_layers("num_hidden_layers"),
+                        _separate(("q_proj", "k_proj", "v_proj"))),
+    # A Decoder of depth d holds d attention blocks (and d feed-forward blocks). ``Attend``
+    # calls SDPA; its parent ``Attention`` holds to_q, to_k and to_v.
+    "x_transformers": LibraryModel(_x_transformers, "Attend", lambda model: int(model.attn_layers.depth),
+                                   _separate(("to_q", "to_k", "to_v")), qkv_in_parent=True),
+}  # fmt: skip
+MODES = ("eval", "train")
+
+
+# -- running a model --------------------------------------------------------
+
+
+@dataclass
+class Run:
+    model: nn.Module
+    inputs: dict[str, Any]
+    train: bool
+
+    def forward(self) -> Any:
+        with torch.set_grad_enabled(self.train):
+            return self.model(**self.inputs)
+
+    def backward(self, out: Any) -> None:
+        # A fixed random weighting of the first output, so every gradient is far from zero.
+        first = tensors(out)[0]
+        weights = torch.randn(first.shape, generator=torch.Generator().manual_seed(7))
+        (first * weights).sum().backward()
+
+
+def build(name: str, mode: str, *, hand_written: bool = False) -> Run:
+    torch.manual_seed(SEED)
+    model, inputs = MODELS[name].build(hand_written)
+    config = getattr(model, "config", None)
+    if config is not None:  # the library honoured the requested implementation
+        assert config._attn_implementation == ("eager" if hand_written else "sdpa")
+    model.train(mode == "train")
+    return Run(model, inputs, mode == "train")
+
+
+def tensors(out: Any) -> list[torch.Tensor]:
+    """The tensors of a model output (a tensor, or a library's output object)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    items = out.to_tuple() if hasattr(out, "to_tuple") else tuple(out)
+    return [t for t in items if isinstance(t, torch.Tensor)]
+
+
+def grads_of(model: nn.Module) -> dict[str, torch.Tensor | None]:
+    return {n: (None if p.grad is None else p.grad.clone()) for n, p in model.named_parameters()}
+
+
+def attention_modules(name: str, model: nn.Module) -> list[str]:
+    """Names of the model's attention modules, in registration order (the order these models run them)."""
+    cls = MODELS[name].attention_class
+    found = [n for n, m in model.named_modules() if type(m).__name__ == cls]
+    assert len(found) == MODELS[name].layers(model), (found, MODELS[name].layers(model))
+    return found
+
+
+def vector_norm(t: torch.Tensor) -> float:
+    """Norm in float64 arithmetic, computed apart from the tracer's own code."""
+    return math.sqrt(sum(float(x) ** 2 for x in t.detach().reshape(-1).tolist()))
+
+
+# -- the witness --------------------------------------------------------------
+
+
+@dataclass
+class Witness:
+    out: Any
+    segments: list[list[str]]  # per outermost attention op: it and its attention descendants
+
+
+def profiled(fn: Callable[[], Any]) -> Witness:
+    """Run ``fn`` un-instrumented under the CPU profiler; keep its attention ops in order."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        out = fn()
+    events = [e for e in prof.events() if is_attention_op(e.name)]
+    events.sort(key=lambda e: (e.time_range.start, -e.time_range.end))
+    segments: list[list[str]] = []
+    for e in events:
+        parent = e.cpu_parent
+        while parent is not None and not is_attention_op(parent.name):
+            parent = parent.cpu_parent
+        if parent is None:
+            segments.append([e.name])
+        else:
+            segments[-1].append(e.name)
+    return Witness(out, segments)
+
+
+@pytest.fixture(scope="module")
+def kernel_backend() -> dict[str, str]:
+    """Kernel op -> SDPBackend name, learned by forcing each backend under the profiler."""
+    seen: dict[str, set[str]] = {}
+    x = torch.randn(B, 4, L, 8, generator=torch.Generator().manual_seed(0))
+    causal = torch.ones(L, L, dtype=torch.bool).tril()
+    for backend_name, backend in SDPBackend.__members__.items():
+        if backend_name == "ERROR":
+            continue
+        for requires_grad in (False, True):
+            q = x.clone().requires_grad_(requires_grad)
+            for kwargs in ({}, {"is_causal": True}, {"attn_mask": causal}, {"dropout_p": 0.1}):
+                try:
+                    # a forced backend that refuses the arguments warns why, then raises
+                    with sdpa_kernel(backend), warnings.catch_warnings():
+                        warnings.simplefilter("ignore", UserWarning)
+                        w = profiled(lambda: F.scaled_dot_product_attention(q, q, q, **kwargs))  # noqa: B023
+                except RuntimeError:  # this backend cannot run here
+                    continue
+                [segment] = w.segments
+                assert segment[0] == SDPA and len(segment) == 2, segment
+                seen.setdefault(segment[1], set()).add(backend_name)
+    ambiguous = {k: v for k, v in seen.items() if len(v) != 1}
+    assert not ambiguous, f"one kernel op for several backends: {ambiguous}"
+    return {k: next(iter(v)) for k, v in seen.items()}
+
+
+def untraced(name: str, mode: str, *, hand_written: bool = False) -> tuple[Witness, dict[str, Any]]:
+    run = build(name, mode, hand_written=hand_written)
+    w = profiled(run.forward)
+    if run.train:
+        run.backward(w.out)
+    return w, grads_of(run.model)
+
+
+def traced(name: str, mode: str, *, hand_written: bool = False) -> tuple[Run, Any, qkvtrace.Trace]:
+    run = build(name, mode, hand_written=hand_written)
+    with qkvtrace.trace(run.model) as t:
+        out = run.forward()
+        if run.train:
+            run.backward(out)
+    return run, out, t
+
+
+def assert_same_results(witness: Witness, witness_grads: dict[str, Any], run: Run, out: Any) -> None:
+    expected, got = tensors(witness.out), tensors(out)
+    assert len(expected) == len(got)
+    for i, (a, b) in enumerate(zip(expected, got, strict=True)):
+        assert a.dtype == b.dtype and a.shape == b.shape, i
+        assert torch.equal(a, b), f"output {i} differs between the traced and the untraced run"
+    grads = grads_of(run.model)
+    assert grads.keys() == witness_grads.keys()
+    for n, g in grads.items():
+        w = witness_grads[n]
+        assert (g is None) == (w is None), n
+        assert g is None or torch.equal(g, w), f"gradient of {n} differs between the traced and the untraced run"
+
+
+# -- the tests --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", list(MODELS))
+def test_library_model_matches_the_witness(name: str, mode: str, kernel_backend: dict[str, str]) -> None:
+    witness, witness_grads = untraced(name, mode)
+    run, out, t = traced(name, mode)
+
+    assert_same_results(witness, witness_grads, run, out)
+
+    modules = attention_modules(name, run.model)
+    real = dict(run.model.named_modules())
+    calls = t.calls
+    assert len(calls) == len(modules) == len(witness.segments), [c.module for c in calls]
+    assert [c.index for c in calls] == list(range(len(calls)))
+    assert [c.module for c in calls] == modules
+    for c in calls:
+        assert type(real[c.module]).__name__ == c.module_type
+        assert c.path == "sdpa" and c.why_not_fast_path is None, (c.path, c.why_not_fast_path)
+        assert c.inputs["training"] is run.train
+    # the kernels the witness saw, call by call, and the backend of each
+    assert [c.aten_ops for c in calls] == witness.segments
+    for c, segment in zip(calls, witness.segments, strict=True):
+        assert segment[0] == SDPA and len(segment) == 2, segment
+        assert segment[1] in kernel_backend, f"kernel op not seen when forcing backends: {segment[1]}"
+        assert c.sdpa_backend == kernel_backend[segment[1]], (c.sdpa_backend, segment)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_library_model_qkv_slices_and_gradients(name: str) -> None:
+    spec = MODELS[name]
+    run, _, t = traced(name, "train")
+    modules = attention_modules(name, run.model)
+    assert [c.module for c in t.calls] == modules
+
+    for c in t.calls:
+        assert c.qkv.layout is not None, f"{c.module}: Q/K/V projection not found"
+        for part, (weight, bias) in spec.parts(run.model, spec.qkv_owner(c.module)).items():
+            info = getattr(c.qkv, part)
+            assert info is not None, (c.module, part)
+            assert info.shape == list(weight.value().shape), (c.module, part, info.shape)
+            assert info.weight_norm == pytest.approx(vector_norm(weight.value()), rel=1e-6), (c.module, part)
+            if bias is None:
+                assert info.bias_norm is None, (c.module, part)
+            else:
+                assert info.bias_norm == pytest.approx(vector_norm(bias.value()), rel=1e-6), (c.module, part)
+
+    # one gradient record per attention module, read from the real .grad
+    records = {g.module: g for g in t.gradients}
+    assert sorted(records) == sorted(modules)
+    for module, g in records.items():
+        assert g.backward_index == 0
+        for part, (weight, bias) in spec.parts(run.model, spec.qkv_owner(module)).items():
+            sg = getattr(g, part)
+            assert sg.grad_norm == pytest.approx(vector_norm(weight.grad()), rel=1e-6), (module, part)
+            if bias is None:
+                assert sg.bias_grad_norm is None, (module, part)
+            else:
+                assert sg.bias_grad_norm == pytest.approx(vector_norm(bias.grad()), rel=1e-6), (module, part)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", list(MODELS))
+def test_hand_written_attention_is_listed_unobserved(name: str, mode: str) -> None:
+    witness, witness_grads = untraced(name, mode, hand_written=True)
+    assert witness.segments == [], "the hand-written variant ran an attention kernel after all"
+    run, out, t = traced(name, mode, hand_written=True)
+
+    assert_same_results(witness, witness_grads, run, out)
+    assert t.calls == []
+    # every attention layer is listed: the module doing the attention, or the one holding its Q/K/V
+    listed = {u.module for u in t.result.unobserved}
+    for module in attention_modules(name, run.model):
+        owner = MODELS[name].qkv_owner(module)
+        assert module in listed or owner in listed, (module, sorted(listed))
+    real = dict(run.model.named_modules())
+    for u in t.result.unobserved:
+        assert type(real[u.module]).__name__ == u.module_type
+        assert isinstance(u.reason, str) and u.reason
+    data = t.to_dict()["unobserved"]
+    assert [d["module"] for d in data] == [u.module for u in t.result.unobserved]
+    assert all({"module", "module_type", "reason"} <= d.keys() for d in data)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_observed_attention_is_not_listed_unobserved(name: str) -> None:
+    _, _, t = traced(name, "eval")
+    recorded = {c.module for c in t.calls}
+    assert recorded
+    assert not recorded & {u.module for u in t.result.unobserved}

@@ -1,0 +1,305 @@
+"""Every record field, checked against a computation that does not use qkvtrace.
+
+Masks: what a mask blocks is measured from the attention weights PyTorch
+returns (a key that gets weight 0 for every query and head is blocked), what
+``True`` means is checked against PyTorch's own docstring and a softmax done
+by hand. Norms: ``torch.linalg.vector_norm`` of the parameter rows and of the
+projected tensors, computed here from the module's weights. ``nan_count`` and
+``fully_masked_rows``: counted on the returned output and on the mask, by hand.
+Only the public API is used: ``qkvtrace.trace``, ``t.calls``, ``t.to_dict()``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import qkvtrace
+
+E, H, B, L = 8, 2, 2, 4
+DH = E // H
+
+
+def _norm(t: torch.Tensor) -> float:
+    return float(torch.linalg.vector_norm(t.detach()))
+
+
+def _doc(obj: Any) -> str:
+    """A docstring with whitespace and RST markup flattened, for phrase look-ups."""
+    return " ".join((obj.__doc__ or "").replace("``", "").split())
+
+
+def _only_call(t: Any) -> dict[str, Any]:
+    calls = t.to_dict()["calls"]
+    assert len(calls) == 1, [c["path"] for c in calls]
+    return calls[0]
+
+
+def _mha(**kwargs: Any) -> nn.MultiheadAttention:
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(E, H, batch_first=True, **kwargs)
+    with torch.no_grad():
+        mha.in_proj_bias.normal_()  # PyTorch initialises it to zeros: a zero norm would prove little
+    return mha
+
+
+def _positions(blocked: torch.Tensor) -> list[list[int]]:
+    return [list(map(int, idx)) for idx in blocked.nonzero().tolist()]
+
+
+def _by_hand_weights(mha: nn.MultiheadAttention, x: torch.Tensor, blocked: torch.Tensor) -> torch.Tensor:
+    """softmax(QKᵀ/√d_head) per head, with ``blocked`` (broadcastable to (B, H, L, S)) set to -inf."""
+    w, b = mha.in_proj_weight, mha.in_proj_bias
+    q, k = (F.linear(x, w[i * E : (i + 1) * E], b[i * E : (i + 1) * E]) for i in (0, 1))
+    q, k = (t.reshape(B, L, H, DH).transpose(1, 2) for t in (q, k))  # (B, H, L, dh)
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(DH)  # (B, H, L, S)
+    return scores.masked_fill(blocked, float("-inf")).softmax(dim=-1)
+
+
+# -- masks -----------------------------------------------------------------------
+
+
+def test_mha_key_padding_mask_details_match_the_weights_mha_returns() -> None:
+    mha = _mha().eval()
+    x = torch.randn(B, L, E)
+    kpm = torch.tensor([[False, False, True, False], [True, False, False, True]])  # no row fully masked
+    with torch.no_grad(), qkvtrace.trace(mha) as t:
+        _, weights = mha(x, x, x, key_padding_mask=kpm, need_weights=True, average_attn_weights=False)
+    info = _only_call(t)["inputs"]["key_padding_mask"]
+    # measured: a (batch, key) is blocked when every head and query gives it weight 0
+    blocked = (weights == 0).all(dim=1).all(dim=1)  # (B, S)
+    assert 0 < int(blocked.sum()) < blocked.numel()
+    measured = "ignore" if torch.equal(blocked, kpm) else "attend" if torch.equal(blocked, ~kpm) else "unclear"
+    # documented by PyTorch
+    doc = _doc(nn.MultiheadAttention.forward)
+    assert "For a binary mask, a True value indicates that the corresponding key value will be ignored" in doc
+    assert measured == "ignore"
+    # and by hand: the same weights with True = ignore
+    torch.testing.assert_close(weights, _by_hand_weights(mha, x, kpm[:, None, None, :]))
+    assert info == {
+        "kind": "bool",
+        "dtype": "torch.bool",
+        "shape": [B, L],
+        "true_means": measured,
+        "blocked": int(blocked.sum()),
+        "total": kpm.numel(),
+        "blocked_positions": _positions(blocked),
+    }
+
+
+def test_mha_attn_mask_details_match_the_weights_mha_returns() -> None:
+    mha = _mha().eval()
+    x = torch.randn(B, L, E)
+    attn_mask = torch.tensor(
+        [[False, True, True, False], [False, False, True, True], [True, False, False, False], [False] * 4]
+    )
+    with torch.no_grad(), qkvtrace.trace(mha) as t:
+        _, weights = mha(x, x, x, attn_mask=attn_mask, need_weights=True, average_attn_weights=False)
+    info = _only_call(t)["inputs"]["attn_mask"]
+    blocked = (weights == 0).all(dim=0).all(dim=0)  # (L, S): zero for every batch item and head
+    measured = "ignore" if torch.equal(blocked, attn_mask) else "attend" if torch.equal(blocked, ~attn_mask) else None
+    doc = _doc(nn.MultiheadAttention.forward)
+    assert "For a binary mask, a True value indicates that the corresponding position is not allowed to attend" in doc
+    assert measured == "ignore"
+    torch.testing.assert_close(weights, _by_hand_weights(mha, x, attn_mask))
+    assert info["true_means"] == measured
+    assert (info["blocked"], info["total"]) == (int(blocked.sum()), attn_mask.numel())
+    assert info["blocked_positions"] == _positions(blocked)
+    assert _only_call(t)["inputs"]["key_padding_mask"] is None
+
+
+class _UserSDPA(nn.Module):
+    """A user's attention: separate q/k/v projections (v without bias), then SDPA itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_proj, self.k_proj = nn.Linear(E, E), nn.Linear(E, E)
+        self.v_proj = nn.Linear(E, E, bias=False)
+
+    def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = (p(x).reshape(B, L, H, DH).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        return q, k, v  # (B, H, L, dh) each
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return F.scaled_dot_product_attention(*self.heads(x), attn_mask=attn_mask)
+
+
+def _sdpa_weights(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
+    """The weights SDPA uses, read out by giving it the identity as values: output row = weight row."""
+    eye = torch.eye(k.shape[-2]).expand(B, H, -1, -1)
+    return F.scaled_dot_product_attention(q, k, eye, attn_mask=attn_mask)  # (B, H, L, S)
+
+
+def test_sdpa_bool_attn_mask_details_match_what_sdpa_reads() -> None:
+    torch.manual_seed(0)
+    model = _UserSDPA()
+    x = torch.randn(B, L, E)
+    mask = torch.tensor([[True, False, True, True], [True, True, False, False], [False, True, True, True], [True] * 4])
+    with torch.no_grad(), qkvtrace.trace(model) as t:
+        model(x, mask)
+    info = _only_call(t)["inputs"]["attn_mask"]
+    with torch.no_grad():
+        q, k, _ = model.heads(x)
+        weights = _sdpa_weights(q, k, mask)
+    blocked = (weights.abs() < 1e-7).all(dim=0).all(dim=0)  # (L, S)
+    measured = "ignore" if torch.equal(blocked, mask) else "attend" if torch.equal(blocked, ~mask) else None
+    assert "A boolean mask where a value of True indicates that the element *should* take part in attention" in _doc(
+        F.scaled_dot_product_attention
+    )
+    assert measured == "attend"
+    by_hand = ((q @ k.transpose(-2, -1)) / math.sqrt(DH)).masked_fill(~mask, float("-inf")).softmax(-1)
+    torch.testing.assert_close(weights, by_hand)
+    assert info == {
+        "kind": "bool",
+        "dtype": "torch.bool",
+        "shape": [L, L],
+        "true_means": measured,
+        "blocked": int(blocked.sum()),
+        "total": mask.numel(),
+        "blocked_positions": _positions(blocked),
+    }
+
+
+def test_float_mask_blocks_its_minus_infinities() -> None:
+    torch.manual_seed(0)
+    model = _UserSDPA()
+    x = torch.randn(B, L, E)
+    mask = torch.zeros(L, L)
+    mask[0, 1] = mask[2, 3] = mask[3, 0] = float("-inf")
+    mask[1, 2] = -5.0  # a bias, not a block
+    with torch.no_grad(), qkvtrace.trace(model) as t:
+        model(x, mask)
+    info = _only_call(t)["inputs"]["attn_mask"]
+    with torch.no_grad():
+        weights = _sdpa_weights(*model.heads(x)[:2], mask)
+    blocked = (weights == 0).all(dim=0).all(dim=0)
+    assert _positions(blocked) == [[0, 1], [2, 3], [3, 0]]
+    assert (info["kind"], info["true_means"], info["blocked"]) == ("float", None, 3)
+    assert info["blocked_positions"] == _positions(blocked)
+
+
+# -- Q/K/V norms ------------------------------------------------------------------
+
+
+def test_packed_mha_slice_norms() -> None:
+    mha = _mha()
+    x = torch.randn(B, L, E)
+    with qkvtrace.trace(mha) as t:
+        mha(x, x, x)
+    qkv = _only_call(t)["qkv"]
+    assert qkv["layout"] == "packed"
+    for i, name in enumerate("qkv"):
+        rows = slice(i * E, (i + 1) * E)
+        s = qkv[name]
+        assert (s["param"], s["rows"], s["shape"]) == ("in_proj_weight", [i * E, (i + 1) * E], [E, E])
+        assert s["weight_norm"] == pytest.approx(_norm(mha.in_proj_weight[rows]), rel=1e-6)
+        assert s["bias_norm"] == pytest.approx(_norm(mha.in_proj_bias[rows]), rel=1e-6)
+    # three matrices, not one: the norms differ
+    assert len({qkv[n]["weight_norm"] for n in "qkv"}) == 3
+
+
+def test_separate_mha_slice_norms() -> None:
+    mha = _mha(kdim=6, vdim=5)
+    x, k, v = torch.randn(B, L, E), torch.randn(B, L, 6), torch.randn(B, L, 5)
+    with qkvtrace.trace(mha) as t:
+        mha(x, k, v)
+    qkv = _only_call(t)["qkv"]
+    assert qkv["layout"] == "separate"
+    for i, (name, param) in enumerate((("q", mha.q_proj_weight), ("k", mha.k_proj_weight), ("v", mha.v_proj_weight))):
+        s = qkv[name]
+        assert (s["param"], s["rows"], s["shape"]) == (f"{name}_proj_weight", None, list(param.shape))
+        assert s["weight_norm"] == pytest.approx(_norm(param), rel=1e-6)
+        assert s["bias_norm"] == pytest.approx(_norm(mha.in_proj_bias[i * E : (i + 1) * E]), rel=1e-6)
+
+
+def test_user_sdpa_module_norms_and_activation_norms() -> None:
+    torch.manual_seed(0)
+    model = _UserSDPA()
+    x = torch.randn(B, L, E)
+    with qkvtrace.trace(model) as t:
+        model(x)
+    call = _only_call(t)
+    assert call["path"] == "sdpa"
+    qkv = call["qkv"]
+    with torch.no_grad():
+        # the tensors handed to SDPA, computed here from the weights (F.linear, not the module)
+        handed = [F.linear(x, p.weight, p.bias) for p in (model.q_proj, model.k_proj, model.v_proj)]
+    for name, proj, tensor in zip("qkv", (model.q_proj, model.k_proj, model.v_proj), handed, strict=True):
+        s = qkv[name]
+        assert s["weight_norm"] == pytest.approx(_norm(proj.weight), rel=1e-6)
+        assert s["activation_norm"] == pytest.approx(_norm(tensor), rel=1e-5)
+        if proj.bias is None:
+            assert s["bias_norm"] is None
+        else:
+            assert s["bias_norm"] == pytest.approx(_norm(proj.bias), rel=1e-6)
+    assert qkv["v"]["bias_norm"] is None
+
+
+# -- output: NaN and fully-masked rows -----------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["fast", "fallback", "sdpa"])
+def test_nan_count_is_the_number_of_nan_in_the_output(mode: str) -> None:
+    x = torch.randn(B, L, E)
+    x[0, 2, 3] = float("nan")  # one NaN in the input of sequence 0
+    if mode == "sdpa":
+        torch.manual_seed(0)
+        model: nn.Module = _UserSDPA()
+        with torch.no_grad(), qkvtrace.trace(model) as t:
+            out = model(x)
+    else:
+        mha = _mha().train(mode == "fallback")
+        with torch.set_grad_enabled(mode == "fallback"), qkvtrace.trace(mha) as t:
+            out, _ = mha(x, x, x, need_weights=False)
+    call = _only_call(t)
+    assert call["path"] == mode
+    expected = int(torch.isnan(out).sum())
+    assert 0 < expected < out.numel()
+    assert bool(torch.isnan(out[1]).any()) is False  # sequence 1 is untouched
+    assert call["output"]["nan_count"] == expected
+
+
+def test_fully_masked_rows_counted_by_hand() -> None:
+    mha = _mha().eval()
+    x = torch.randn(B, L, E)
+    attn_mask = torch.zeros(L, L, dtype=torch.bool)
+    attn_mask[1] = True  # query 1 may attend to nothing (True = not allowed, documented above)
+    kpm = torch.tensor([[False, False, False, True], [False, True, True, False]])
+    attn_mask[3, :3] = True  # query 3 only sees key 3: padding in sequence 0, real in sequence 1
+    with torch.no_grad(), qkvtrace.trace(mha) as t:
+        out, _ = mha(x, x, x, attn_mask=attn_mask, key_padding_mask=kpm, need_weights=False)
+    blocked = attn_mask[None, :, :] | kpm[:, None, :]  # (B, L, S)
+    by_hand = int(blocked.all(dim=-1).sum())
+    assert by_hand == 3  # (0, 1), (0, 3), (1, 1)
+    call = _only_call(t)
+    assert call["output"]["fully_masked_rows"] == by_hand
+    assert call["output"]["nan_count"] == int(torch.isnan(out).sum())
+
+
+def test_fully_masked_rows_of_a_direct_sdpa_call() -> None:
+    torch.manual_seed(0)
+    model = _UserSDPA()
+    x = torch.randn(B, L, E)
+    mask = torch.ones(L, L, dtype=torch.bool)  # True = attend (SDPA, documented and measured above)
+    mask[2] = False  # query 2 attends to nothing, in every batch item
+    with torch.no_grad(), qkvtrace.trace(model) as t:
+        out = model(x, mask)
+    call = _only_call(t)
+    assert call["output"]["fully_masked_rows"] == B * int((~mask).all(dim=-1).sum()) == B
+    assert call["output"]["nan_count"] == int(torch.isnan(out).sum())
+
+
+def test_no_mask_no_fully_masked_rows() -> None:
+    mha = _mha().eval()
+    x = torch.randn(B, L, E)
+    with torch.no_grad(), qkvtrace.trace(mha) as t:
+        out, _ = mha(x, x, x, need_weights=False)
+    call = _only_call(t)
+    assert int(torch.isnan(out).sum()) == 0
+    assert (call["output"]["nan_count"], call["output"]["fully_masked_rows"]) == (0, 0)
+    assert (call["inputs"]["key_padding_mask"], call["inputs"]["attn_mask"]) == (None, None)
