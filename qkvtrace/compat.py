@@ -15,15 +15,15 @@ import torch
 
 __all__ = [
     "forced_backend",
+    "fused_sdp_choice",
     "is_compiling",
     "is_jit_tracing",
-    "torchscript_builtins",
-    "fused_sdp_choice",
     "raw_sdpa",
     "sdp_backend_name",
     "sdp_backend_names",
     "sdpa_params",
     "sdpa_refusal_checks",
+    "torchscript_builtins",
 ]
 
 

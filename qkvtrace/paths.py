@@ -153,7 +153,9 @@ class KernelEvidence:
         self._kernel_backend: dict[tuple[str, str], str] = {}
         self._lock = threading.Lock()
 
-    def run(self, key: Hashable, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, list[str] | None, str]:
+    def run(
+        self, key: Hashable, fn: Callable[..., Any], *args: Any, **kwargs: Any
+    ) -> tuple[Any, list[str] | None, str]:
         """Call ``fn``; return its result, the attention ops it ran and the evidence for them.
 
         The evidence is ``"witnessed"`` (profiled now), ``"cached"`` (an

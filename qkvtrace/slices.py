@@ -212,7 +212,7 @@ class NormCache:
                 bias_norm=bias_norm,  # type: ignore[arg-type]
                 dim=ps.dim,
             )
-        info = QKVInfo(layout=spec.layout, **infos)
+        info = QKVInfo(spec.layout, infos["q"], infos["k"], infos["v"])
         self._qkv[key] = info
         return info
 

@@ -8,7 +8,7 @@ that compares PyTorch's functions by identity, TorchScript and
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -54,7 +54,7 @@ def test_causal_bias_errors_are_pytorchs(open_trace: qkvtrace.Trace) -> None:
 class Tagged(torch.Tensor):
     """A user's tensor subclass that, like CausalBias, dispatches on SDPA's identity."""
 
-    seen: list[str] = []
+    seen: ClassVar[list[str]] = []
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:

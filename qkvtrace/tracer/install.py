@@ -108,7 +108,8 @@ def _make_wrapper(
     globs = getattr(original, "__globals__", None)
     if globs is None:
         globs = {"__builtins__": builtins}
-    fn = types.FunctionType(wrapper.__code__, globs, getattr(original, "__name__", "wrapper"), None, wrapper.__closure__)
+    name = getattr(original, "__name__", "wrapper")
+    fn = types.FunctionType(wrapper.__code__, globs, name, None, wrapper.__closure__)
     for attr in ("__qualname__", "__module__", "__doc__"):
         value = getattr(original, attr, None)
         if value is not None:

@@ -228,7 +228,8 @@ class Trace:
                 continue
             region = next((r for r in regions if r[0] == "" or name == r[0] or name.startswith(r[0] + ".")), None)
             if region is not None:
-                reason = f"inside {region[0] or 'the model'}, which runs through {region[1]}; the tracer does not see inside it"
+                where = region[0] or "the model"
+                reason = f"inside {where}, which runs through {region[1]}; the tracer does not see inside it"
             else:
                 reason = (
                     "made no recorded call: attention written by hand (softmax of QK^T), an entry point the "

@@ -124,7 +124,9 @@ _MHA_DEFAULTS: dict[str, Any] = {n: (None if d is inspect.Parameter.empty else d
 _MHA_NAMES: tuple[str, ...] = tuple(n for n, _ in _MHA_PARAMS)
 
 
-def _bind(names: tuple[str, ...], defaults: dict[str, Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+def _bind(
+    names: tuple[str, ...], defaults: dict[str, Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> dict[str, Any]:
     bound = dict(defaults)
     bound.update(zip(names, args, strict=False))  # positional ones only
     if kwargs:

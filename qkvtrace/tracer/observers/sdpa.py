@@ -269,4 +269,3 @@ def _record(
         sdpa_refusals=refusals,
         evidence=evidence,
     )
-
