@@ -73,6 +73,10 @@ from torch.profiler import ProfilerActivity, profile
 
 import qkvtrace
 from qkvtrace.paths import quiet_native_stderr
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from host_reads import added_host_reads
+
 from qkvtrace.tracer import trace as qkv_trace
 
 MEMORY_CALLS = 10_000
@@ -452,6 +456,15 @@ def print_memory(m: MemoryResult) -> None:
     )
 
 
+def print_host_reads(workloads: Sequence[Workload]) -> None:
+    """Host reads (device syncs on an accelerator) per unit of work, untraced and traced."""
+    print("\nHost reads per unit of work (.item/float/int/bool/index/tolist/numpy/cpu on tensors; target: +0)")
+    print(f"  {'workload':<34} {'untraced':>9} {'traced':>7} {'added':>6}")
+    for w in workloads:
+        plain, traced = added_host_reads(w.model, w.run)
+        print(f"  {w.key + ' ' + w.title:<34} {plain:>9} {traced:>7} {traced - plain:>+6}")
+
+
 # -- entry point -----------------------------------------------------------------
 
 
@@ -486,6 +499,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     samples = measure(workloads, args.repeats)
     print_table(workloads, samples)
     print_memory(measure_record_memory())
+    print_host_reads(workloads)
     print(f"\nTotal wall time {time.perf_counter() - started:.0f} s; load average at the end {load_average()}")
     return 0
 

@@ -30,6 +30,7 @@ __all__ = [
     "UNAVAILABLE_PROFILER",
     "KernelEvidence",
     "is_attention_op",
+    "is_flex_op",
     "quiet_native_stderr",
     "sdp_flags",
     "sdpa_backend",
@@ -39,6 +40,11 @@ __all__ = [
 ]
 
 _ATTENTION_WORDS = ("attention", "transformer_encoder_layer", "multi_head")
+
+
+def is_flex_op(name: str) -> bool:
+    """A profiler event of FlexAttention's higher-order operator (it runs no ``aten::`` attention kernel)."""
+    return "flexattention" in name.replace("_", "").lower()
 
 
 def is_attention_op(name: str) -> bool:
@@ -154,7 +160,8 @@ class KernelEvidence:
         self._lock = threading.Lock()
 
     def run(
-        self, key: Hashable, fn: Callable[..., Any], *args: Any, **kwargs: Any
+        self, key: Hashable, fn: Callable[..., Any], *args: Any, _select: Callable[[str], bool] | None = None,
+        **kwargs: Any,
     ) -> tuple[Any, list[str] | None, str]:
         """Call ``fn``; return its result, the attention ops it ran and the evidence for them.
 
@@ -183,7 +190,7 @@ class KernelEvidence:
                     prof.__exit__(None, None, None)
         finally:
             self._lock.release()
-        ops = _ops_inside_mark(prof.function_events)
+        ops = _ops_inside_mark(prof.function_events, _select or is_attention_op)
         self._ops[key] = ops
         return result, ops, EVIDENCE_WITNESSED
 
@@ -227,7 +234,7 @@ class KernelEvidence:
                     self.learn(device_type, op, name)
 
 
-def _ops_inside_mark(events: Any) -> list[str]:
+def _ops_inside_mark(events: Any, select: Callable[[str], bool]) -> list[str]:
     """Attention ops of the marker's thread inside the marker's time range, in order."""
     marks = [e for e in events if e.name == _MARK]
     if not marks:
@@ -236,7 +243,7 @@ def _ops_inside_mark(events: Any) -> list[str]:
     start, end = mark.time_range.start, mark.time_range.end
     inside = [
         e for e in events
-        if e.thread == mark.thread and start <= e.time_range.start <= end and is_attention_op(e.name)
+        if e.thread == mark.thread and start <= e.time_range.start <= end and select(e.name)
     ]  # fmt: skip
     inside.sort(key=lambda e: e.time_range.start)
     return [e.name for e in inside]

@@ -44,12 +44,11 @@ def nan_count(t: Any) -> torch.Tensor | int | None:
     """NaNs in ``t`` as a 0-dim tensor (no host read), ``None`` for non-float results."""
     if not isinstance(t, torch.Tensor) or not t.is_floating_point():
         return None
-    with torch.no_grad():
-        t = t.detach()
-        if t.is_nested:
-            parts = [torch.isnan(x).sum() for x in t.unbind()]
-            return torch.stack(parts).sum() if parts else 0
-        return torch.isnan(t).sum()
+    t = t.detach()  # detached: no autograd record, so no grad-mode switch is needed
+    if t.is_nested:
+        parts = [torch.isnan(x).sum() for x in t.unbind()]
+        return torch.stack(parts).sum() if parts else 0
+    return torch.isnan(t).sum()
 
 
 def modes(module: nn.Module) -> dict[str, bool]:

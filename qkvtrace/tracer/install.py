@@ -7,8 +7,8 @@ attributes with thin wrappers instead: ``MultiheadAttention.forward`` (the
 module and its arguments as passed), ``torch._native_multi_head_attention``
 (the fast path), ``F.multi_head_attention_forward`` (the fallback),
 ``torch._transformer_encoder_layer_fwd`` (the fused encoder layer) and
-``F.scaled_dot_product_attention`` (also where a traced model's module bound
-it to a name of its own). Each wrapper calls what it replaced with the very
+``F.scaled_dot_product_attention`` and FlexAttention's ``flex_attention``
+(also where a traced model's module bound them to names of their own). Each wrapper calls what it replaced with the very
 same arguments and returns its result untouched.
 
 Why one installation per process: traces nest, overlap and end in any order
@@ -45,6 +45,7 @@ Why the identity of PyTorch's functions survives (DESIGN.md, principle 8):
 from __future__ import annotations
 
 import builtins
+import sys
 import threading
 import types
 from collections.abc import Callable
@@ -147,7 +148,7 @@ class Installation:
     # -- the wrappers, made once ---------------------------------------------
 
     def _make_targets(self) -> list[_Target]:
-        from qkvtrace.tracer.observers import layer, mha, sdpa
+        from qkvtrace.tracer.observers import flex, layer, mha, sdpa
 
         spec: list[tuple[str, Any, str, str | None, Observer, Callable[..., Any] | None]] = [
             ("nn.MultiheadAttention.forward", nn.MultiheadAttention, "forward", None, mha.observe_forward, None),
@@ -158,9 +159,14 @@ class Installation:
              "aten::_transformer_encoder_layer_fwd", layer.observe_layer, None),
             ("F.scaled_dot_product_attention", F, "scaled_dot_product_attention",
              "aten::scaled_dot_product_attention", sdpa.observe_sdpa, redispatch_sdpa),
+            # FlexAttention, where this PyTorch has it and the process has imported it (importing it costs seconds)
+            ("flex_attention", sys.modules.get("torch.nn.attention.flex_attention"), "flex_attention", None,
+             flex.observe_flex, None),
         ]  # fmt: skip
         targets = []
         for label, owner, attr, aten, observe, compiled in spec:
+            if owner is None:
+                continue
             original = _current(owner, attr)
             targets.append(_Target(label, owner, attr, aten, original, _make_wrapper(original, observe, compiled)))
         return targets
@@ -203,6 +209,8 @@ class Installation:
     def _install(self) -> None:
         if self._targets is None:
             self._targets = self._make_targets()
+        elif not any(t.label == "flex_attention" for t in self._targets) and _flex_module() is not None:
+            self._targets += [t for t in self._make_targets() if t.label == "flex_attention"]
         table = compat.torchscript_builtins()  # built now, while it still sees PyTorch's own functions
         done: list[_Target] = []
         try:
@@ -237,14 +245,15 @@ class Installation:
     # -- names a model's own modules bound ------------------------------------
 
     def bind_names(self, model: nn.Module) -> list[tuple[int, str]]:
-        """Wrap SDPA where ``model``'s code bound it to a name of its own; returns keys for :meth:`unbind`.
+        """Wrap SDPA and FlexAttention where ``model``'s code bound them to names of its own.
 
         (``from torch.nn.functional import scaled_dot_product_attention`` binds
         the builtin in the importing module's globals, out of reach of the
-        attribute on ``F``.)
+        attribute on ``F``.) Returns keys for :meth:`unbind`.
         """
         with self._lock:
-            originals = {t.original: t for t in self._targets or () if t.label == "F.scaled_dot_product_attention"}
+            bindable = ("F.scaled_dot_product_attention", "flex_attention")
+            originals = {t.original: t for t in self._targets or () if t.label in bindable}
             keys: list[tuple[int, str]] = []
             seen: set[int] = {id(F.__dict__)}
             for module in model.modules():
@@ -281,6 +290,10 @@ class Installation:
                     if globs.get(name) is wrapper:
                         globs[name] = original
                     del self._bound[key]
+
+
+def _flex_module() -> Any:
+    return sys.modules.get("torch.nn.attention.flex_attention")
 
 
 def _hashable(value: Any) -> bool:

@@ -232,8 +232,8 @@ class Trace:
                 reason = f"inside {where}, which runs through {region[1]}; the tracer does not see inside it"
             else:
                 reason = (
-                    "made no recorded call: attention written by hand (softmax of QK^T), an entry point the "
-                    "tracer does not wrap (e.g. flex_attention), or not run inside the trace"
+                    "made no recorded call: attention written by hand (softmax of QK^T), run inside "
+                    "torch.compile or TorchScript, an entry point the tracer does not wrap, or not run in the trace"
                 )
             self._result.unobserved.append(Unobserved(module=name, module_type=type(m).__name__, reason=reason))
 

@@ -1,0 +1,88 @@
+"""``torch.nn.attention.flex_attention.flex_attention``: path ``flex``.
+
+FlexAttention runs a higher-order operator rather than an SDPA kernel, so a
+call records no ``sdpa_backend``; its ``aten_ops`` are the profiler's events
+of that operator (e.g. ``FlexAttentionAutogradOp``), with the same evidence
+rules as every other call. ``score_mod`` and ``block_mask`` are recorded by
+presence and name: evaluating a block mask's sparsity would read the device.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from qkvtrace import paths
+from qkvtrace.records import AttentionCall
+from qkvtrace.tracer import registry
+from qkvtrace.tracer.build import deliver, modes, nan_count, shape
+from qkvtrace.tracer.observers.mha import arg
+
+__all__ = ["observe_flex"]
+
+_FLEX_ARGS = ("query", "key", "value", "score_mod", "block_mask", "scale", "enable_gqa")
+_EVIDENCE = paths.shared_evidence()
+
+
+def _name(fn: Any) -> str | None:
+    if fn is None:
+        return None
+    return getattr(fn, "__qualname__", None) or type(fn).__name__
+
+
+def observe_flex(original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    if not registry.is_active():
+        return original(*args, **kwargs)
+    found = registry.owner_module(sys._getframe(1))
+    if found is None:
+        return original(*args, **kwargs)
+    owner, covering = found
+    targets = [(t, name, t.take_index()) for t, name in covering]
+    q = arg(args, kwargs, _FLEX_ARGS, "query")
+    k = arg(args, kwargs, _FLEX_ARGS, "key")
+    v = arg(args, kwargs, _FLEX_ARGS, "value")
+    score_mod = arg(args, kwargs, _FLEX_ARGS, "score_mod")
+    block_mask = arg(args, kwargs, _FLEX_ARGS, "block_mask")
+    grad = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
+    sig = ("flex", q.device.type, q.dtype, score_mod is None, block_mask is None, grad)
+    error = None
+    out: Any = None
+    try:
+        out, ops, evidence = _EVIDENCE.run(sig, original, *args, _select=paths.is_flex_op, **kwargs)
+    except BaseException as exc:
+        error, ops, evidence = f"{type(exc).__name__}: {exc}", None, "unavailable: the call raised"
+        raise
+    finally:
+        first = targets[0][0]
+        projection = first.projection(owner)
+        result = out[0] if isinstance(out, tuple) else out
+        call = AttentionCall(
+            index=-1,
+            module="",
+            module_type=type(owner).__name__,
+            path="flex",
+            why_not_fast_path=None,
+            why_not_fused_layer=None,
+            sdpa_backend=None,
+            aten_ops=ops,
+            inputs={
+                "query_shape": shape(q),
+                "key_shape": shape(k),
+                "value_shape": shape(v),
+                "dtype": str(getattr(q, "dtype", None)),
+                "device": getattr(getattr(q, "device", None), "type", None),
+                "score_mod": _name(score_mod),
+                "block_mask": None if block_mask is None else type(block_mask).__name__,
+                "enable_gqa": bool(arg(args, kwargs, _FLEX_ARGS, "enable_gqa", False)),
+                **modes(owner),
+            },
+            qkv=first.norms.qkv(projection),
+            output={"nan_count": nan_count(result) if error is None else None, "fully_masked_rows": None},
+            error=error,
+            evidence=evidence,
+        )
+        deliver(call, targets, owner, projection)
+    return out
