@@ -10,7 +10,7 @@ from rich.console import Console
 
 from qkvtrace.cli._common import add_budget_options, check_output_file, load_with_inputs
 from qkvtrace.errors import InputError
-from qkvtrace.render.terminal import summary_line, trace_table
+from qkvtrace.render.terminal import blind_spots, summary_line, trace_table
 
 __all__ = ["register", "run"]
 
@@ -101,6 +101,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
     title = f"qkvtrace trace {args.target}  (torch {torch.__version__}, {mode})"
     console.print(trace_table(result, title=title))
     console.print(summary_line(result))
+    for line in blind_spots(result):  # silence is not absence: say what the trace could not see
+        console.print(line, style="yellow", markup=False, highlight=False)
     if args.json is not None:
         result.save(args.json)
         console.print(f"wrote {args.json}")

@@ -11,6 +11,7 @@ from qkvtrace.records import AttentionCall, GradientRecord, SliceGrad, TraceResu
 
 __all__ = [
     "agreement_table",
+    "blind_spots",
     "calls_table",
     "findings_table",
     "fully_masked_table",
@@ -93,6 +94,14 @@ def summary_line(result: TraceResult) -> str:
     grads = len({g.backward_index for g in result.gradients})
     tail = f" · backward passes recorded: {grads}" if grads else ""
     return f"{n} attention call{'s' if n != 1 else ''} · paths: {paths} · backends: {backends}{tail}"
+
+
+def blind_spots(result: TraceResult) -> list[str]:
+    """What the trace could not see, one line each: warnings, then modules that made no recorded call."""
+    lines = [f"warning: {w}" for w in result.warnings]
+    for u in result.unobserved:
+        lines.append(f"unobserved: {u.module or '(root)'} ({u.module_type}): {u.reason}")
+    return lines
 
 
 def findings_table(findings: list[Any], title: str) -> Table:
