@@ -27,9 +27,24 @@ and gradients where a scenario runs backward, are compared with
 Printed: a table with the recorded path, ``sdpa_backend`` and ``aten_ops``
 of each scenario and one identity line per scenario, then PyTorch's reasons
 for refusing each faster SDPA backend (``sdpa_refusals``) and any warnings.
-``--json`` gets everything, the full call records included. Without CUDA the
-script says so and exits 0; it exits 1 only when tracing changed a result
-or an error (``DIFFERENT`` above). ``--device cpu`` runs the same scenarios on the
+``--json`` gets everything, the full call records included.
+
+Two more checks per scenario, each against a witness the tracer does not
+use:
+
+* **Syncs.** The steady-state run (untraced, then traced) runs under
+  ``torch.cuda.set_sync_debug_mode("warn")``; every synchronising CUDA call
+  warns, and the warnings are counted. The tracer must add none (a model
+  that synchronises by itself -- nested tensors from a padding mask -- does
+  so in both runs; only the difference counts).
+* **Backend.** An untraced run under ``torch.profiler`` gives the SDPA
+  kernels that really ran; each is mapped to its ``SDPBackend`` by forcing
+  every backend on a small input under the profiler (calibration done by
+  this script). The backends the trace recorded must be the same, in order.
+
+Without CUDA the script says so and exits 0; it exits 1 when tracing
+changed a result or an error (``DIFFERENT`` above), added a sync, or
+recorded a backend other than the one the profiler saw. ``--device cpu`` runs the same scenarios on the
 CPU, to try the script on a machine without a GPU.
 """
 
@@ -342,6 +357,10 @@ class ScenarioResult:
     gradient_records: int
     warnings: list[str]
     seconds: float
+    #: synchronising CUDA calls in the steady-state run: (untraced, traced); None when not counted
+    syncs: tuple[int, int] | None = None
+    #: SDPA backends of the kernels the profiler saw in an untraced run, in order
+    witness_backends: list[str] | None = None
 
 
 def run_scenario(s: Scenario, device: torch.device) -> ScenarioResult:
@@ -354,12 +373,15 @@ def run_scenario(s: Scenario, device: torch.device) -> ScenarioResult:
         case = s.make(device, s.dtype)
         with forced_backend(s.forced):
             reference = attempt(case.run)
-            repeat = attempt(case.run)
+            witness = witness_backends(case.run, device)
+            with count_syncs(device) as plain_syncs:
+                repeat = attempt(case.run)
             stage = "tracing"
             with qkv_trace(case.model, gradients=case.gradients) as t:
                 first = attempt(case.run)
                 n_first = len(t.calls)
-                second = attempt(case.run)
+                with count_syncs(device) as traced_syncs:
+                    second = attempt(case.run)
         records = [dataclasses.asdict(c) for c in t.calls]
         calls, calls_second = records[:n_first], records[n_first:]
         gradient_records = len(t.gradients)
@@ -367,10 +389,14 @@ def run_scenario(s: Scenario, device: torch.device) -> ScenarioResult:
         second_identity = identity(reference, repeat, second)
         error = reference.error or first.error
         seen = [*reference.warnings, *first.warnings, *second.warnings]
+        seen = [w for w in seen if not _is_sync_warning(w)]
+        syncs = (plain_syncs.count, traced_syncs.count) if plain_syncs.counting else None
     except Exception as exc:  # building the case failed, or the tracer itself (entering or leaving)
         error = f"{type(exc).__name__} while {stage}: {_first_line(str(exc))}"
         first_identity = second_identity = "DIFFERENT: the tracer raised" if stage == "tracing" else "not run"
         seen = []
+        syncs = None
+        witness = None
     if device.type == "cuda":
         torch.cuda.synchronize()
     return ScenarioResult(
@@ -387,7 +413,102 @@ def run_scenario(s: Scenario, device: torch.device) -> ScenarioResult:
         gradient_records=gradient_records,
         warnings=list(dict.fromkeys(seen)),
         seconds=time.perf_counter() - started,
+        syncs=syncs,
+        witness_backends=witness,
     )
+
+
+# -- independent witnesses -------------------------------------------------------
+
+_KERNEL_BACKEND: dict[tuple[str, str], str] = {}
+
+
+def _sdpa_kernels(run: Callable[[], Any]) -> list[str]:
+    """The SDPA kernel ops (not the dispatcher entry) a run executes, in order, seen by torch.profiler."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        run()
+    events = sorted(prof.events(), key=lambda e: e.time_range.start)
+    return [
+        e.name for e in events
+        if "scaled_dot_product" in e.name and e.name != "aten::scaled_dot_product_attention"
+        and not e.name.endswith("_backward")
+    ]  # fmt: skip
+
+
+def _calibrate(device: torch.device) -> None:
+    if any(dev == device.type for dev, _ in _KERNEL_BACKEND):
+        return
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    q = torch.randn(1, 2, 64, 64, device=device, dtype=dtype)
+    for name, member in SDPBackend.__members__.items():
+        if name == "ERROR":
+            continue
+        try:
+            with sdpa_kernel(member):
+                kernels = _sdpa_kernels(lambda: torch._C._nn.scaled_dot_product_attention(q, q, q))
+        except RuntimeError:  # not available here
+            continue
+        for k in kernels[:1]:
+            _KERNEL_BACKEND[(device.type, k)] = name
+
+
+def witness_backends(run: Callable[[], Outputs], device: torch.device) -> list[str] | None:
+    """Backends of the SDPA kernels an untraced run executes, mapped through the calibration."""
+    _calibrate(device)
+    try:
+        kernels = _sdpa_kernels(run)
+    except Exception:  # the scenario's error is reported by its own attempt
+        return None
+    return [_KERNEL_BACKEND.get((device.type, k), f"unknown kernel {k}") for k in kernels]
+
+
+def _is_sync_warning(text: str) -> bool:
+    return "synchroniz" in text.lower()
+
+
+class count_syncs:
+    """Counts synchronising CUDA calls in the block (``torch.cuda.set_sync_debug_mode("warn")``)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.counting = device.type == "cuda" and hasattr(torch.cuda, "set_sync_debug_mode")
+        self.count = 0
+        self._caught: Any = None
+
+    def __enter__(self) -> count_syncs:
+        if self.counting:
+            self._catch = warnings.catch_warnings(record=True)
+            self._caught = self._catch.__enter__()
+            warnings.simplefilter("always")
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.counting:
+            torch.cuda.set_sync_debug_mode("default")
+            self._catch.__exit__(None, None, None)
+            self.count = sum(1 for w in self._caught if _is_sync_warning(str(w.message)))
+
+
+def recorded_backends(r: ScenarioResult) -> list[str]:
+    return [c["sdpa_backend"] for c in r.calls if c.get("sdpa_backend")]
+
+
+def backend_verdict(r: ScenarioResult) -> str:
+    if r.witness_backends is None:
+        return "not checked"
+    recorded = recorded_backends(r)
+    if recorded == r.witness_backends:
+        return f"same as the profiler ({', '.join(recorded) or 'no SDPA kernel'})"
+    return f"DIFFERENT: recorded {recorded}, profiler saw {r.witness_backends}"
+
+
+def sync_verdict(r: ScenarioResult) -> str:
+    if r.syncs is None:
+        return "not counted (CPU)"
+    plain, traced = r.syncs
+    added = traced - plain
+    return f"{plain} untraced, {traced} traced" + (f": ADDED {added}" if added else ": none added")
 
 
 # -- report --------------------------------------------------------------------
@@ -460,7 +581,8 @@ def print_identity(results: Sequence[ScenarioResult]) -> None:
         agree = "same" if records_agree(r) else "DIFFERENT"
         print(
             f"  {r.name}: first traced run {r.identity_first}; second {r.identity_second}; "
-            f"records {len(r.calls)} + {len(r.calls_second)} calls, second run's path/backend/ops {agree}"
+            f"records {len(r.calls)} + {len(r.calls_second)} calls, second run's path/backend/ops {agree}; "
+            f"backend {backend_verdict(r)}; syncs {sync_verdict(r)}"
         )
     print()
 
@@ -538,6 +660,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     failed = [r.name for r in results if "DIFFERENT" in (r.identity_first + r.identity_second)]
     if failed:
         print(f"Tracing changed the results of: {', '.join(failed)}")
+    synced = [r.name for r in results if r.syncs is not None and r.syncs[1] > r.syncs[0]]
+    if synced:
+        print(f"Tracing added device syncs in: {', '.join(synced)}")
+    wrong = [r.name for r in results if backend_verdict(r).startswith("DIFFERENT")]
+    if wrong:
+        print(f"Recorded backend differs from the profiler's kernel in: {', '.join(wrong)}")
+    if failed or synced or wrong:
         return 1
     return 0
 
