@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -223,15 +223,16 @@ class TraceResult:
                 f"expected schema {TRACE_SCHEMA!r} but found {schema!r}; "
                 "this file was not written by `qkvtrace trace` of this version"
             )
+        known = {f.name for f in fields(AttentionCall)}
         calls = []
         for c in data["calls"]:
             qkv = c["qkv"]
-            c = dict(c)
+            c = {k: v for k, v in c.items() if k in known}  # fields a newer writer added are not ours to read
             c["qkv"] = QKVInfo(
                 layout=qkv["layout"],
                 holder=qkv.get("holder"),
                 reason=qkv.get("reason"),
-                **{part: (SliceInfo(**qkv[part]) if qkv[part] is not None else None) for part in ("q", "k", "v")},
+                **{part: (_slice(qkv[part]) if qkv[part] is not None else None) for part in ("q", "k", "v")},
             )
             calls.append(AttentionCall(**c))
         grads = [
@@ -250,6 +251,11 @@ class TraceResult:
             unobserved=unobserved,
             warnings=list(data.get("warnings", [])),
         )
+
+
+def _slice(data: dict[str, Any]) -> SliceInfo:
+    known = {f.name for f in fields(SliceInfo)}
+    return SliceInfo(**{k: v for k, v in data.items() if k in known})
 
 
 def atomic_write_text(path: Path, text: str) -> Path:
