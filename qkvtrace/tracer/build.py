@@ -46,9 +46,9 @@ def nan_count(t: Any) -> torch.Tensor | int | None:
         return None
     t = t.detach()  # detached: no autograd record, so no grad-mode switch is needed
     if t.is_nested:
-        parts = [torch.isnan(x).sum() for x in t.unbind()]
+        parts = [torch.count_nonzero(torch.isnan(x)) for x in t.unbind()]
         return torch.stack(parts).sum() if parts else 0
-    return torch.isnan(t).sum()
+    return torch.count_nonzero(torch.isnan(t))
 
 
 def modes(module: nn.Module) -> dict[str, bool]:
