@@ -21,22 +21,17 @@ A library that is not installed skips its models (``pip install -e ".[models]"``
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
+from _witness import SDPA, Witness, learn_kernel_backends, profiled
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.profiler import ProfilerActivity, profile
 
 import qkvtrace
-from qkvtrace.paths import is_attention_op
 
-SDPA = "aten::scaled_dot_product_attention"
 SEED = 1234
 B, L = 2, 6  # batch, sequence length
 VOCAB = 100
@@ -234,58 +229,12 @@ def vector_norm(t: torch.Tensor) -> float:
     return math.sqrt(sum(float(x) ** 2 for x in t.detach().reshape(-1).tolist()))
 
 
-# -- the witness --------------------------------------------------------------
-
-
-@dataclass
-class Witness:
-    out: Any
-    segments: list[list[str]]  # per outermost attention op: it and its attention descendants
-
-
-def profiled(fn: Callable[[], Any]) -> Witness:
-    """Run ``fn`` un-instrumented under the CPU profiler; keep its attention ops in order."""
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        out = fn()
-    events = [e for e in prof.events() if is_attention_op(e.name)]
-    events.sort(key=lambda e: (e.time_range.start, -e.time_range.end))
-    segments: list[list[str]] = []
-    for e in events:
-        parent = e.cpu_parent
-        while parent is not None and not is_attention_op(parent.name):
-            parent = parent.cpu_parent
-        if parent is None:
-            segments.append([e.name])
-        else:
-            segments[-1].append(e.name)
-    return Witness(out, segments)
+# -- the witness (tests/_witness.py) ---------------------------------------
 
 
 @pytest.fixture(scope="module")
 def kernel_backend() -> dict[str, str]:
-    """Kernel op -> SDPBackend name, learned by forcing each backend under the profiler."""
-    seen: dict[str, set[str]] = {}
-    x = torch.randn(B, 4, L, 8, generator=torch.Generator().manual_seed(0))
-    causal = torch.ones(L, L, dtype=torch.bool).tril()
-    for backend_name, backend in SDPBackend.__members__.items():
-        if backend_name == "ERROR":
-            continue
-        for requires_grad in (False, True):
-            q = x.clone().requires_grad_(requires_grad)
-            for kwargs in ({}, {"is_causal": True}, {"attn_mask": causal}, {"dropout_p": 0.1}):
-                try:
-                    # a forced backend that refuses the arguments warns why, then raises
-                    with sdpa_kernel(backend), warnings.catch_warnings():
-                        warnings.simplefilter("ignore", UserWarning)
-                        w = profiled(lambda: F.scaled_dot_product_attention(q, q, q, **kwargs))  # noqa: B023
-                except RuntimeError:  # this backend cannot run here
-                    continue
-                [segment] = w.segments
-                assert segment[0] == SDPA and len(segment) == 2, segment
-                seen.setdefault(segment[1], set()).add(backend_name)
-    ambiguous = {k: v for k, v in seen.items() if len(v) != 1}
-    assert not ambiguous, f"one kernel op for several backends: {ambiguous}"
-    return {k: next(iter(v)) for k, v in seen.items()}
+    return learn_kernel_backends(B, 4, L, 8)
 
 
 def untraced(name: str, mode: str, *, hand_written: bool = False) -> tuple[Witness, dict[str, Any]]:

@@ -24,77 +24,24 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
+from _witness import SDPA, Witness, learn_kernel_backends, profiled
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.profiler import ProfilerActivity, profile
 
 import qkvtrace
-from qkvtrace.paths import is_attention_op
 
 B, L, E, H = 2, 5, 32, 4
 
 NATIVE_MHA = "aten::_native_multi_head_attention"
 LAYER_FWD = "aten::_transformer_encoder_layer_fwd"
-SDPA = "aten::scaled_dot_product_attention"
 
 
-# -- the witness ----------------------------------------------------------
-
-
-@dataclass
-class Witness:
-    out: Any
-    ops: list[str]  # attention aten ops, in execution order
-    segments: list[list[str]]  # one per outermost attention op, with its attention descendants
-
-
-def profiled(fn: Callable[[], Any]) -> Witness:
-    """Run ``fn`` under the CPU profiler; keep its attention ops in order."""
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        out = fn()
-    events = [e for e in prof.events() if is_attention_op(e.name)]
-    events.sort(key=lambda e: (e.time_range.start, -e.time_range.end))
-    segments: list[list[str]] = []
-    for e in events:
-        parent = e.cpu_parent
-        while parent is not None and not is_attention_op(parent.name):
-            parent = parent.cpu_parent
-        if parent is None:
-            segments.append([e.name])
-        else:
-            assert segments, "a nested attention op before any outer one"
-            segments[-1].append(e.name)
-    return Witness(out, [e.name for e in events], segments)
+# -- the witness (tests/_witness.py) ---------------------------------------
 
 
 @pytest.fixture(scope="module")
 def kernel_backend() -> dict[str, str]:
-    """Kernel op -> SDPBackend name, learned by forcing each backend under the profiler."""
-    seen: dict[str, set[str]] = {}
-    torch.manual_seed(0)
-    x = torch.randn(B, H, L, E // H)
-    causal = torch.ones(L, L, dtype=torch.bool).tril()
-    for name, backend in SDPBackend.__members__.items():
-        if name == "ERROR":
-            continue
-        for requires_grad in (False, True):
-            q = x.clone().requires_grad_(requires_grad)
-            for kwargs in ({}, {"is_causal": True}, {"attn_mask": causal}):
-                try:
-                    with sdpa_kernel(backend):
-                        w = profiled(lambda: F.scaled_dot_product_attention(q, q, q, **kwargs))  # noqa: B023
-                except RuntimeError:  # this backend cannot run here
-                    continue
-                assert w.segments == [w.ops] and w.ops[0] == SDPA, w.ops
-                kernels = w.ops[1:]
-                assert len(kernels) == 1, f"{name}: expected one kernel under SDPA, saw {w.ops}"
-                seen.setdefault(kernels[0], set()).add(name)
-    ambiguous = {k: v for k, v in seen.items() if len(v) != 1}
-    assert not ambiguous, f"one kernel op for several backends: {ambiguous}"
-    mapping = {k: next(iter(v)) for k, v in seen.items()}
-    assert "MATH" in mapping.values(), mapping
-    return mapping
+    return learn_kernel_backends(B, H, L, E // H)
 
 
 def _literal_patterns(fn: Callable[..., Any]) -> list[re.Pattern[str]]:

@@ -143,23 +143,28 @@ def observe_forward(original: Callable[..., Any], args: tuple[Any, ...], kwargs:
         return original(*args, **kwargs)
     ctx = OpenMHA(module, _targets(found))
     a = _bind(_MHA_NAMES, _MHA_DEFAULTS, args[1:], kwargs)
+    ctx.query, ctx.kpm, ctx.attn_mask = a["query"], a["key_padding_mask"], a["attn_mask"]
+    ctx.inputs = _inputs(module, a, batch_first=bool(module.batch_first))
+    return _run(ctx, original, args, kwargs)
+
+
+def _inputs(module: nn.Module, a: dict[str, Any], batch_first: bool) -> dict[str, Any]:
+    """Shapes, dtype, device, flags and modes of an MHA call, from its bound arguments."""
     query, key, value = a["query"], a["key"], a["value"]
-    ctx.query, ctx.kpm, ctx.attn_mask = query, a["key_padding_mask"], a["attn_mask"]
-    ctx.inputs = {
+    return {
         "query_shape": shape(query),
         "key_shape": shape(key),
         "value_shape": shape(value),
         "nested_lengths": nested_lengths(query),
         "dtype": dtype_name(getattr(query, "dtype", None)),
         "device": getattr(getattr(query, "device", None), "type", None),
-        "batch_first": bool(module.batch_first),
+        "batch_first": batch_first,
         "need_weights": bool(a["need_weights"]),
         "average_attn_weights": bool(a["average_attn_weights"]),
         "is_causal": bool(a["is_causal"]),
         "self_attention": query is key and key is value,
         **modes(module),
     }
-    return _run(ctx, original, args, kwargs)
 
 
 def _read_frame(ctx: OpenMHA, caller: types.FrameType | None) -> None:
@@ -215,25 +220,11 @@ def observe_function(original: Callable[..., Any], args: tuple[Any, ...], kwargs
     ctx = OpenMHA(module, _targets(found))
     ctx.path = "fallback"
     ctx.canonical = True
-    query, key, value = a["query"], a["key"], a["value"]
-    ctx.query, ctx.kpm, ctx.attn_mask = query, a["key_padding_mask"], a["attn_mask"]
+    ctx.query, ctx.kpm, ctx.attn_mask = a["query"], a["key_padding_mask"], a["attn_mask"]
     ctx.projection = _passed_projection(module, a)
-    ctx.inputs = {
-        "query_shape": shape(query),
-        "key_shape": shape(key),
-        "value_shape": shape(value),
-        "nested_lengths": nested_lengths(query),
-        "dtype": dtype_name(getattr(query, "dtype", None)),
-        "device": getattr(getattr(query, "device", None), "type", None),
-        "batch_first": False,  # this function takes (L, N, E) or (L, E)
-        "num_heads": a["num_heads"],
-        "need_weights": bool(a["need_weights"]),
-        "average_attn_weights": bool(a["average_attn_weights"]),
-        "is_causal": bool(a["is_causal"]),
-        "self_attention": query is key and key is value,
-        **modes(module),
-        "training": bool(a["training"]),
-    }
+    ctx.inputs = _inputs(module, a, batch_first=False)  # this function takes (L, N, E) or (L, E)
+    ctx.inputs["num_heads"] = a["num_heads"]
+    ctx.inputs["training"] = bool(a["training"])  # the argument, not the module's flag
     return _run(ctx, original, args, kwargs)
 
 

@@ -1,0 +1,78 @@
+"""The independent witness of the tracer tests: ``torch.profiler`` on an un-instrumented run.
+
+``profiled`` keeps the ``aten::`` attention ops a run executed, in order, and
+groups them per outermost attention op; ``learn_kernel_backends`` maps each
+SDPA kernel op to its ``SDPBackend`` by forcing every backend under the
+profiler. Nothing here asks qkvtrace anything.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.profiler import ProfilerActivity, profile
+
+from qkvtrace.paths import is_attention_op
+
+SDPA = "aten::scaled_dot_product_attention"
+
+
+@dataclass
+class Witness:
+    out: Any
+    ops: list[str]  # attention aten ops, in execution order
+    segments: list[list[str]]  # one per outermost attention op, with its attention descendants
+
+
+def profiled(fn: Callable[[], Any]) -> Witness:
+    """Run ``fn`` under the CPU profiler; keep its attention ops in order."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        out = fn()
+    events = [e for e in prof.events() if is_attention_op(e.name)]
+    events.sort(key=lambda e: (e.time_range.start, -e.time_range.end))
+    segments: list[list[str]] = []
+    for e in events:
+        parent = e.cpu_parent
+        while parent is not None and not is_attention_op(parent.name):
+            parent = parent.cpu_parent
+        if parent is None:
+            segments.append([e.name])
+        else:
+            assert segments, "a nested attention op before any outer one"
+            segments[-1].append(e.name)
+    return Witness(out, [e.name for e in events], segments)
+
+
+def learn_kernel_backends(batch: int, heads: int, length: int, head_dim: int) -> dict[str, str]:
+    """Kernel op -> SDPBackend name, learned by forcing each backend under the profiler."""
+    seen: dict[str, set[str]] = {}
+    x = torch.randn(batch, heads, length, head_dim, generator=torch.Generator().manual_seed(0))
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    for name, backend in SDPBackend.__members__.items():
+        if name == "ERROR":
+            continue
+        for requires_grad in (False, True):
+            q = x.clone().requires_grad_(requires_grad)
+            for kwargs in ({}, {"is_causal": True}, {"attn_mask": causal}, {"dropout_p": 0.1}):
+                try:
+                    # a forced backend that refuses the arguments warns why, then raises
+                    with sdpa_kernel(backend), warnings.catch_warnings():
+                        warnings.simplefilter("ignore", UserWarning)
+                        w = profiled(lambda: F.scaled_dot_product_attention(q, q, q, **kwargs))  # noqa: B023
+                except RuntimeError:  # this backend cannot run here
+                    continue
+                assert w.segments == [w.ops] and w.ops[0] == SDPA, w.ops
+                kernels = w.ops[1:]
+                assert len(kernels) == 1, f"{name}: expected one kernel under SDPA, saw {w.ops}"
+                seen.setdefault(kernels[0], set()).add(name)
+    ambiguous = {k: v for k, v in seen.items() if len(v) != 1}
+    assert not ambiguous, f"one kernel op for several backends: {ambiguous}"
+    mapping = {k: next(iter(v)) for k, v in seen.items()}
+    assert "MATH" in mapping.values(), mapping
+    return mapping
