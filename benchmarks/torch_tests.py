@@ -37,9 +37,10 @@ both runs is not a difference: PyTorch's own suite has failures on some
 machines.
 
 Exit codes: 0 no test differs and everything was restored; 1 some test
-differs, or the traced run left a PyTorch function replaced; 2 bad input (a
-missing path, a selection with no tests, a run that could not start or did
-not finish within ``--timeout``), with one line on stderr saying why.
+differs, the traced run left a PyTorch function replaced, or the traced run
+could not run the tests the plain run ran; 2 bad input (a missing path, a
+selection with no tests, a plain run that could not run the tests, a run
+that did not finish within ``--timeout``), with one line on stderr saying why.
 """
 
 from __future__ import annotations
@@ -173,19 +174,20 @@ def run_pytest(
     return run
 
 
-def check_run(run: Run) -> None:
-    """Refuse a run that says nothing about the tests: no tests, or pytest could not run them."""
+def stopped(run: Run) -> str | None:
+    """Why a run said nothing about the tests (no tests, pytest could not run them), or None."""
     if run.errors:
-        raise BadInput(f"the {run.name} run: {run.errors[0]}")
+        return f"the {run.name} run: {run.errors[0]}"
     if run.returncode == PYTEST_NO_TESTS:
-        raise BadInput(f"the {run.name} run selected no tests; check PATH and -k")
+        return f"the {run.name} run selected no tests; check PATH and -k"
     if run.returncode in (PYTEST_INTERRUPTED, PYTEST_INTERNAL, PYTEST_USAGE) or run.session is None:
         lines = [line.strip() for line in run.log_tail.splitlines() if line.strip()]
         errors = [line for line in lines if "error" in line.lower()]
         hint = (errors or lines or ["no output"])[-1]
         if "No module named" in run.log_tail:
             hint += " (PyTorch's test files need expecttest and hypothesis: pip install expecttest hypothesis)"
-        raise BadInput(f"the {run.name} run stopped before running the tests (pytest exit {run.returncode}): {hint}")
+        return f"the {run.name} run stopped before running the tests (pytest exit {run.returncode}): {hint}"
+    return None
 
 
 # -- comparing ---------------------------------------------------------------------
@@ -286,6 +288,8 @@ def print_report(report: dict[str, Any], diffs: list[Difference], tty: bool) -> 
             )
         if run["trace_error"]:
             console.print(f"{name} run: {run['trace_error']}")
+    if report.get("traced_stopped"):
+        console.print(report["traced_stopped"])
     if not diffs:
         console.print(f"no test changed outcome ({runs['plain']['total']} compared)")
         return
@@ -388,19 +392,24 @@ def main(argv: Sequence[str] | None = None) -> int:
                 env = child_env(out, mode, args.model, extra_paths)
                 print(f"{name} run ...", file=sys.stderr, flush=True)
                 run = run_pytest(name, cmd, env, out, log, args.timeout, cwd)
-                check_run(run)
+                why = stopped(run)
+                if why is not None and name == "plain":
+                    raise BadInput(why)
                 runs.append(run)
         plain, traced = runs
     except BadInput as exc:
         print(f"torch_tests.py: error: {exc}", file=sys.stderr)
         return 2
+    # The plain run ran the tests; a traced run that could not is a finding, not bad input.
+    traced_stopped = stopped(traced)
     diffs = compare(plain, traced)
     report = summary(path, args, plain, traced, diffs)
+    report["traced_stopped"] = traced_stopped
     print_report(report, diffs, tty)
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         print(f"JSON written to {args.json}")
-    return 1 if diffs or report["left_replaced"] else 0
+    return 1 if diffs or report["left_replaced"] or traced_stopped else 0
 
 
 if __name__ == "__main__":
