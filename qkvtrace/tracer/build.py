@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from qkvtrace.records import AttentionCall, QKVInfo
+from qkvtrace.records import AttentionCall
 from qkvtrace.slices import Projection
 
 if TYPE_CHECKING:
@@ -91,7 +91,3 @@ def deliver(call: AttentionCall, targets: list[Target], owner: nn.Module, projec
             holder = trace.name_of(projection.holder)
             record.qkv = dataclasses.replace(record.qkv, holder=holder)
         trace.add_call(record, owner, projection)
-
-
-def empty_qkv(reason: str) -> QKVInfo:
-    return QKVInfo(layout=None, q=None, k=None, v=None, reason=reason)

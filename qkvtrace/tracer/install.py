@@ -116,7 +116,6 @@ def _make_wrapper(
         if value is not None:
             setattr(fn, attr, value)
     fn.__wrapped__ = original  # type: ignore[attr-defined]
-    fn.__qkvtrace_wrapper__ = True  # type: ignore[attr-defined]
     return fn
 
 
@@ -178,12 +177,6 @@ class Installation:
                 self._targets = self._make_targets()
             return {t.label: t.original for t in self._targets}
 
-    def wrapper_of(self, label: str) -> Any:
-        with self._lock:
-            if self._targets is None:
-                self._targets = self._make_targets()
-            return next(t.wrapper for t in self._targets if t.label == label)
-
     # -- install / remove ------------------------------------------------------
 
     def acquire(self) -> None:
@@ -201,10 +194,6 @@ class Installation:
             self._count -= 1
             if self._count == 0:
                 self._remove()
-
-    @property
-    def installed(self) -> bool:
-        return self._count > 0
 
     def _install(self) -> None:
         if self._targets is None:

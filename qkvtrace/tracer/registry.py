@@ -21,7 +21,7 @@ from torch import nn
 if TYPE_CHECKING:
     from qkvtrace.tracer.session import Trace
 
-__all__ = ["covering", "is_active", "open_calls", "owner_module", "register", "traces", "unregister"]
+__all__ = ["covering", "is_active", "open_calls", "owner_module", "register", "unregister"]
 
 _lock = threading.Lock()
 #: the open traces; replaced, never mutated, so readers need no lock
@@ -39,10 +39,6 @@ def unregister(trace: Trace) -> None:
     global _traces
     with _lock:
         _traces = tuple(t for t in _traces if t is not trace)
-
-
-def traces() -> tuple[Trace, ...]:
-    return _traces
 
 
 def is_active() -> bool:

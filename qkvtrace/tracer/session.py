@@ -252,7 +252,7 @@ def _looks_like_attention(name: str, module: nn.Module) -> bool:
     last = name.rpartition(".")[2]
     if _ATTENTION_NAME.search(last) or _ATTENTION_NAME.search(type(module).__name__):
         return True
-    return find_projection(module) is not None and isinstance(find_projection(module), Projection)
+    return isinstance(find_projection(module), Projection)
 
 
 def _calibrate(model: nn.Module) -> None:
