@@ -157,3 +157,20 @@ def scripted_module_types() -> tuple[type, ...]:
     """TorchScript module types (``torch.jit.ScriptModule``)."""
     script_module = getattr(getattr(torch, "jit", None), "ScriptModule", None)
     return (script_module,) if isinstance(script_module, type) else ()
+
+
+def data_parallel_types() -> tuple[type, ...]:
+    """Wrappers that hold the user's model as ``.module`` (``DataParallel``, ``DistributedDataParallel``)."""
+    found: list[type] = [torch.nn.DataParallel]
+    ddp = getattr(getattr(torch.nn, "parallel", None), "DistributedDataParallel", None)
+    if isinstance(ddp, type):
+        found.append(ddp)
+    return tuple(found)
+
+
+def distributed_rank() -> tuple[int | None, int | None]:
+    """``(rank, world_size)`` of this process's default group, ``(None, None)`` outside ``torch.distributed``."""
+    dist = getattr(torch, "distributed", None)
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None, None
+    return int(dist.get_rank()), int(dist.get_world_size())

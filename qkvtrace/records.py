@@ -136,6 +136,9 @@ class AttentionCall:
     evidence: str = EVIDENCE_WITNESSED
     #: Name of the thread that made the call (``threading.current_thread().name``).
     thread: str | None = None
+    #: This process's rank and the world size under ``torch.distributed``; ``None`` outside it.
+    rank: int | None = None
+    world_size: int | None = None
 
 
 @dataclass(slots=True)
@@ -161,6 +164,10 @@ class GradientRecord:
     q: SliceGrad
     k: SliceGrad
     v: SliceGrad
+    #: This process's rank and the world size under ``torch.distributed`` (then
+    #: ``grad_norm`` is read after the gradients were reduced); ``None`` outside it.
+    rank: int | None = None
+    world_size: int | None = None
 
 
 @dataclass(slots=True)
@@ -239,6 +246,8 @@ class TraceResult:
             GradientRecord(
                 module=g["module"],
                 backward_index=g["backward_index"],
+                rank=g.get("rank"),
+                world_size=g.get("world_size"),
                 **{part: SliceGrad(**g[part]) for part in ("q", "k", "v")},
             )
             for g in data["gradients"]

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from qkvtrace import compat
 from qkvtrace.records import AttentionCall
 from qkvtrace.slices import Projection
 
@@ -84,6 +85,7 @@ def frame_of(code: types.CodeType, frame: types.FrameType | None, depth: int = 1
 def deliver(call: AttentionCall, targets: list[Target], owner: nn.Module, projection: Projection | str) -> None:
     """Hand one observed call to every trace that records it."""
     call.thread = threading.current_thread().name
+    call.rank, call.world_size = compat.distributed_rank()
     for i, (trace, name, index) in enumerate(targets):
         record = call if i == 0 else dataclasses.replace(call)
         record.index, record.module = index, name

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from qkvtrace import compat
 from qkvtrace.records import GradientRecord
 from qkvtrace.slices import Projection, Rows, grad_slices, slice_norms_of
 
@@ -68,6 +69,13 @@ class GradientRecorder:
         return hook
 
     def _end_of_backward(self) -> None:
+        # Callbacks run in the order they were queued, and this one was queued by the first
+        # gradient of the pass; ``DistributedDataParallel`` queues its reduction when the last
+        # bucket is ready. Queued again from here, it runs after that: ``.grad`` is then what
+        # every rank's optimizer will use.
+        torch.autograd.Variable._execution_engine.queue_callback(self._read_grads)
+
+    def _read_grads(self) -> None:
         self._queued = False
         if not self._pending or not self._open:
             self._pending = {}
@@ -77,7 +85,12 @@ class GradientRecorder:
                 owner, projection = self._watched[mid]
                 name = self._name_of(owner) or ""
                 parts = grad_slices(projection, pass_norms)
-                self.records.append(GradientRecord(module=name, backward_index=self._backward_index, **parts))
+                rank, world = compat.distributed_rank()
+                self.records.append(
+                    GradientRecord(
+                        module=name, backward_index=self._backward_index, rank=rank, world_size=world, **parts
+                    )
+                )
         self._pending = {}
         self._backward_index += 1
 

@@ -14,6 +14,7 @@ import contextlib
 import itertools
 import re
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -31,8 +32,9 @@ __all__ = ["Trace", "trace"]
 
 Threads = Literal["entering", "all"]
 
-#: the attribute through which a ``torch.compile``d module holds the original; names skip it
-_COMPILED_PART = "_orig_mod"
+#: attributes through which a wrapper holds the user's model (``torch.compile``'s
+#: ``_orig_mod``, FSDP's and activation checkpointing's wrapped modules); names skip them
+_WRAPPER_PARTS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
 _ATTENTION_NAME = re.compile(r"attn|attention", re.IGNORECASE)
 
 
@@ -107,8 +109,7 @@ class Trace:
             raise RuntimeError("this trace has ended; make a new qkvtrace.trace(model)")
         masks.sdpa_bool_true_means()  # measured once, before anything is wrapped
         model = self._model
-        for name, m in model.named_modules():
-            name = ".".join(part for part in name.split(".") if part != _COMPILED_PART) if name else name
+        for name, m in _user_names(model):
             if id(m) not in self._names:
                 self._names[id(m)] = (name, m)
                 self._by_name[name] = m
@@ -236,6 +237,23 @@ class Trace:
                     "torch.compile or TorchScript, an entry point the tracer does not wrap, or not run in the trace"
                 )
             self._result.unobserved.append(Unobserved(module=name, module_type=type(m).__name__, reason=reason))
+
+
+def _user_names(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """``model``'s modules, named as in the model the user wrapped.
+
+    Parts that only a wrapper adds are dropped: ``torch.compile``'s ``_orig_mod``,
+    FSDP's ``_fsdp_wrapped_module`` and the ``module`` of ``DistributedDataParallel``
+    (``module.encoder.layers.0`` is ``encoder.layers.0``, as in the unwrapped model).
+    """
+    ddp = compat.data_parallel_types()
+    wrapped: set[str] = set()
+    for name, m in model.named_modules():
+        if ddp and isinstance(m, ddp):
+            wrapped.add(f"{name}.module" if name else "module")
+        parts = name.split(".") if name else []
+        kept = [p for i, p in enumerate(parts) if p not in _WRAPPER_PARTS and ".".join(parts[: i + 1]) not in wrapped]
+        yield ".".join(kept), m
 
 
 def _related(a: str, b: str) -> bool:
