@@ -42,6 +42,7 @@ examples:
   qkvtrace check demo:tiny-lm --causal             # leakage by perturbation
   qkvtrace diff reports/torch-A reports/torch-B    # what changed between versions
   qkvtrace validate reports/*/report.json t.json   # check saved JSON against its schema
+  qkvtrace merge traces/ --json merged.json        # per-rank traces of a torchrun job; ranks that disagree
 
 exit codes: 0 done, 1 a check found a problem, 2 bad input or usage (--debug: traceback)
 
@@ -56,7 +57,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from qkvtrace.cli import check_cmd, diff_cmd, inspect_cmd, probe_cmd, trace_cmd, validate_cmd
+    from qkvtrace.cli import check_cmd, diff_cmd, inspect_cmd, merge_cmd, probe_cmd, trace_cmd, validate_cmd
 
     parser = _Parser(
         prog="qkvtrace",
@@ -74,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     check_cmd.register(sub)
     diff_cmd.register(sub)
     validate_cmd.register(sub)
+    merge_cmd.register(sub)
     for command in sub.choices.values():  # `qkvtrace trace X --debug` works too
         command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks")
     return parser
