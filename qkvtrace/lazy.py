@@ -64,10 +64,11 @@ def _store(slot: _Slot, value: Any) -> None:
 
 
 def resolve(roots: Iterable[Any]) -> None:
-    """Replace every 0-dim tensor and :class:`Deferred` inside ``roots`` by a Python value, in place.
+    """Replace every tensor and :class:`Deferred` inside ``roots`` by a Python value, in place.
 
-    Integer and boolean tensors become ``int``, floating ones ``float``. The
-    tensors of one device are stacked and read back together.
+    Integer and boolean tensors become ``int``, floating ones ``float``; a
+    0-dim tensor becomes a number, any other a flat list. The tensors of one
+    device are read back together.
     """
     tensors: list[tuple[_Slot, torch.Tensor]] = []
     deferred: list[tuple[_Slot, Deferred]] = []
@@ -79,9 +80,13 @@ def resolve(roots: Iterable[Any]) -> None:
         by_device.setdefault(t.device, []).append((slot, t))
     for group in by_device.values():
         with torch.no_grad():
-            values = torch.stack([t.detach().reshape(()).to(torch.float64) for _, t in group]).tolist()
-        for (slot, t), value in zip(group, values, strict=True):
+            flat = torch.cat([t.detach().reshape(-1).to(torch.float64) for _, t in group]).tolist()
+        at = 0
+        for slot, t in group:
+            n = t.numel()
             is_int = not (t.is_floating_point() or t.is_complex())
-            _store(slot, int(value) if is_int else float(value))
+            values = [int(x) if is_int else float(x) for x in flat[at : at + n]]
+            at += n
+            _store(slot, values[0] if t.dim() == 0 else values)
     for slot, d in deferred:
         _store(slot, d.finish())

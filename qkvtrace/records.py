@@ -23,6 +23,8 @@ __all__ = [
     "GradientRecord",
     "MaskInfo",
     "QKVInfo",
+    "RouteGrad",
+    "RouteRecord",
     "SliceGrad",
     "SliceInfo",
     "TraceResult",
@@ -139,6 +141,44 @@ class AttentionCall:
     #: This process's rank and the world size under ``torch.distributed``; ``None`` outside it.
     rank: int | None = None
     world_size: int | None = None
+    #: The autograd node that runs the attention core of this call in the backward
+    #: pass, read from the output's ``grad_fn`` graph when the call ran: a fused node
+    #: (``ScaledDotProductFlashAttentionForCpuBackward0``) or an explicit-softmax
+    #: chain (``"SoftmaxBackward0 + BmmBackward0"``); ``None`` with ``backward_reason``.
+    backward_kernel: str | None = None
+    backward_reason: str | None = None
+    #: Why no gradient route of this call is recorded although it has a backward
+    #: graph; ``None`` when routes are recorded (see ``TraceResult.routes``).
+    route_reason: str | None = None
+
+
+@dataclass(slots=True)
+class RouteGrad:
+    """The gradient that reached one of a call's Q, K, V in one backward pass."""
+
+    #: Norm of the gradient with respect to the tensor the attention core received.
+    norm: float | None
+    #: The same, per head (``None`` when the heads cannot be read from its layout).
+    per_head: list[float] | None = None
+    #: This route's share of the call's squared Q/K/V gradient norm (they sum to 1).
+    share: float | None = None
+
+
+@dataclass(slots=True)
+class RouteRecord:
+    """How the loss reached one call's Q, K and V in one backward pass.
+
+    One record per forward call and backward pass: a module that runs twice
+    before one backward (shared weights, accumulation) has two records.
+    """
+
+    #: ``index`` of the call in the trace.
+    call: int
+    module: str
+    backward_index: int
+    q: RouteGrad | None
+    k: RouteGrad | None
+    v: RouteGrad | None
 
 
 @dataclass(slots=True)
@@ -152,6 +192,8 @@ class SliceGrad:
     #: Norm of the gradient this backward pass alone contributed.
     pass_grad_norm: float | None = None
     pass_bias_grad_norm: float | None = None
+    #: This slice's share of the squared norm of the pass's Q/K/V weight gradient.
+    pass_share: float | None = None
 
 
 @dataclass(slots=True)
@@ -192,6 +234,8 @@ class TraceResult:
     unobserved: list[Unobserved] = field(default_factory=list)
     #: What the trace could not see or do, in sentences (compiled regions...).
     warnings: list[str] = field(default_factory=list)
+    #: Gradient routes into each call's Q, K, V, per call and backward pass.
+    routes: list[RouteRecord] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """The ``qkvtrace.trace/1`` JSON object."""
@@ -202,6 +246,7 @@ class TraceResult:
             "gradients": [asdict(g) for g in self.gradients],
             "unobserved": [asdict(u) for u in self.unobserved],
             "warnings": list(self.warnings),
+            "routes": [asdict(r) for r in self.routes],
         }
 
     def to_json(self) -> str:
@@ -253,12 +298,22 @@ class TraceResult:
             for g in data["gradients"]
         ]
         unobserved = [Unobserved(**u) for u in data.get("unobserved", [])]
+        routes = [
+            RouteRecord(
+                call=r["call"],
+                module=r["module"],
+                backward_index=r["backward_index"],
+                **{part: (RouteGrad(**r[part]) if r.get(part) is not None else None) for part in ("q", "k", "v")},
+            )
+            for r in data.get("routes", [])
+        ]
         return cls(
             calls=calls,
             gradients=grads,
             torch_version=data.get("torch_version", ""),
             unobserved=unobserved,
             warnings=list(data.get("warnings", [])),
+            routes=routes,
         )
 
 

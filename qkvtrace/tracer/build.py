@@ -19,6 +19,7 @@ from torch import nn
 from qkvtrace import compat
 from qkvtrace.records import AttentionCall
 from qkvtrace.slices import Projection
+from qkvtrace.tracer import routes
 
 if TYPE_CHECKING:
     from qkvtrace.tracer.session import Trace
@@ -82,14 +83,25 @@ def frame_of(code: types.CodeType, frame: types.FrameType | None, depth: int = 1
     return None
 
 
-def deliver(call: AttentionCall, targets: list[Target], owner: nn.Module, projection: Projection | str) -> None:
-    """Hand one observed call to every trace that records it."""
+def deliver(
+    call: AttentionCall,
+    targets: list[Target],
+    owner: nn.Module,
+    projection: Projection | str,
+    core: routes.Core | None = None,
+) -> None:
+    """Hand one observed call to every trace that records it (``core``: its backward side)."""
     call.thread = threading.current_thread().name
     call.rank, call.world_size = compat.distributed_rank()
+    if core is None:
+        core = routes.Core(None, "the call raised" if call.error else "no autograd graph was observed for this call")
+    call.backward_kernel, call.backward_reason = core.kernel, core.reason
+    if core.kernel is not None and not core.sources:
+        call.route_reason = core.route_reason
     for i, (trace, name, index) in enumerate(targets):
         record = call if i == 0 else dataclasses.replace(call)
         record.index, record.module = index, name
         if isinstance(projection, Projection) and projection.holder is not owner:
             holder = trace.name_of(projection.holder)
             record.qkv = dataclasses.replace(record.qkv, holder=holder)
-        trace.add_call(record, owner, projection)
+        trace.add_call(record, owner, projection, core)

@@ -1,6 +1,9 @@
-"""Q/K/V slice gradients, one record per traced module and backward pass.
+"""Q/K/V slice gradients per module, and gradient routes per call, for each backward pass.
 
-A hook on each Q/K/V parameter keeps the norm of this pass's gradient for
+Routes: hooks on the backward core of each call (:mod:`qkvtrace.tracer.routes`)
+keep the norms of the gradients that reached its Q, K and V.
+
+Slices: a hook on each Q/K/V parameter keeps the norm of this pass's gradient for
 each slice; a callback queued on the autograd engine runs once the backward
 pass is over and takes the norms of the slices of the real ``.grad`` -- what
 an optimizer step would use. Every norm stays a 0-dim tensor on the device
@@ -16,8 +19,9 @@ import torch
 from torch import nn
 
 from qkvtrace import compat
-from qkvtrace.records import GradientRecord
+from qkvtrace.records import GradientRecord, RouteGrad, RouteRecord
 from qkvtrace.slices import Projection, Rows, grad_slices, slice_norms_of
+from qkvtrace.tracer import routes
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
@@ -33,6 +37,9 @@ class GradientRecorder:
         self._watched: dict[int, tuple[nn.Module, Projection]] = {}
         self._handles: list[RemovableHandle] = []
         self._pending: dict[int, dict[tuple[str, Rows], torch.Tensor]] = {}
+        #: this pass's route gradients: call index -> (module name, part -> (norm, per-head norms))
+        self._pending_routes: dict[int, tuple[str, dict[str, tuple[torch.Tensor, torch.Tensor | None]]]] = {}
+        self.routes: list[RouteRecord] = []
         self._queued = False
         self._backward_index = 0
         self._open = True
@@ -53,6 +60,27 @@ class GradientRecorder:
             if param.requires_grad:
                 self._handles.append(param.register_hook(self._hook(id(owner), pname, rows_list)))
 
+    def watch_routes(self, index: int, module: str, core: routes.Core) -> None:
+        """Keep, for each backward pass, the gradients reaching call ``index``'s Q, K and V."""
+        if not self._open or not core.sources:
+            return
+
+        def on_grad(part: str, layout: routes.Layout, grad: torch.Tensor) -> None:
+            if not self._open:
+                return
+            with torch.no_grad():
+                heads = routes.head_norms(grad, layout)
+                norm = heads.square().sum().sqrt() if heads is not None else torch.linalg.vector_norm(grad.float())
+            self._pending_routes.setdefault(index, (module, {}))[1][part] = (norm, heads)
+            self._queue()
+
+        routes.register(core, on_grad)
+
+    def _queue(self) -> None:
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
     def _hook(self, mid: int, pname: str, rows_list: list[tuple[Rows, int]]) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
             if not self._open:
@@ -62,9 +90,7 @@ class GradientRecorder:
             pending = self._pending.setdefault(mid, {})
             for (rows, _), norm in zip(rows_list, norms, strict=True):
                 pending[(pname, rows)] = norm
-            if not self._queued:
-                self._queued = True
-                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._queue()
 
         return hook
 
@@ -77,9 +103,15 @@ class GradientRecorder:
 
     def _read_grads(self) -> None:
         self._queued = False
-        if not self._pending or not self._open:
-            self._pending = {}
+        if not self._open or not (self._pending or self._pending_routes):
+            self._pending, self._pending_routes = {}, {}
             return
+        for index, (module, found) in self._pending_routes.items():
+            got = {p: RouteGrad(norm=n, per_head=h) for p, (n, h) in found.items()}  # type: ignore[arg-type]  # resolved later
+            record = RouteRecord(call=index, module=module, backward_index=self._backward_index,
+                                 q=got.get("q"), k=got.get("k"), v=got.get("v"))  # fmt: skip
+            self.routes.append(record)
+        self._pending_routes = {}
         with torch.no_grad():
             for mid, pass_norms in self._pending.items():
                 owner, projection = self._watched[mid]
@@ -102,3 +134,4 @@ class GradientRecorder:
         self._handles.clear()
         self._watched.clear()
         self._pending.clear()
+        self._pending_routes.clear()

@@ -22,11 +22,12 @@ import torch
 from torch import nn
 
 from qkvtrace import compat, lazy, masks, paths
-from qkvtrace.records import AttentionCall, GradientRecord, TraceResult, Unobserved
+from qkvtrace.records import AttentionCall, GradientRecord, RouteRecord, TraceResult, Unobserved
 from qkvtrace.slices import NormCache, Projection, find_projection
 from qkvtrace.tracer import registry
 from qkvtrace.tracer.gradients import GradientRecorder
 from qkvtrace.tracer.install import installation
+from qkvtrace.tracer.routes import Core
 
 __all__ = ["Trace", "trace"]
 
@@ -56,7 +57,13 @@ class Trace:
     """
 
     def __init__(
-        self, model: nn.Module, *, gradients: bool = True, refusals: bool = True, threads: Threads = "entering"
+        self,
+        model: nn.Module,
+        *,
+        gradients: bool = True,
+        routes: bool = True,
+        refusals: bool = True,
+        threads: Threads = "entering",
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"qkvtrace.trace() needs an nn.Module, got {type(model).__name__}")
@@ -64,6 +71,7 @@ class Trace:
             raise ValueError(f"threads must be 'entering' or 'all', got {threads!r}")
         self._model: nn.Module | None = model
         self.record_gradients = gradients
+        self.record_routes = gradients and routes
         self.record_refusals = refusals
         self.threads = threads
         #: the thread recorded (``threading.get_ident()``), ``None`` for every thread
@@ -95,6 +103,10 @@ class Trace:
     @property
     def gradients(self) -> list[GradientRecord]:
         return self.result.gradients
+
+    @property
+    def routes(self) -> list[RouteRecord]:
+        return self.result.routes
 
     def to_dict(self) -> dict[str, Any]:
         return self.result.to_dict()
@@ -173,12 +185,16 @@ class Trace:
             found = self._projections[key] = find_projection(module, self._parents(module))
         return found
 
-    def add_call(self, call: AttentionCall, owner: nn.Module, projection: Projection | str) -> None:
+    def add_call(
+        self, call: AttentionCall, owner: nn.Module, projection: Projection | str, core: Core | None = None
+    ) -> None:
         self._result.calls.append(call)
         self._seen.add(id(owner))
         self._unresolved = True
         if self.record_gradients and isinstance(projection, Projection):
             self._grads.watch(owner, projection)
+        if self.record_routes and core is not None:
+            self._grads.watch_routes(call.index, call.module, core)
 
     # -- internals -----------------------------------------------------------
 
@@ -195,13 +211,19 @@ class Trace:
         return parents
 
     def _resolve(self) -> None:
-        grads = self._grads.records
-        if not self._unresolved and len(grads) == len(self._result.gradients):
+        grads, found = self._grads.records, self._grads.routes
+        result = self._result
+        if not self._unresolved and len(grads) == len(result.gradients) and len(found) == len(result.routes):
             return
-        self._result.gradients = list(grads)
-        lazy.resolve([self._result.calls, self._result.gradients])
-        self._result.calls.sort(key=lambda c: c.index)
-        self._result.gradients.sort(key=lambda g: (g.backward_index, g.module))
+        result.gradients, result.routes = list(grads), list(found)
+        lazy.resolve([result.calls, result.gradients, result.routes])
+        for g in result.gradients:
+            _shares([g.q, g.k, g.v], "pass_grad_norm", "pass_share")
+        for r in result.routes:
+            _shares([r.q, r.k, r.v], "norm", "share")
+        result.calls.sort(key=lambda c: c.index)
+        result.gradients.sort(key=lambda g: (g.backward_index, g.module))
+        result.routes.sort(key=lambda r: (r.backward_index, r.call))
         self._unresolved = False
 
     def _find_unobserved(self) -> None:
@@ -256,6 +278,16 @@ def _user_names(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
         yield ".".join(kept), m
 
 
+def _shares(parts: list[Any], norm: str, share: str) -> None:
+    """Each part's share of the parts' squared norms (once every norm is a number)."""
+    values = [getattr(p, norm) if p is not None else None for p in parts]
+    numbers = [v for v in values if isinstance(v, float)]
+    total = sum(v * v for v in numbers)
+    for p, v in zip(parts, values, strict=True):
+        if p is not None and isinstance(v, float) and getattr(p, share) is None:
+            setattr(p, share, v * v / total if total > 0 else None)
+
+
 def _related(a: str, b: str) -> bool:
     """``a`` and ``b`` are the same module, or one contains the other."""
     return a == b or not a or not b or a.startswith(b + ".") or b.startswith(a + ".")
@@ -281,7 +313,14 @@ def _calibrate(model: nn.Module) -> None:
         evidence.calibrate_once(device)
 
 
-def trace(model: nn.Module, *, gradients: bool = True, refusals: bool = True, threads: Threads = "entering") -> Trace:
+def trace(
+    model: nn.Module,
+    *,
+    gradients: bool = True,
+    routes: bool = True,
+    refusals: bool = True,
+    threads: Threads = "entering",
+) -> Trace:
     """Trace every attention call ``model`` makes inside a ``with`` block.
 
     >>> with qkvtrace.trace(model) as t:        # doctest: +SKIP
@@ -289,6 +328,9 @@ def trace(model: nn.Module, *, gradients: bool = True, refusals: bool = True, th
     >>> t.calls[0].path, t.calls[0].why_not_fast_path   # doctest: +SKIP
 
     ``gradients``: record Q/K/V slice gradients after each backward pass.
+    ``routes``: with ``gradients``, also record per call the gradients that
+    reached its Q, K and V (``result.routes``), read by hooks on the call's
+    backward core.
     ``refusals``: on CUDA, record PyTorch's reasons for refusing each faster
     SDPA backend (costs a few checks per SDPA call).
     ``threads``: ``"entering"`` (default) records calls of the thread that
@@ -298,4 +340,4 @@ def trace(model: nn.Module, *, gradients: bool = True, refusals: bool = True, th
     Traces nest and overlap, in any order and any thread: each records the
     calls of its own model, with its own indices.
     """
-    return Trace(model, gradients=gradients, refusals=refusals, threads=threads)
+    return Trace(model, gradients=gradients, routes=routes, refusals=refusals, threads=threads)

@@ -17,7 +17,7 @@ import torch
 
 from qkvtrace import paths
 from qkvtrace.records import AttentionCall
-from qkvtrace.tracer import registry
+from qkvtrace.tracer import registry, routes
 from qkvtrace.tracer.build import deliver, modes, nan_count, shape
 from qkvtrace.tracer.observers.mha import arg
 
@@ -84,5 +84,6 @@ def observe_flex(original: Callable[..., Any], args: tuple[Any, ...], kwargs: di
             error=error,
             evidence=evidence,
         )
-        deliver(call, targets, owner, projection)
+        core = routes.find_core(result, (q, k, v)) if error is None else None
+        deliver(call, targets, owner, projection, core)
     return out

@@ -20,7 +20,7 @@ from torch import nn
 
 from qkvtrace import masks, paths
 from qkvtrace.records import AttentionCall
-from qkvtrace.tracer import registry
+from qkvtrace.tracer import registry, routes
 from qkvtrace.tracer.build import deliver, frame_of, modes, nan_count, nested_lengths, shape
 from qkvtrace.tracer.observers.mha import arg
 
@@ -92,5 +92,11 @@ def observe_layer(original: Callable[..., Any], args: tuple[Any, ...], kwargs: d
         output={"nan_count": nan_count(out), "fully_masked_rows": rows},
         evidence=evidence,
     )
-    deliver(call, targets, mha, projection)
+    deliver(call, targets, mha, projection, routes.Core(None, _no_backward(out)))
     return out
+
+
+def _no_backward(out: Any) -> str:
+    reason = routes.no_graph_reason(out)
+    # the fused layer runs only where PyTorch builds no graph; say so if that ever changes
+    return reason or "the fused encoder layer's output has a grad_fn, but no attention node is recorded for it"

@@ -30,7 +30,7 @@ from torch import nn
 from qkvtrace import masks, paths
 from qkvtrace.records import EVIDENCE_WITNESSED, AttentionCall
 from qkvtrace.slices import PartSpec, Projection, ProjectionSpec
-from qkvtrace.tracer import registry
+from qkvtrace.tracer import registry, routes
 from qkvtrace.tracer.build import Target, deliver, dtype_name, frame_of, modes, nan_count, nested_lengths, shape
 
 __all__ = ["OpenMHA", "observe_forward", "observe_function", "observe_native"]
@@ -55,8 +55,8 @@ def arg(args: tuple[Any, ...], kwargs: dict[str, Any], names: tuple[str, ...], n
 class OpenMHA:
     """A multi-head attention call that has started and not yet ended (on this thread)."""
 
-    __slots__ = ("attn_mask", "backend", "canonical", "error", "evidence", "inputs", "kpm", "local", "module",
-                 "ops", "path", "projection", "query", "refusals", "targets")  # fmt: skip
+    __slots__ = ("attn_mask", "backend", "canonical", "core", "error", "evidence", "inputs", "kpm", "local",
+                 "module", "ops", "path", "projection", "query", "refusals", "targets")  # fmt: skip
 
     def __init__(self, module: nn.Module, targets: list[Target]) -> None:
         self.module = module
@@ -76,6 +76,8 @@ class OpenMHA:
         self.refusals: dict[str, list[str]] | None = None
         self.error: str | None = None
         self.projection: Projection | str | None = None
+        #: the backward side of the call, from its SDPA kernel's output when one ran
+        self.core: routes.Core | None = None
 
 
 def _innermost() -> OpenMHA | None:
@@ -342,9 +344,15 @@ def _finish(ctx: OpenMHA, out: Any) -> None:
         error=ctx.error,
         evidence=ctx.evidence,
     )
+    core = ctx.core
+    if core is None and ctx.error is None:
+        result = out[0] if isinstance(out, tuple) else out
+        heads = getattr(module, "num_heads", None) or inputs.get("num_heads")
+        core = routes.find_core(result, (query,), heads=int(heads) if heads else None)
     ctx.query = ctx.kpm = ctx.attn_mask = None
     ctx.local = {}
-    deliver(call, ctx.targets, module, projection)
+    ctx.core = None
+    deliver(call, ctx.targets, module, projection, core)
 
 
 def _layer_reason(mha: nn.Module) -> str | None:

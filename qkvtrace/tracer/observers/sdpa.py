@@ -31,7 +31,7 @@ from torch import nn
 
 from qkvtrace import masks, paths
 from qkvtrace.records import AttentionCall, QKVInfo, SliceInfo
-from qkvtrace.tracer import registry
+from qkvtrace.tracer import registry, routes
 from qkvtrace.tracer.build import Target, deliver, modes, nan_count, shape
 from qkvtrace.tracer.install import redispatch_sdpa, relevant_overrides
 from qkvtrace.tracer.observers.mha import OpenMHA, arg
@@ -118,7 +118,8 @@ def observe_sdpa(original: Callable[..., Any], args: tuple[Any, ...], kwargs: di
         _deliver(call, owner, targets)
         raise
     _learn(a, backend, ops)
-    _deliver(_record(owner, targets, a, backend, ops, evidence, out, refusals), owner, targets)
+    core = routes.sdpa_core(out, a.q, a.k, a.v)
+    _deliver(_record(owner, targets, a, backend, ops, evidence, out, refusals), owner, targets, core)
     return out
 
 
@@ -140,6 +141,7 @@ def _kernel_of_mha(ctx: OpenMHA, original: Callable[..., Any], args: tuple[Any, 
     _learn(a, backend, ops)
     ctx.ops = list(ops) if ops is not None else None
     ctx.evidence = evidence
+    ctx.core = routes.sdpa_core(out, a.q, a.k, a.v)
     return out
 
 
@@ -170,7 +172,8 @@ def _observe_override(
     backend = ctx.backend
     if backend is None and ops is not None:
         backend = _EVIDENCE.backend_of(a.q.device.type, ops)
-    _deliver(_record(owner, targets, a, backend, ops, evidence, out, ctx.refusals), owner, targets)
+    core = routes.sdpa_core(out, a.q, a.k, a.v)
+    _deliver(_record(owner, targets, a, backend, ops, evidence, out, ctx.refusals), owner, targets, core)
     return out
 
 
@@ -180,8 +183,8 @@ def _pop(stack: list[Any], ctx: Any) -> None:
             break
 
 
-def _deliver(call: AttentionCall, owner: nn.Module, targets: list[Target]) -> None:
-    deliver(call, targets, owner, targets[0][0].projection(owner))
+def _deliver(call: AttentionCall, owner: nn.Module, targets: list[Target], core: routes.Core | None = None) -> None:
+    deliver(call, targets, owner, targets[0][0].projection(owner), core)
 
 
 def _override_mask(mask: Any, device: torch.device) -> dict[str, Any]:

@@ -1,0 +1,230 @@
+"""The backward side of one attention call: its backward kernel and the gradient routes into Q, K and V.
+
+At the time of the call, the output's ``grad_fn`` graph already says which
+autograd node will run the attention core in the backward pass: a fused
+node (``ScaledDotProductFlashAttentionForCpuBackward0``, ...) or an
+explicit-softmax chain (a softmax node and the matmul that applies its
+weights to V). That node is PyTorch's own record of the backward kernel, so
+the tracer reads it rather than inferring it from the forward backend.
+
+The same nodes give the gradient routes. A hook on a node receives the
+gradients PyTorch computes for its inputs; for the core they are the
+gradients with respect to the Q, K and V the core received -- the V route
+(straight from ``attention @ V``) and the Q/K routes (through softmax and
+the scores). Hooks only read: they return nothing, so the gradients, the
+kernels and the outputs are PyTorch's own, and they hold no tensor, so no
+activation outlives its pass.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["Core", "Source", "find_core", "head_norms", "no_graph_reason", "register", "sdpa_core", "tensor_sources"]
+
+#: a fused attention backward node (SDPA's flash / efficient / cuDNN / math-for-MPS kernels, FlexAttention)
+_FUSED = re.compile(r"ScaledDotProduct|Attention")
+#: nodes that only move, copy, scale or drop values: between the softmax and the matmul that uses it
+_PASS_THROUGH = re.compile(
+    r"^(View|UnsafeView|Reshape|Expand|Transpose|T|Permute|Clone|Squeeze|Unsqueeze|NativeDropout|Dropout|"
+    r"FusedDropout|Mul|Div|ToCopy)Backward\d*$"
+)
+_MAX_NODES = 256
+
+#: how a route's gradient is laid out: heads at dimension -3 (``[B, H, L, D]``),
+#: or heads folded into dimension 0 (``[B*H, L, D]``) with the number of heads
+Layout = str | int
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    """Where one route's gradient is read: input ``index`` of ``node``, or the gradient of ``tensor``."""
+
+    part: str
+    layout: Layout
+    node: Any = None
+    index: int = 0
+    tensor: torch.Tensor | None = None
+
+
+@dataclass(slots=True)
+class Core:
+    """The attention core's backward node(s) of one call, and where its routes can be read."""
+
+    #: the node name (fused) or ``"<softmax node> + <matmul node>"``; ``None`` with ``reason``
+    kernel: str | None
+    reason: str | None = None
+    sources: list[Source] = field(default_factory=list)
+    #: why no route gradient can be read although the call has a backward graph
+    route_reason: str | None = None
+
+
+def _tensors(values: Sequence[Any]) -> list[torch.Tensor]:
+    return [t for t in values if isinstance(t, torch.Tensor)]
+
+
+def no_graph_reason(out: Any) -> str | None:
+    """Why the call builds no autograd graph, or ``None`` when it does."""
+    if torch.is_inference_mode_enabled():
+        return "inference mode: no autograd graph is built"
+    if not torch.is_grad_enabled():
+        return "grad is disabled (torch.no_grad): no autograd graph is built"
+    if not isinstance(out, torch.Tensor) or out.grad_fn is None:
+        return "the output has no grad_fn: nothing the call used requires grad"
+    return None
+
+
+def find_core(out: Any, inputs: Sequence[Any], *, heads: int | None = None) -> Core:
+    """The backward core of a call whose output is ``out`` and whose attention inputs are ``inputs``.
+
+    The search walks the output's graph breadth-first and stops at the
+    inputs' own nodes, so it stays inside this call. ``heads``: the number
+    of heads folded into dimension 0 of an explicit-softmax chain (MHA's
+    ``need_weights=True`` path).
+    """
+    reason = no_graph_reason(out)
+    if reason is not None:
+        return Core(None, reason)
+    stops = {id(t.grad_fn) for t in _tensors(inputs) if t.grad_fn is not None}
+    start = out.grad_fn
+    parent: dict[int, Any] = {id(start): None}
+    queue: deque[Any] = deque([start])
+    seen = 0
+    while queue and seen < _MAX_NODES:
+        node = queue.popleft()
+        seen += 1
+        name = node.name()
+        if _FUSED.search(name):
+            return _fused(node, name)
+        if "Softmax" in name:
+            consumer = parent[id(node)]
+            while consumer is not None and _PASS_THROUGH.match(consumer.name()):
+                consumer = parent[id(consumer)]
+            if consumer is None:
+                return Core(f"{name}", route_reason="the softmax weights are not multiplied with V in this call")
+            return _chain(node, consumer, heads)
+        if id(node) in stops:
+            continue
+        for child, _ in node.next_functions:
+            if child is not None and id(child) not in parent and not _is_leaf(child):
+                parent[id(child)] = node
+                queue.append(child)
+    return Core(None, "no attention node (fused attention or softmax) in the output's autograd graph")
+
+
+def _is_leaf(node: Any) -> bool:
+    return node.name().endswith("AccumulateGrad")
+
+
+def _fused(node: Any, name: str) -> Core:
+    # A fused node's first three inputs are query, key and value, in that order.
+    edges = node.next_functions
+    sources = [Source(part, "bhld", node=node, index=i) for i, part in enumerate("qkv") if i < len(edges)]
+    return Core(name, sources=sources)
+
+
+def _reaches(node: Any, target: Any, depth: int = 6) -> bool:
+    frontier = [node]
+    for _ in range(depth):
+        nxt: list[Any] = []
+        for n in frontier:
+            if n is target:
+                return True
+            nxt.extend(c for c, _ in n.next_functions if c is not None)
+        frontier = nxt
+    return any(n is target for n in frontier)
+
+
+def _chain(softmax: Any, consumer: Any, heads: int | None) -> Core:
+    """``softmax(scores) @ V``: V's gradient from the matmul, Q's and K's from the scores' node."""
+    kernel = f"{softmax.name()} + {consumer.name()}"
+    if heads is None:
+        return Core(kernel, route_reason="an explicit-softmax chain outside MultiheadAttention: heads are unknown")
+    layout: Layout = heads
+    c_edges = consumer.next_functions
+    weights_side = [i for i, (child, _) in enumerate(c_edges) if child is not None and _reaches(child, softmax)]
+    if len(c_edges) != 2 or len(weights_side) != 1:
+        return Core(kernel, route_reason=f"{consumer.name()} is not the (weights, V) product PyTorch used to build")
+    sources = [Source("v", layout, node=consumer, index=1 - weights_side[0])]
+    scores = softmax.next_functions[0][0]
+    if scores is not None and len(scores.next_functions) >= 2:
+        n = len(scores.next_functions)
+        q_node = scores.next_functions[n - 2][0]
+        if q_node is not None and re.match(r"^(Mul|Div)Backward\d*$", q_node.name()):
+            sources.append(Source("q", layout, node=q_node, index=0))  # the gradient of Q before its scaling
+        else:
+            sources.append(Source("q", layout, node=scores, index=n - 2))
+        sources.append(Source("k", layout, node=scores, index=n - 1))  # of K transposed: the same numbers
+    return Core(kernel, sources=sorted(sources, key=lambda s: "qkv".index(s.part)))
+
+
+def sdpa_core(out: Any, q: Any, k: Any, v: Any) -> Core:
+    """The backward core of an SDPA call; routes from the fused node, else from the q/k/v tensors."""
+    core = find_core(out, (q, k, v))
+    if core.kernel is not None and not core.sources:
+        core.sources, core.route_reason = tensor_sources(q, k, v)
+    return core
+
+
+def tensor_sources(q: Any, k: Any, v: Any) -> tuple[list[Source], str | None]:
+    """Routes read from the gradients of the very ``q``, ``k``, ``v`` tensors a call received."""
+    tensors = {"q": q, "k": k, "v": v}
+    if q is k or k is v or q is v:
+        return [], "q, k and v are one tensor and the backward is not fused: their routes cannot be told apart"
+    sources = [
+        Source(part, "bhld", tensor=t)
+        for part, t in tensors.items()
+        if isinstance(t, torch.Tensor) and t.requires_grad and not t.is_nested
+    ]
+    return sources, None if sources else "none of q, k, v requires grad"
+
+
+def head_norms(grad: torch.Tensor, layout: Layout) -> torch.Tensor | None:
+    """Gradient norm per head (a 1-D tensor on the gradient's device), ``None`` when heads cannot be read."""
+    g = grad.detach()
+    if g.is_nested:
+        return None
+    if isinstance(layout, int):
+        if g.dim() < 1 or layout <= 0 or g.shape[0] % layout:
+            return None
+        return g.float().reshape(g.shape[0] // layout, layout, -1).square().sum(dim=(0, 2)).sqrt()
+    if g.dim() < 3:
+        return None
+    dims = [d for d in range(g.dim()) if d != g.dim() - 3]
+    return g.float().square().sum(dim=dims).sqrt()
+
+
+def register(core: Core, on_grad: Callable[[str, Layout, torch.Tensor], None]) -> None:
+    """Call ``on_grad(part, layout, grad)`` for each route of ``core`` when its gradient is computed."""
+    by_node: dict[int, tuple[Any, list[Source]]] = {}
+    for s in core.sources:
+        if s.tensor is not None:
+            s.tensor.register_hook(_tensor_hook(s.part, s.layout, on_grad))
+        elif s.node is not None:
+            by_node.setdefault(id(s.node), (s.node, []))[1].append(s)
+    for node, sources in by_node.values():
+        picks = [(s.part, s.layout, s.index) for s in sources]
+        node.register_hook(_node_hook(picks, on_grad))
+
+
+def _tensor_hook(part: str, layout: Layout, on_grad: Callable[[str, Layout, torch.Tensor], None]) -> Any:
+    def hook(grad: torch.Tensor) -> None:
+        on_grad(part, layout, grad)
+
+    return hook
+
+
+def _node_hook(picks: list[tuple[str, Layout, int]], on_grad: Callable[[str, Layout, torch.Tensor], None]) -> Any:
+    def hook(grad_inputs: Sequence[torch.Tensor | None], grad_outputs: Sequence[torch.Tensor | None]) -> None:
+        for part, layout, index in picks:
+            grad = grad_inputs[index] if index < len(grad_inputs) else None
+            if grad is not None:
+                on_grad(part, layout, grad)
+
+    return hook
