@@ -144,16 +144,14 @@ def _reaches(node: Any, target: Any, depth: int = 6) -> bool:
 def _chain(softmax: Any, consumer: Any, heads: int | None) -> Core:
     """``softmax(scores) @ V``: V's gradient from the matmul, Q's and K's from the scores' node."""
     kernel = f"{softmax.name()} + {consumer.name()}"
-    if heads is None:
-        return Core(kernel, route_reason="an explicit-softmax chain outside MultiheadAttention: heads are unknown")
-    layout: Layout = heads
+    layout: Layout = heads if heads is not None else 0  # 0: heads unknown, totals only
     c_edges = consumer.next_functions
     weights_side = [i for i, (child, _) in enumerate(c_edges) if child is not None and _reaches(child, softmax)]
     if len(c_edges) != 2 or len(weights_side) != 1:
         return Core(kernel, route_reason=f"{consumer.name()} is not the (weights, V) product PyTorch used to build")
     sources = [Source("v", layout, node=consumer, index=1 - weights_side[0])]
-    scores = softmax.next_functions[0][0]
-    if scores is not None and len(scores.next_functions) >= 2:
+    scores = _scores_product(softmax.next_functions[0][0])
+    if scores is not None:
         n = len(scores.next_functions)
         q_node = scores.next_functions[n - 2][0]
         if q_node is not None and re.match(r"^(Mul|Div)Backward\d*$", q_node.name()):
@@ -167,9 +165,24 @@ def _chain(softmax: Any, consumer: Any, heads: int | None) -> Core:
 def sdpa_core(out: Any, q: Any, k: Any, v: Any) -> Core:
     """The backward core of an SDPA call; routes from the fused node, else from the q/k/v tensors."""
     core = find_core(out, (q, k, v))
-    if core.kernel is not None and not core.sources:
+    if core.kernel is not None and not _FUSED.search(core.kernel):
+        # a decomposed SDPA scales q and k inside the chain: read the routes at the tensors it received
         core.sources, core.route_reason = tensor_sources(q, k, v)
     return core
+
+
+def _scores_product(node: Any) -> Any:
+    """The matmul that made the scores, below any reshaping or scaling of them."""
+    for _ in range(8):
+        if node is None:
+            return None
+        edges = [c for c, _ in node.next_functions if c is not None]
+        if len(node.next_functions) >= 2 and not _PASS_THROUGH.match(node.name()):
+            return node
+        if len(edges) != 1:
+            return None
+        node = edges[0]
+    return None
 
 
 def tensor_sources(q: Any, k: Any, v: Any) -> tuple[list[Source], str | None]:
