@@ -1,0 +1,284 @@
+"""Backward kernels and gradient routes per call, checked against PyTorch.
+
+Witnesses: the autograd graph of an un-instrumented run (for the backward
+node), and ``torch.autograd.grad`` on an independent re-computation of the
+same call on a copy of the model (for the gradients that reach Q, K, V).
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import math
+import weakref
+from collections import deque
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import qkvtrace
+from qkvtrace.validation import load_trace
+
+E, H, B, T = 16, 4, 3, 6
+D = E // H
+
+
+def _names(out: torch.Tensor) -> list[str]:
+    """Every node name of ``out``'s autograd graph, breadth first (the un-instrumented witness)."""
+    names, queue, seen = [], deque([out.grad_fn]), set()
+    while queue:
+        node = queue.popleft()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        names.append(node.name())
+        queue.extend(child for child, _ in node.next_functions)
+    return names
+
+
+def _core_of(out: torch.Tensor) -> str:
+    """The attention core of an un-instrumented graph, said as the tracer says it."""
+    names = _names(out)
+    fused = [n for n in names if "ScaledDotProduct" in n]
+    if fused:
+        return fused[0]
+    softmax = next(n for n in names if "Softmax" in n)
+    # the product with V is the first matmul met above the softmax, breadth first from the output
+    matmul = next(n for n in names if n.startswith(("Bmm", "Mm", "Matmul")))
+    return f"{softmax} + {matmul}"
+
+
+def _weights(seed: int = 0) -> torch.Tensor:
+    return torch.randn(B, T, E, generator=torch.Generator().manual_seed(seed))
+
+
+def _loss(out: torch.Tensor) -> torch.Tensor:
+    r = torch.randn(out.shape, generator=torch.Generator().manual_seed(7))
+    return (out * r).sum()
+
+
+def _per_head(g: torch.Tensor) -> list[float]:
+    """Norm per head of a ``[B, H, L, D]`` gradient."""
+    return g.square().sum(dim=(0, 2, 3)).sqrt().tolist()
+
+
+# -- references: the same call computed by hand, with Q, K, V as leaves ------------------
+
+
+def _mha_reference(m: nn.MultiheadAttention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
+    """d loss / d Q, K, V of one MHA call, on a copy, with explicit softmax attention."""
+    m = copy.deepcopy(m)
+    e = m.embed_dim
+    if m._qkv_same_embed_dim:
+        wq, wk, wv = m.in_proj_weight.chunk(3)
+    else:
+        wq, wk, wv = m.q_proj_weight, m.k_proj_weight, m.v_proj_weight
+    bq, bk, bv = m.in_proj_bias.chunk(3) if m.in_proj_bias is not None else (None, None, None)
+    if not m.batch_first:
+        query, key, value = (x.transpose(0, 1) for x in (query, key, value))
+
+    def heads(x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        return x.reshape(b, n, m.num_heads, e // m.num_heads).transpose(1, 2).detach().requires_grad_()
+
+    q, k, v = heads(F.linear(query, wq, bq)), heads(F.linear(key, wk, bk)), heads(F.linear(value, wv, bv))
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        scores = scores.masked_fill(mask, float("-inf"))
+    context = torch.softmax(scores, dim=-1) @ v
+    out = m.out_proj(context.transpose(1, 2).reshape(q.shape[0], q.shape[2], e))
+    if not m.batch_first:
+        out = out.transpose(0, 1)
+    gq, gk, gv = torch.autograd.grad(_loss(out), [q, k, v])
+    return {"q": gq, "k": gk, "v": gv}
+
+
+def _assert_routes(route: Any, ref: dict[str, torch.Tensor]) -> None:
+    for part in "qkv":
+        got, want = getattr(route, part), ref[part]
+        assert got is not None, part
+        assert got.norm == pytest.approx(want.norm().item(), rel=1e-4, abs=1e-6), part
+        assert got.per_head == pytest.approx(_per_head(want), rel=1e-4, abs=1e-6), part
+    shares = [getattr(route, p).share for p in "qkv"]
+    assert sum(shares) == pytest.approx(1.0)
+
+
+# -- backward_kernel ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_mha_backward_kernel_is_the_node_an_uninstrumented_run_builds(need_weights: bool) -> None:
+    torch.manual_seed(0)
+    m = nn.MultiheadAttention(E, H, batch_first=True)
+    x = _weights()
+    witness, _ = m(x, x, x, need_weights=need_weights)
+    with qkvtrace.trace(m) as t:
+        _out, _ = m(x, x, x, need_weights=need_weights)
+    (call,) = t.calls
+    assert call.path == "fallback"
+    assert call.backward_kernel == _core_of(witness)
+    assert call.backward_reason is None
+    if need_weights:
+        assert "Softmax" in call.backward_kernel and " + " in call.backward_kernel
+    else:
+        assert call.backward_kernel == next(n for n in _names(witness) if "ScaledDotProduct" in n)
+
+
+@pytest.mark.parametrize("backend", [SDPBackend.MATH, SDPBackend.FLASH_ATTENTION])
+def test_sdpa_backward_kernel_per_forced_backend(backend: SDPBackend) -> None:
+    model = _SeparateProjections()
+    x = _weights()
+    with sdpa_kernel(backend):
+        witness = model(x)
+        with qkvtrace.trace(model) as t:
+            model(x)
+    (call,) = t.calls
+    assert call.sdpa_backend == backend.name
+    assert call.backward_kernel == _core_of(witness)
+    assert ("ScaledDotProductFlash" in call.backward_kernel) == (backend == SDPBackend.FLASH_ATTENTION)
+
+
+def test_no_graph_says_why() -> None:
+    m = nn.MultiheadAttention(E, H, batch_first=True).eval()
+    layer = nn.TransformerEncoderLayer(E, H, 32, batch_first=True).eval()
+    x = _weights()
+    with qkvtrace.trace(m) as t, torch.no_grad():
+        m(x, x, x)
+    (call,) = t.calls
+    assert call.path == "fast"
+    assert call.backward_kernel is None and "grad is disabled" in call.backward_reason
+    with qkvtrace.trace(layer) as t, torch.inference_mode():
+        layer(x)
+    (call,) = t.calls
+    assert call.path == "fused_encoder_layer"
+    assert call.backward_kernel is None and "inference mode" in call.backward_reason
+    with qkvtrace.trace(m) as t:  # grad on, but nothing requires grad
+        m.requires_grad_(False)
+        m.train()(x, x, x)
+    assert "no grad_fn" in t.calls[0].backward_reason
+
+
+# -- routes ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_mha_routes_equal_autograd_grad_on_a_copy(need_weights: bool) -> None:
+    torch.manual_seed(1)
+    m = nn.MultiheadAttention(E, H, batch_first=True)
+    x = _weights(1)
+    ref = _mha_reference(m, x, x, x)
+    with qkvtrace.trace(m) as t:
+        out, _ = m(x, x, x, need_weights=need_weights)
+        _loss(out).backward()
+    (route,) = t.routes
+    assert (route.call, route.module, route.backward_index) == (0, "", 0)
+    _assert_routes(route, ref)
+    # at initialisation the Q/K route carries far less than the V route (seed section 11)
+    assert route.v.share > route.q.share and route.v.share > route.k.share
+
+
+def test_mha_with_separate_kdim_vdim_and_a_padding_mask() -> None:
+    torch.manual_seed(2)
+    m = nn.MultiheadAttention(E, H, kdim=10, vdim=12)  # sequence first, q/k/v_proj_weight separate
+    query = torch.randn(T, B, E)
+    key, value = torch.randn(T + 2, B, 10), torch.randn(T + 2, B, 12)
+    pad = torch.zeros(B, T + 2, dtype=torch.bool)
+    pad[:, -2:] = True
+    ref = _mha_reference(m, query, key, value, mask=pad[:, None, None, :])
+    with qkvtrace.trace(m) as t:
+        out, _ = m(query, key, value, key_padding_mask=pad, need_weights=False)
+        _loss(out).backward()
+    assert t.calls[0].qkv.layout == "separate"
+    _assert_routes(t.routes[0], ref)
+
+
+class _SeparateProjections(nn.Module):
+    """A direct SDPA caller with q_proj / k_proj / v_proj, as HuggingFace models are written."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(E, E) for _ in range(4))
+
+    def split(self, x: torch.Tensor) -> torch.Tensor:
+        return x.view(x.shape[0], x.shape[1], H, D).transpose(1, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.split(self.q_proj(x)), self.split(self.k_proj(x)), self.split(self.v_proj(x))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(out.transpose(1, 2).reshape(x.shape))
+
+
+def _separate_reference(model: _SeparateProjections, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    model = copy.deepcopy(model)
+    q, k, v = (model.split(p(x)).detach().requires_grad_() for p in (model.q_proj, model.k_proj, model.v_proj))
+    scores = (q @ k.transpose(-2, -1) / math.sqrt(D)).masked_fill(torch.ones(T, T).triu(1).bool(), float("-inf"))
+    out = model.o_proj((torch.softmax(scores, -1) @ v).transpose(1, 2).reshape(x.shape))
+    gq, gk, gv = torch.autograd.grad(_loss(out), [q, k, v])
+    return {"q": gq, "k": gk, "v": gv}
+
+
+@pytest.mark.parametrize("backend", [SDPBackend.MATH, SDPBackend.FLASH_ATTENTION])
+def test_direct_sdpa_routes_equal_autograd_grad(backend: SDPBackend) -> None:
+    model = _SeparateProjections()
+    x = _weights(2)
+    ref = _separate_reference(model, x)
+    with sdpa_kernel(backend), qkvtrace.trace(model) as t:
+        _loss(model(x)).backward()
+    (route,) = t.routes
+    _assert_routes(route, ref)
+    assert t.calls[0].route_reason is None
+
+
+def test_one_entry_per_forward_call_with_shared_weights_and_accumulation() -> None:
+    model = _SeparateProjections()
+    a, b = _weights(3), _weights(4)
+    ref_a, ref_b = _separate_reference(model, a), _separate_reference(model, b)
+    with qkvtrace.trace(model) as t:
+        _loss(model(a)).backward()  # micro-batch 1
+        _loss(model(b)).backward()  # micro-batch 2, gradients accumulate
+        two = _loss(model(a)) + _loss(model(b))  # the same module twice, one backward
+        two.backward()
+    assert [(r.call, r.backward_index) for r in t.routes] == [(0, 0), (1, 1), (2, 2), (3, 2)]
+    for route, ref in zip(t.routes, [ref_a, ref_b, ref_a, ref_b], strict=True):
+        _assert_routes(route, ref)
+    # the slice records hold the accumulated .grad, and each pass's own part
+    q_grad = model.q_proj.weight.grad
+    assert t.gradients[-1].q.grad_norm == pytest.approx(q_grad.norm().item(), rel=1e-5)
+    assert sum(getattr(t.gradients[-1], p).pass_share for p in "qkv") == pytest.approx(1.0)
+
+
+def test_routes_keep_no_activation_alive() -> None:
+    model = _SeparateProjections()
+    x = _weights(5)
+    kept: list[weakref.ref[torch.Tensor]] = []
+    handle = model.q_proj.register_forward_hook(lambda _m, _i, out: kept.append(weakref.ref(out)))
+    try:
+        with qkvtrace.trace(model) as t:
+            loss = _loss(model(x))
+            loss.backward()
+            del loss
+            gc.collect()
+            assert kept[0]() is None  # Q's activation is gone while the trace is still open
+    finally:
+        handle.remove()
+    assert len(t.routes) == 1
+
+
+def test_routes_off_records_none_and_json_round_trips(tmp_path: Any) -> None:
+    model = _SeparateProjections()
+    x = _weights(6)
+    with qkvtrace.trace(model, routes=False) as t:
+        _loss(model(x)).backward()
+    assert t.routes == [] and t.calls[0].backward_kernel is not None
+    with qkvtrace.trace(model) as t:
+        _loss(model(x)).backward()
+    path = t.save(tmp_path / "t.json")
+    back = load_trace(path)  # validated against the qkvtrace.trace/1 schema, then read
+    assert back.routes == t.routes
+    assert back.calls[0].backward_kernel == t.calls[0].backward_kernel
