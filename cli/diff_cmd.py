@@ -136,8 +136,10 @@ def collect_in(python: Path, env_extra: dict[str, str] | None = None) -> dict[st
                         ignore=shutil.ignore_patterns("__pycache__", "cli"))  # fmt: skip
         env = {**os.environ, **(env_extra or {})}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (shipped, (env_extra or {}).get("PYTHONPATH", "")) if p)
+        # run in the shipped folder: `-m` puts the working directory first on sys.path, which would
+        # otherwise import a checkout's qkvtrace instead of the copy shipped above
         proc = subprocess.run([exe, "-W", "ignore", "-m", "qkvtrace.report"], capture_output=True, text=True,
-                              env=env, timeout=1800)  # fmt: skip
+                              env=env, cwd=shipped, timeout=1800)  # fmt: skip
     if proc.returncode != 0:
         raise QkvtraceError(
             f"the collector crashed under {python} (exit {proc.returncode}); its last lines:\n{_tail(proc.stderr)}"

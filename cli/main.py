@@ -41,6 +41,7 @@ examples:
   qkvtrace probe                                   # mask semantics, NaN rows, backends
   qkvtrace check demo:tiny-lm --causal             # leakage by perturbation
   qkvtrace diff reports/torch-A reports/torch-B    # what changed between versions
+  qkvtrace history reports/                        # which release changed what, 2.0 onwards
   qkvtrace validate reports/*/report.json t.json   # check saved JSON against its schema
   qkvtrace merge traces/ --json merged.json        # per-rank traces of a torchrun job; ranks that disagree
 
@@ -57,7 +58,16 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from qkvtrace.cli import check_cmd, diff_cmd, inspect_cmd, merge_cmd, probe_cmd, trace_cmd, validate_cmd
+    from qkvtrace.cli import (
+        check_cmd,
+        diff_cmd,
+        history_cmd,
+        inspect_cmd,
+        merge_cmd,
+        probe_cmd,
+        trace_cmd,
+        validate_cmd,
+    )
 
     parser = _Parser(
         prog="qkvtrace",
@@ -74,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     probe_cmd.register(sub)
     check_cmd.register(sub)
     diff_cmd.register(sub)
+    history_cmd.register(sub)
     validate_cmd.register(sub)
     merge_cmd.register(sub)
     for command in sub.choices.values():  # `qkvtrace trace X --debug` works too

@@ -54,6 +54,22 @@ def _backends() -> list[str]:
     return [n for n in compat.sdp_backend_names().values() if n != "ERROR"]
 
 
+def _check_forced(backend: str | None, *args: Any, **kwargs: Any) -> None:
+    """Raise when forcing ``backend`` did not make PyTorch select it for these arguments.
+
+    Releases before ``torch.nn.attention`` force backends with switches that
+    some devices ignore (on CPU, 2.0 runs MATH whichever switch is on); a
+    result recorded under a backend that did not run would be a false label.
+    """
+    if backend is None:
+        return
+    from qkvtrace.paths import sdpa_backend
+
+    selected = sdpa_backend(*args, **kwargs)
+    if selected is not None and selected != backend:
+        raise compat.MissingCapability(f"{backend} was forced, but this PyTorch selected {selected} here")
+
+
 def _round(t: torch.Tensor) -> list[Any]:
     return [[None if math.isnan(x) else round(x, 4) for x in row] for row in t.detach().double().tolist()]
 
@@ -168,6 +184,7 @@ def _sdpa_fully_masked(backend: str | None, kind: str, dtype: torch.dtype) -> di
         mask = torch.zeros(3, 3, dtype=dtype).masked_fill(~attend, float("-inf"))
     with compat.forced_backend(backend):
         out = compat.raw_sdpa()(q, k, v, attn_mask=mask)
+        _check_forced(backend, q, k, v, mask)
     result, values = _result_kind(out[:, :, 0])
     out.float().nan_to_num(0.0).sum().backward()
     finite = all(bool(torch.isfinite(t.grad).all()) for t in (q, k, v) if t.grad is not None)
@@ -266,6 +283,7 @@ def agreement() -> dict[str, Any]:
             try:
                 with compat.forced_backend(backend), torch.no_grad():
                     out = compat.raw_sdpa()(q.to(dtype), k.to(dtype), v.to(dtype))
+                    _check_forced(backend, q.to(dtype), k.to(dtype), v.to(dtype))
                 record["max_abs_diff"] = _sig(float((out.double() - ref).abs().max()))
             except RuntimeError as exc:
                 record["max_abs_diff"] = None

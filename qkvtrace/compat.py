@@ -14,6 +14,8 @@ from typing import Any
 import torch
 
 __all__ = [
+    "MissingCapability",
+    "backend_forcing_api",
     "forced_backend",
     "fused_sdp_choice",
     "is_compiling",
@@ -54,13 +56,60 @@ def raw_sdpa() -> Callable[..., torch.Tensor]:
     return torch._C._nn.scaled_dot_product_attention  # type: ignore[no-any-return]
 
 
+class MissingCapability(RuntimeError):
+    """This PyTorch lacks what was asked for; the message names the missing API.
+
+    A ``RuntimeError``, like the one PyTorch raises for a backend it cannot
+    run, so a probe that forces a backend records it the same way.
+    """
+
+
+#: ``SDPBackend`` names and the ``torch.backends.cuda.sdp_kernel`` switch of each (the older API).
+_SDP_KERNEL_FLAGS = {
+    "FLASH_ATTENTION": "enable_flash",
+    "EFFICIENT_ATTENTION": "enable_mem_efficient",
+    "MATH": "enable_math",
+    "CUDNN_ATTENTION": "enable_cudnn",
+}
+
+
+def backend_forcing_api() -> str | None:
+    """The dotted name of the API :func:`forced_backend` uses here, ``None`` if there is none."""
+    if callable(getattr(getattr(torch.nn, "attention", None), "sdpa_kernel", None)):
+        return "torch.nn.attention.sdpa_kernel"
+    if callable(getattr(torch.backends.cuda, "sdp_kernel", None)):
+        return "torch.backends.cuda.sdp_kernel"
+    return None
+
+
 @contextlib.contextmanager
 def forced_backend(name: str | None) -> Iterator[None]:
-    """``sdpa_kernel`` with the backend of that ``SDPBackend`` name (no-op for ``None``)."""
+    """Only the SDPA backend of that ``SDPBackend`` name enabled (no-op for ``None``).
+
+    Uses ``torch.nn.attention.sdpa_kernel`` where it exists, else the older
+    ``torch.backends.cuda.sdp_kernel`` switches (releases before it);
+    raises :class:`MissingCapability` when neither can force ``name``.
+    """
     if name is None:
         yield
         return
-    with torch.nn.attention.sdpa_kernel(_sdp_backend_enum().__members__[name]):
+    api = backend_forcing_api()
+    enum = _sdp_backend_enum()
+    if api is None or enum is None or name not in enum.__members__:
+        raise MissingCapability(f"this PyTorch cannot force the SDPA backend {name} (no sdpa_kernel API knows it)")
+    if api == "torch.nn.attention.sdpa_kernel":
+        with torch.nn.attention.sdpa_kernel(enum.__members__[name]):
+            yield
+        return
+    sdp_kernel = torch.backends.cuda.sdp_kernel
+    try:
+        switches = set(inspect.signature(sdp_kernel).parameters)
+    except (TypeError, ValueError):  # no signature to read: no way to know its switches
+        switches = set()
+    if _SDP_KERNEL_FLAGS.get(name) not in switches:
+        raise MissingCapability(f"torch.backends.cuda.sdp_kernel has no switch for the SDPA backend {name}")
+    only = {flag: flag == _SDP_KERNEL_FLAGS[name] for flag in _SDP_KERNEL_FLAGS.values() if flag in switches}
+    with sdp_kernel(**only):
         yield
 
 

@@ -1,0 +1,150 @@
+"""``qkvtrace history``: reports from many PyTorch releases, and the timeline they tell."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from qkvtrace.cli._common import check_output_file
+from qkvtrace.errors import InputError, QkvtraceError
+
+__all__ = ["register", "run"]
+
+_HELP = """\
+The history of PyTorch attention, release by release.
+
+Collect: with --python, run the report collector under each interpreter (one
+virtual environment per PyTorch release; the collector is shipped to it on
+PYTHONPATH, so it needs only torch) and write OUT/torch-<version>/ for each,
+the same report.json/report.md/callgraph.svg as `qkvtrace inspect`. A
+release that lacks an API qkvtrace uses says so in its report ("missing").
+
+Timeline: from the reports in OUT (or the folders given), written without
+PyTorch: for each attention-path function the releases where its source
+changed (and whether only its docstring did); for each fast-path condition
+the release that added, reworded or removed it, with its text; for each
+behaviour probe the release where its result changed; the releases where the
+call graph gained or lost edges. Written as OUT/HISTORY.md, OUT/history.json
+(qkvtrace.history/1) and OUT/history.png, a release x item chart (needs the
+optional extra: pip install "qkvtrace[plot]").
+
+benchmarks/collect_history.sh makes, collects and removes one environment
+per release (every minor release from 2.0).
+"""
+
+_EPILOG = """\
+examples:
+  qkvtrace history reports/                          # timeline of the reports there
+  qkvtrace history --python /tmp/t20/bin/python --python /tmp/t21/bin/python --out reports/
+  qkvtrace history reports/ --json h.json --md h.md --chart h.png
+  benchmarks/collect_history.sh 2.0.1 2.1.2          # one venv per release, made and removed
+"""
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("history", help="collect reports of many releases; the timeline of what changed when",
+                       description=_HELP, epilog=_EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("reports", nargs="*", metavar="REPORTS", type=Path,
+                   help="a folder of torch-<version>/ reports, or report folders/report.json files")  # fmt: skip
+    p.add_argument("--python", action="append", metavar="PY", type=Path, default=[],
+                   help="an interpreter with torch installed: collect its report into --out (repeatable)")  # fmt: skip
+    p.add_argument("--out", metavar="DIR", type=Path,
+                   help="where reports and the timeline go (default: REPORTS if one folder, else reports)")  # fmt: skip
+    p.add_argument("--json", metavar="FILE", type=Path, help="the qkvtrace.history/1 JSON (default OUT/history.json)")
+    p.add_argument("--md", metavar="FILE", type=Path, help="the timeline as Markdown (default OUT/HISTORY.md)")
+    p.add_argument("--chart", metavar="FILE", type=Path, help="the release x item chart (default OUT/history.png)")
+    p.add_argument("--no-chart", action="store_true", help="do not draw the chart")
+    p.add_argument("--no-timeline", action="store_true", help="with --python: only collect the reports")
+    p.set_defaults(run=run)
+
+
+def _out(args: argparse.Namespace) -> Path:
+    if args.out is not None:
+        return Path(args.out)
+    if len(args.reports) == 1 and args.reports[0].is_dir() and not (args.reports[0] / "report.json").is_file():
+        return Path(args.reports[0])
+    return Path("reports")
+
+
+def _collect(pythons: list[Path], out: Path, console: Console) -> None:
+    from qkvtrace.cli.diff_cmd import collect_in
+    from qkvtrace.cli.inspect_cmd import picture_note, prepare_out, write_report_dir
+
+    prepare_out(out)
+    err = Console(stderr=True, highlight=False)  # progress on stderr, never mixed into what stdout carries
+    for n, python in enumerate(pythons, 1):
+        with err.status(f"collecting under {python} ({n} of {len(pythons)})", spinner="dots"):
+            report = collect_in(python)
+        written = write_report_dir(report, out)
+        missing = ", ".join(m["name"] for m in report.get("missing", []))
+        console.print(f"torch {report['environment']['torch_version']} ← {python}: wrote {written.folder}/"
+                      + (" (replaced)" if written.replaced else "")
+                      + (f"; this release lacks {missing}" if missing else ""))  # fmt: skip
+        note = picture_note(written)
+        if note:
+            console.print(note)
+
+
+def _summary(history: dict[str, Any]) -> Table:
+    from qkvtrace.history import headline_rows
+
+    table = Table(title=f"qkvtrace history — torch {history['releases'][0]} … {history['releases'][-1]}")
+    table.add_column("release", style="bold")
+    table.add_column("what changed")
+    for release, text in headline_rows(history):
+        table.add_row(release, text)
+    return table
+
+
+def run(args: argparse.Namespace, console: Console) -> int:
+    out = _out(args)
+    if args.python:
+        _collect(args.python, out, console)
+        if args.no_timeline:
+            return 0
+    elif not args.reports:
+        raise InputError("give a folder of reports (e.g. reports/) or --python interpreters to collect from")
+    from qkvtrace.history import build_history, find_reports
+    from qkvtrace.records import atomic_write_text
+    from qkvtrace.render.history_render import history_markdown
+
+    sources = list(args.reports) or [out]
+    json_path = args.json or out / "history.json"
+    md_path = args.md or out / "HISTORY.md"
+    chart_path = None if args.no_chart else (args.chart or out / "history.png")
+    for path, flag in ((json_path, "--json"), (md_path, "--md"), (chart_path, "--chart")):
+        if path is not None:
+            if not path.parent.exists() and path.parent == out:
+                out.mkdir(parents=True, exist_ok=True)
+            check_output_file(path, flag)
+
+    reports = find_reports(sources)
+    history = build_history(reports)
+    chart_note = None
+    chart_name = None
+    if chart_path is not None:
+        try:
+            from qkvtrace.render.history_render import draw_history_chart
+        except ImportError as exc:
+            raise QkvtraceError(str(exc)) from None
+        try:
+            draw_history_chart(history, chart_path)
+            chart_name = chart_path.name if chart_path.parent == md_path.parent else str(chart_path)
+        except ImportError as exc:  # matplotlib missing: the timeline is still written
+            if args.chart is not None:
+                raise QkvtraceError(str(exc)) from None
+            chart_note = str(exc)
+    atomic_write_text(json_path, json.dumps(history, indent=1, sort_keys=True, ensure_ascii=False) + "\n")
+    atomic_write_text(md_path, history_markdown(history, chart_name=chart_name))
+    console.print(_summary(history))
+    console.print(f"wrote {md_path}, {json_path}" + (f", {chart_path}" if chart_name else ""))
+    if chart_note:
+        console.print(f"[yellow]note:[/] no chart: {escape(chart_note)}")
+    return 0
