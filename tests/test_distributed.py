@@ -1,0 +1,319 @@
+"""Tracing under ``torch.distributed``: a real two-process job on the CPU.
+
+The test launches this file under ``torchrun`` (2 processes, gloo backend,
+rendezvous and collectives on 127.0.0.1 only, every step under a timeout);
+each rank runs :func:`worker`, which traces a ``DistributedDataParallel``
+model (and, where the installed PyTorch has it, a ``fully_shard`` one),
+measures the reduced ``.grad`` itself, and writes what it saw as JSON. The
+tests then read those files: module names as in the unwrapped model, each
+record's ``rank`` and ``world_size``, gradient records equal to the slices
+of the reduced ``.grad`` on every rank, and ``qkvtrace merge`` on the
+per-rank traces — agreeing ranks, and a rank left in training mode.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+WORLD = 2
+E = 16  # embed dim of every attention module here
+LAUNCH_TIMEOUT_S = 240  # the whole job, start to end
+COLLECTIVE_TIMEOUT_S = 60  # any one collective (a hung rank fails the job instead of waiting forever)
+
+pytestmark = pytest.mark.skipif(
+    not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+    reason="this PyTorch has no torch.distributed with the gloo backend",
+)
+
+
+# -- the model each rank trains ---------------------------------------------------------------
+
+
+class PackedSelfAttention(nn.Module):
+    """A user's own attention: one packed ``Linear(E, 3E)``, then ``F.scaled_dot_product_attention``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(E, 3 * E)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, 2, E // 2).permute(2, 0, 3, 1, 4)  # [B,H,T,Dh] each
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return y.transpose(1, 2).reshape(b, t, E)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.ModuleDict({"attn": nn.MultiheadAttention(E, 2, batch_first=True)})
+        self.block = PackedSelfAttention()
+        self.head = nn.Linear(E, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y, _ = self.encoder["attn"](x, x, x, need_weights=False)
+        return self.head(self.block(y))
+
+
+#: where the Q/K/V rows live in each attention module's packed weight (and bias)
+PACKED = {"encoder.attn": ("in_proj_weight", "in_proj_bias"), "block": ("qkv.weight", "qkv.bias")}
+
+
+def _net() -> Net:
+    torch.manual_seed(0)  # the same initial weights on every rank (DDP would broadcast rank 0's anyway)
+    return Net()
+
+
+def _batch(rank: int) -> torch.Tensor:
+    return torch.randn(2, 5, E, generator=torch.Generator().manual_seed(100 + rank))  # each rank its own data
+
+
+def _slice_norms(model: nn.Module, full: bool = False) -> dict[str, dict[str, dict[str, float]]]:
+    """Norms of the Q/K/V rows of each packed weight's and bias's ``.grad``, measured here, by hand."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for module, (weight, bias) in PACKED.items():
+        owner = model.get_submodule(module)
+        w, b = owner.get_parameter(weight).grad, owner.get_parameter(bias).grad
+        if full:  # a sharded DTensor: gather the whole gradient
+            w, b = w.full_tensor(), b.full_tensor()  # type: ignore[union-attr]
+        assert w is not None and b is not None
+        out[module] = {
+            part: {
+                "grad_norm": float(w[i * E : (i + 1) * E].norm()),
+                "bias_grad_norm": float(b[i * E : (i + 1) * E].norm()),
+            }
+            for i, part in enumerate("qkv")
+        }
+    return out
+
+
+def _recorded(t: Any) -> dict[str, Any]:
+    data: dict[str, Any] = t.to_dict()
+    return data
+
+
+def worker(out: Path) -> None:
+    """One rank of the job (run by torchrun): trace, measure, write ``out/rank{R}.json`` and per-rank traces."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    import qkvtrace
+    from qkvtrace.distributed import save_per_rank
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    rank = dist.get_rank()
+    found: dict[str, Any] = {"rank": rank, "world_size": dist.get_world_size()}
+    x = _batch(rank)
+
+    # what this rank's gradient is before any reduction: the same step without DDP
+    local = _net().train()
+    local(x).sum().backward()
+    found["local"] = _slice_norms(local)
+
+    # 1. DDP, training step: names, rank fields, gradients after the all-reduce
+    model = _net().train()
+    ddp = DistributedDataParallel(model)
+    with qkvtrace.trace(ddp) as t:
+        ddp(x).sum().backward()
+    found["ddp"] = {"trace": _recorded(t), "reduced": _slice_norms(model)}
+    save_per_rank(t, out / "ddp")
+
+    # 2. inference where one rank forgot model.eval(): it falls off the fast path
+    model.train(rank == 1)
+    with torch.no_grad(), qkvtrace.trace(ddp) as t2:
+        ddp(x)
+    save_per_rank(t2, out / "split")
+
+    # 3. fully_shard (FSDP2), where this PyTorch has it
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError as exc:
+        found["fsdp"] = {"unsupported": f"torch.distributed.fsdp.fully_shard cannot be imported: {exc}"}
+    else:
+        sharded = _net().train()
+        try:
+            fully_shard(sharded.encoder["attn"])
+            fully_shard(sharded.block)
+            fully_shard(sharded)
+        except (RuntimeError, ValueError, NotImplementedError) as exc:  # e.g. no CPU support in this version
+            found["fsdp"] = {"unsupported": f"fully_shard on CPU with gloo failed: {type(exc).__name__}: {exc}"}
+        else:
+            try:
+                with qkvtrace.trace(sharded) as t3:
+                    sharded(x).sum().backward()
+            except Exception as exc:  # the tracer's failure is the finding: reported by the tests, not a hung job
+                found["fsdp"] = {"error": f"{type(exc).__name__}: {exc}"}
+            else:
+                found["fsdp"] = {"trace": _recorded(t3), "reduced": _slice_norms(sharded, full=True)}
+
+    dist.barrier()
+    (out / f"rank{rank}.json").write_text(json.dumps(found, indent=1, sort_keys=True))
+    dist.destroy_process_group()
+
+
+# -- the launch --------------------------------------------------------------------------------
+
+
+def _free_loopback_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
+    """Run the two-rank job once for this module; what each rank wrote, by rank."""
+    out = tmp_path_factory.mktemp("job")
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "GLOO_SOCKET_IFNAME": "lo",  # gloo's own connections stay on the loopback interface
+        "PYTHONWARNINGS": "ignore",
+    }
+    command = [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nnodes", "1", "--nproc-per-node", str(WORLD),
+        "--master-addr", "127.0.0.1", "--master-port", str(_free_loopback_port()),
+        "--max-restarts", "0",
+        __file__, str(out),
+    ]  # fmt: skip
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=LAUNCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"the {WORLD}-rank job did not finish in {LAUNCH_TIMEOUT_S} s: {str(exc.stderr)[-3000:]}")
+    assert proc.returncode == 0, f"the {WORLD}-rank job failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    found = {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)}
+    for r in range(WORLD):
+        found[r]["out"] = str(out)
+    return found
+
+
+# -- what the ranks saw --------------------------------------------------------------------------
+
+
+def _records(trace: dict[str, Any]) -> list[dict[str, Any]]:
+    return [*trace["calls"], *trace["gradients"]]
+
+
+def test_ddp_names_as_in_the_unwrapped_model(job: dict[int, dict[str, Any]]) -> None:
+    expected = sorted(PACKED)  # the attention modules of Net, named as in Net itself
+    for rank, found in job.items():
+        trace = found["ddp"]["trace"]
+        assert sorted(c["module"] for c in trace["calls"]) == expected, rank
+        assert sorted(g["module"] for g in trace["gradients"]) == expected, rank
+        assert not any(r["module"].startswith("module") for r in _records(trace)), rank
+
+
+def test_ddp_records_carry_rank_and_world_size(job: dict[int, dict[str, Any]]) -> None:
+    for rank, found in job.items():
+        assert (found["rank"], found["world_size"]) == (rank, WORLD)
+        records = _records(found["ddp"]["trace"])
+        assert records, rank
+        assert {(r.get("rank"), r.get("world_size")) for r in records} == {(rank, WORLD)}
+
+
+def _grads(trace: dict[str, Any]) -> dict[str, dict[str, dict[str, float]]]:
+    return {
+        g["module"]: {p: {"grad_norm": g[p]["grad_norm"], "bias_grad_norm": g[p]["bias_grad_norm"]} for p in "qkv"}
+        for g in trace["gradients"]
+    }
+
+
+def _flat(norms: dict[str, dict[str, dict[str, float]]]) -> dict[str, float]:
+    """``{"block.q.grad_norm": 0.12, ...}``: one number per module, slice and weight/bias."""
+    return {f"{m}.{p}.{k}": v for m, parts in norms.items() for p, keys in parts.items() for k, v in keys.items()}
+
+
+def _same(a: dict[str, float], b: dict[str, float]) -> bool:
+    # the K bias gradient is zero in exact arithmetic (softmax ignores a shift of every score): ~1e-8 noise
+    return a.keys() == b.keys() and a == pytest.approx(b, rel=1e-5, abs=1e-6)
+
+
+def test_ddp_gradients_are_the_reduced_ones_on_every_rank(job: dict[int, dict[str, Any]]) -> None:
+    for rank, found in job.items():
+        recorded, reduced = _flat(_grads(found["ddp"]["trace"])), _flat(found["ddp"]["reduced"])
+        assert _same(recorded, reduced), (rank, recorded, reduced)
+    # the reduction made every rank's gradient the same, from different local ones
+    assert _same(_flat(job[0]["ddp"]["reduced"]), _flat(job[1]["ddp"]["reduced"]))
+    local0, local1 = job[0]["local"]["block"]["q"]["grad_norm"], job[1]["local"]["block"]["q"]["grad_norm"]
+    assert local0 != pytest.approx(local1, rel=1e-3), "the ranks' data were meant to differ"
+    # so a record read before the all-reduce (the local gradient) would not have matched
+    recorded0 = _grads(job[0]["ddp"]["trace"])["block"]["q"]["grad_norm"]
+    assert recorded0 != pytest.approx(local0, rel=1e-3)
+
+
+def _merge(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "COLUMNS": "200", "PYTHONWARNINGS": "ignore"}
+    return subprocess.run([sys.executable, "-m", "qkvtrace", "merge", *args], capture_output=True, text=True,
+                          env=env, timeout=120)  # fmt: skip
+
+
+def test_per_rank_files_merge_when_ranks_agree(job: dict[int, dict[str, Any]], tmp_path: Path) -> None:
+    folder = Path(job[0]["out"]) / "ddp"
+    assert sorted(p.name for p in folder.iterdir()) == ["trace.rank0.json", "trace.rank1.json"]
+    proc = _merge(str(folder), "--json", str(tmp_path / "merged.json"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"2 ranks (0-1) of world size {WORLD}" in proc.stdout
+    assert "every rank made the same calls the same way" in proc.stdout
+    merged = json.loads((tmp_path / "merged.json").read_text())
+    assert merged["world_size"] == WORLD and merged["missing_ranks"] == [] and merged["agree"] is True
+    assert [c["module"] for c in merged["calls"]] == ["encoder.attn", "block"]
+
+
+def test_merge_flags_the_rank_that_fell_off_the_fast_path(job: dict[int, dict[str, Any]], tmp_path: Path) -> None:
+    folder = Path(job[0]["out"]) / "split"
+    traces = {r: json.loads((folder / f"trace.rank{r}.json").read_text()) for r in range(WORLD)}
+    mha = {r: next(c for c in t["calls"] if c["module"] == "encoder.attn") for r, t in traces.items()}
+    assert mha[0]["path"] != mha[1]["path"], "rank 1 was left in training mode and should have left the fast path"
+    proc = _merge(str(folder / "trace.rank0.json"), str(folder / "trace.rank1.json"), "--json",
+                  str(tmp_path / "merged.json"))  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"rank 0: {mha[0]['path']}" in proc.stdout and f"rank 1: {mha[1]['path']}" in proc.stdout
+    assert f"rank 1: {mha[1]['why_not_fast_path']}" in proc.stdout  # PyTorch's reason, as rank 1 recorded it
+    merged = json.loads((tmp_path / "merged.json").read_text())
+    flagged = {(d["module"], d["field"]) for d in merged["disagreements"]}
+    assert ("encoder.attn", "path") in flagged and ("encoder.attn", "why_not_fast_path") in flagged
+
+
+def _fsdp(job: dict[int, dict[str, Any]]) -> None:
+    reasons = {found["fsdp"].get("unsupported") for found in job.values()} - {None}
+    if reasons:  # PyTorch cannot do it here: nothing to test
+        pytest.skip(f"fully_shard is not usable here: {sorted(reasons)[0]}")
+    errors = {f"rank {r}: {found['fsdp']['error']}" for r, found in job.items() if "error" in found["fsdp"]}
+    if errors:  # PyTorch can, the trace cannot yet: a known gap, named with the tracer's own error
+        pytest.xfail("tracing a fully_shard model raises: " + "; ".join(sorted(errors)))
+
+
+def test_fully_shard_names_and_ranks(job: dict[int, dict[str, Any]]) -> None:
+    _fsdp(job)
+    for rank, found in job.items():
+        trace = found["fsdp"]["trace"]
+        assert sorted(c["module"] for c in trace["calls"]) == sorted(PACKED), rank
+        assert {(r.get("rank"), r.get("world_size")) for r in _records(trace)} == {(rank, WORLD)}
+
+
+def test_fully_shard_gradients_are_slices_of_the_reduced_grad(job: dict[int, dict[str, Any]]) -> None:
+    _fsdp(job)
+    for rank, found in job.items():
+        recorded, reduced = _flat(_grads(found["fsdp"]["trace"])), _flat(found["fsdp"]["reduced"])
+        assert _same(recorded, reduced), (rank, recorded, reduced)
+    # fully_shard averages like DDP: the whole gradient is DDP's, on every rank
+    assert _same(_flat(job[0]["fsdp"]["reduced"]), _flat(job[0]["ddp"]["reduced"]))
+
+
+if __name__ == "__main__":  # a rank of the job launched by the `job` fixture
+    worker(Path(sys.argv[1]))
