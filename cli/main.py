@@ -42,6 +42,7 @@ examples:
   qkvtrace check demo:tiny-lm --causal             # leakage by perturbation
   qkvtrace diff reports/torch-A reports/torch-B    # what changed between versions
   qkvtrace history reports/                        # which release changed what, 2.0 onwards
+  qkvtrace ablate --seeds 5 --md ablate.md         # Q/K/V ablations (seed 4), mean ± std over seeds
   qkvtrace validate reports/*/report.json t.json   # check saved JSON against its schema
   qkvtrace merge traces/ --json merged.json        # per-rank traces of a torchrun job; ranks that disagree
 
@@ -59,6 +60,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     from qkvtrace.cli import (
+        ablate_cmd,
         check_cmd,
         diff_cmd,
         history_cmd,
@@ -85,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     check_cmd.register(sub)
     diff_cmd.register(sub)
     history_cmd.register(sub)
+    ablate_cmd.register(sub)
     validate_cmd.register(sub)
     merge_cmd.register(sub)
     for command in sub.choices.values():  # `qkvtrace trace X --debug` works too

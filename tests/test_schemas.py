@@ -75,12 +75,14 @@ def test_every_file_the_tool_writes_validates(tmp_path: Path, capsys: pytest.Cap
     write("qkvtrace.check/1", "c-leak.json", "check", f"{ROOT / 'tests' / 'mistakes.py'}:build_reversed",
           "--causal", "--mode", "inference", code=1)  # fmt: skip
     write("qkvtrace.probes/1", "probes.json", "probe")
+    write("qkvtrace.ablate/1", "ablate.json", "ablate", "--seeds", "1", "--steps", "2")
     write("qkvtrace.walkthrough/1", "w.json", "walkthrough", "--epochs", "3")
     code, _, err = run(capsys, "inspect", "--out", tmp_path / "reports")
     assert code == 0, err
     (report,) = (tmp_path / "reports").glob("torch-*/report.json")
     written["qkvtrace.report/1"] = [report]
     write("qkvtrace.diff/1", "d.json", "diff", OLD, report.parent)
+    write("qkvtrace.history/1", "h.json", "history", OLD, report.parent, "--no-chart")
     ranks = tmp_path / "ranks"  # one rank trained, the other did not: they disagree (exit 1)
     ranks.mkdir()
     (ranks / "trace.rank0.json").write_bytes((tmp_path / "t-train.json").read_bytes())

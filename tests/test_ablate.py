@@ -1,0 +1,256 @@
+"""`qkvtrace ablate`: the ablated attention against PyTorch's own, the seed's claims, fair runs, the CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from qkvtrace.ablate import (
+    ABLATE_SCHEMA,
+    MODES,
+    TASKS,
+    check_properties,
+    make_attention,
+    make_model,
+    run_ablation,
+    train_run,
+    training_batches,
+)
+from qkvtrace.errors import SchemaError
+from qkvtrace.validation import check_document, load_json
+
+ENV = {**os.environ, "COLUMNS": "200", "PYTHONWARNINGS": "ignore"}
+ATTENTION_MODES = [m for m in MODES if m != "no_attention"]
+
+
+def qkv(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "qkvtrace", *map(str, args)], capture_output=True, text=True,
+                          env=ENV, timeout=300)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def small() -> dict:
+    """Every mode, two seeds, a few steps: the shape of a study, not its outcome."""
+    return run_ablation("lookup", seeds=[0, 1], steps=5).to_dict()
+
+
+# -- the attention of each mode, against PyTorch's scaled_dot_product_attention ----------------------
+
+
+@pytest.mark.parametrize("mode", ATTENTION_MODES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_each_mode_is_sdpa_of_the_q_k_v_it_names(mode: str, causal: bool) -> None:
+    torch.manual_seed(0)
+    attn = make_attention(8, mode)
+    x = torch.randn(3, 5, 8)
+    zero = torch.zeros_like(x)
+    proj = {name: mod for name, mod in attn.named_children()}
+
+    def p(name: str) -> torch.Tensor:
+        return proj[name](x)
+
+    q, k, v = {
+        "full": lambda: (p("q_proj"), p("k_proj"), p("v_proj")),
+        "identity_qkv": lambda: (x, x, x),
+        "shared_qk": lambda: (p("q_proj"), p("q_proj"), p("v_proj")),
+        "uniform": lambda: (zero, zero, p("v_proj")),
+        "identity_v": lambda: (p("q_proj"), p("k_proj"), x),
+    }[mode]()
+    with torch.no_grad():
+        out, weights = attn(x, causal=causal)
+        expected = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(weights.sum(-1), torch.ones(3, 5))
+
+
+def test_each_mode_has_only_the_projections_it_uses() -> None:
+    names = {m: sorted(n for n, _ in make_attention(8, m).named_parameters()) for m in ATTENTION_MODES}
+    assert names == {
+        "full": ["k_proj.weight", "q_proj.weight", "v_proj.weight"],
+        "identity_qkv": [],
+        "shared_qk": ["q_proj.weight", "v_proj.weight"],
+        "uniform": ["v_proj.weight"],
+        "identity_v": ["k_proj.weight", "q_proj.weight"],
+    }
+    with pytest.raises(ValueError, match="unknown attention mode"):
+        make_attention(8, "no_attention")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_only_attention_carries_other_positions_to_the_last(mode: str) -> None:
+    """Seed 4.5: without attention the last position cannot read any other; with it, it can."""
+    torch.manual_seed(0)
+    model = make_model(20, 6, 4, mode, d_model=16).eval()
+    a = torch.randint(0, 20, (4, 6))
+    b = a.clone()
+    b[:, 0] = (a[:, 0] + 1) % 20  # change only the first token
+    with torch.no_grad():
+        moved = (model(a) - model(b)).abs().max().item()
+    if mode == "no_attention":
+        assert moved == 0.0
+    else:
+        assert moved > 1e-6
+
+
+# -- the seed's claims, measured ----------------------------------------------------------------------
+
+
+def test_the_seeds_claims_hold_and_are_measured() -> None:
+    props = {p.name: p for p in check_properties(d_model=8, seq_len=6)}
+    assert set(props) == {"uniform_rows", "uniform_causal_rows", "uniform_causal_mean", "identity_qkv_diagonal"}
+    for name in ("uniform_rows", "uniform_causal_rows", "uniform_causal_mean"):
+        assert props[name].holds and 0 <= props[name].measured <= 1e-6, props[name]
+    diag = props["identity_qkv_diagonal"]
+    assert diag.holds and 1 / 6 < diag.measured < 1  # more than a uniform row puts on itself
+
+
+def test_identity_qkv_diagonal_share_is_the_mean_of_softmax_xxt_diagonal() -> None:
+    """The reported share, recomputed here from the formula of seed 4.1."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 6, 8)
+    expected = (x @ x.transpose(-2, -1) / math.sqrt(8)).softmax(-1).diagonal(dim1=-2, dim2=-1).mean().item()
+    (prop,) = [p for p in check_properties(d_model=8, seq_len=6, batch=64, seed=0) if p.name == "identity_qkv_diagonal"]
+    assert prop.measured == pytest.approx(expected, rel=1e-6)
+
+
+# -- fair runs: data, order, seeds ----------------------------------------------------------------------
+
+
+def test_lookup_eval_data_are_held_out_and_answers_are_right() -> None:
+    x_tr, y_tr, x_ev, y_ev = TASKS["lookup"].split(0)
+    train = {tuple(r) for r in x_tr.tolist()}
+    assert len(train) == x_tr.size(0) and not train & {tuple(r) for r in x_ev.tolist()}
+    for x, y in ((x_tr, y_tr), (x_ev, y_ev)):
+        index = x[:, -1] - 16
+        assert ((index >= 0) & (index < 9)).all()
+        assert torch.equal(y, x[torch.arange(x.size(0)), index])
+
+
+def test_sentiment_holds_out_one_positive_and_one_negative_per_seed() -> None:
+    held = set()
+    for seed in range(4):
+        x_tr, _, x_ev, y_ev = TASKS["sentiment"].split(seed)
+        assert sorted(y_ev.tolist()) == [0, 1] and x_tr.size(0) == 6
+        assert not {tuple(r) for r in x_tr.tolist()} & {tuple(r) for r in x_ev.tolist()}
+        held |= {tuple(r) for r in x_ev.tolist()}
+    assert len(held) == 8  # over four seeds, every sentence is held out once
+
+
+def test_batches_depend_only_on_the_seed() -> None:
+    one = [b.tolist() for b in training_batches(100, 16, 20, seed=3)]
+    assert one == [b.tolist() for b in training_batches(100, 16, 20, seed=3)]
+    assert one != [b.tolist() for b in training_batches(100, 16, 20, seed=4)]
+    assert all(len(b) == 16 for b in one) and len(one) == 20
+
+
+def test_a_run_is_reproducible_and_leaves_the_global_rng_alone() -> None:
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    a = train_run(TASKS["lookup"], "full", seed=1, steps=3)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert a == train_run(TASKS["lookup"], "full", seed=1, steps=3)
+    assert a != train_run(TASKS["lookup"], "full", seed=2, steps=3)
+
+
+def test_means_and_stds_come_from_the_listed_runs(small: dict) -> None:
+    assert [m["mode"] for m in small["modes"]] == list(MODES)
+    assert small["steps"] == 5 and small["seeds"] == [0, 1]
+    for m in small["modes"]:
+        assert [r["seed"] for r in m["runs"]] == [0, 1]
+        for key in ("accuracy", "loss"):
+            values = [r[key] for r in m["runs"]]
+            assert m[f"{key}_mean"] == pytest.approx(statistics.fmean(values))
+            assert m[f"{key}_std"] == pytest.approx(statistics.stdev(values))
+        assert (m["runs"][0]["diagonal_share"] is None) == (m["mode"] == "no_attention")
+    uniform = next(m for m in small["modes"] if m["mode"] == "uniform")
+    assert all(r["diagonal_share"] == pytest.approx(1 / 10) for r in uniform["runs"])  # rows are 1/T in training too
+
+
+# -- the JSON file ----------------------------------------------------------------------------------------
+
+
+def test_the_json_validates_and_damage_is_refused(small: dict) -> None:
+    assert check_document(small, name="a.json") == ABLATE_SCHEMA
+    bad = json.loads(json.dumps(small))
+    bad["modes"][2]["runs"][1]["accuracy"] = 1.5
+    with pytest.raises(SchemaError, match=r"a.json: /modes/2/runs/1/accuracy: expected at most 1, got 1.5"):
+        check_document(bad, name="a.json")
+    del bad["modes"][0]["accuracy_std"]
+    with pytest.raises(SchemaError, match=r"/modes/0/accuracy_std: missing"):
+        check_document(bad, name="a.json")
+
+
+# -- the command line -------------------------------------------------------------------------------------------
+
+
+def test_cli_writes_json_markdown_and_keeps_progress_off_stdout(tmp_path: Path) -> None:
+    out, md = tmp_path / "a.json", tmp_path / "a.md"
+    proc = qkv("ablate", "--seeds", "2", "--steps", "3", "--json", out, "--md", md)
+    assert proc.returncode == 0, proc.stderr
+    assert "qkvtrace ablate: task lookup, 3 steps, seeds 0, 1" in proc.stdout
+    assert "training" not in proc.stdout  # the progress bar is on stderr only
+    for mode in MODES:
+        assert mode in proc.stdout
+    data = load_json(out, ABLATE_SCHEMA)
+    assert data["task"]["name"] == "lookup" and data["steps"] == 3 and data["torch_version"] == torch.__version__
+    text = md.read_text()
+    assert "| mode | what it keeps | accuracy | loss |" in text
+    assert text.count("\n| `") == len(MODES)
+    check = qkv("validate", out)
+    assert check.returncode == 0 and "ok (qkvtrace.ablate/1)" in check.stdout
+
+
+def test_cli_sentiment_task(tmp_path: Path) -> None:
+    proc = qkv("ablate", "--task", "sentiment", "--seeds", "1", "--steps", "2", "--json", tmp_path / "s.json")
+    assert proc.returncode == 0, proc.stderr
+    data = load_json(tmp_path / "s.json", ABLATE_SCHEMA)
+    assert data["task"]["train_size"] == 6 and data["task"]["eval_size"] == 2 and not data["task"]["routing"]
+    assert "does not need routing" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--task", "nope"], "--task 'nope': unknown task"),
+        (["--seeds", "0"], "--seeds 0"),
+        (["--steps", "0"], "--steps 0"),
+        (["--json", "/nonexistent-folder/a.json"], "does not exist"),
+    ],
+)
+def test_cli_bad_input_is_one_line_and_exit_2(args: list[str], needle: str) -> None:
+    proc = qkv("ablate", *args)
+    assert proc.returncode == 2
+    assert len(proc.stderr.strip().splitlines()) == 1 and needle in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_cli_plot(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    chart = tmp_path / "a.svg"
+    proc = qkv("ablate", "--seeds", "2", "--steps", "2", "--plot", chart)
+    assert proc.returncode == 0, proc.stderr
+    svg = chart.read_text()
+    assert svg.lstrip().startswith("<?xml") and "<svg" in svg
+
+
+# -- the outcome -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_full_beats_the_modes_that_cannot_route_on_lookup() -> None:
+    """With the default steps, every full run beats every uniform / no_attention run by far."""
+    result = run_ablation("lookup", seeds=[0, 1, 2], modes=["full", "uniform", "no_attention"])
+    margin = result.routing_margin()
+    assert margin is not None and margin["every_full_run_above"], result
+    assert margin["accuracy_gap"] > 0.5
+    assert result.mode("full").accuracy_mean > 0.95
+    assert result.mode("no_attention").accuracy_mean < 0.15  # chance is 1/16: the last token alone says nothing
