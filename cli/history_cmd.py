@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -65,12 +66,13 @@ def register(sub: Any) -> None:
     p.set_defaults(run=run)
 
 
-def _out(args: argparse.Namespace) -> Path:
+def _out(args: argparse.Namespace) -> Path | None:
+    """Where reports and the timeline go: --out; else the one folder of reports given; else none."""
     if args.out is not None:
         return Path(args.out)
     if len(args.reports) == 1 and args.reports[0].is_dir() and not (args.reports[0] / "report.json").is_file():
         return Path(args.reports[0])
-    return Path("reports")
+    return Path("reports") if args.python and not args.reports else None
 
 
 def _collect(pythons: list[Path], out: Path, console: Console) -> None:
@@ -106,6 +108,8 @@ def _summary(history: dict[str, Any]) -> Table:
 def run(args: argparse.Namespace, console: Console) -> int:
     out = _out(args)
     if args.python:
+        if out is None:
+            raise InputError("with --python and report folders, say where the new reports go: --out DIR")
         _collect(args.python, out, console)
         if args.no_timeline:
             return 0
@@ -116,35 +120,45 @@ def run(args: argparse.Namespace, console: Console) -> int:
     from qkvtrace.render.history_render import history_markdown
 
     sources = list(args.reports) or [out]
-    json_path = args.json or out / "history.json"
-    md_path = args.md or out / "HISTORY.md"
-    chart_path = None if args.no_chart else (args.chart or out / "history.png")
+
+    def default(name: str) -> Path | None:
+        return out / name if out is not None else None
+
+    json_path = args.json or default("history.json")
+    md_path = args.md or default("HISTORY.md")
+    chart_path = None if args.no_chart else (args.chart or default("history.png"))
+    if json_path is None and md_path is None and chart_path is None:
+        raise InputError("several report folders: give --out DIR for the timeline (or --json/--md/--chart FILE)")
     for path, flag in ((json_path, "--json"), (md_path, "--md"), (chart_path, "--chart")):
         if path is not None:
-            if not path.parent.exists() and path.parent == out:
-                out.mkdir(parents=True, exist_ok=True)
             check_output_file(path, flag)
 
-    reports = find_reports(sources)
+    reports = find_reports(s for s in sources if s is not None)
     history = build_history(reports)
     chart_note = None
-    chart_name = None
+    chart_drawn = False
     if chart_path is not None:
         try:
             from qkvtrace.render.history_render import draw_history_chart
-        except ImportError as exc:
-            raise QkvtraceError(str(exc)) from None
-        try:
+
             draw_history_chart(history, chart_path)
-            chart_name = chart_path.name if chart_path.parent == md_path.parent else str(chart_path)
-        except ImportError as exc:  # matplotlib missing: the timeline is still written
+            chart_drawn = True
+        except ImportError as exc:  # matplotlib missing: the timeline is still written, unless the chart was asked for
             if args.chart is not None:
                 raise QkvtraceError(str(exc)) from None
             chart_note = str(exc)
-    atomic_write_text(json_path, json.dumps(history, indent=1, sort_keys=True, ensure_ascii=False) + "\n")
-    atomic_write_text(md_path, history_markdown(history, chart_name=chart_name))
+    written = []
+    if json_path is not None:
+        atomic_write_text(json_path, json.dumps(history, indent=1, sort_keys=True, ensure_ascii=False) + "\n")
+        written.append(str(json_path))
+    if md_path is not None:
+        chart_name = os.path.relpath(chart_path, md_path.parent) if chart_drawn and chart_path is not None else None
+        atomic_write_text(md_path, history_markdown(history, chart_name=chart_name))
+        written.insert(0, str(md_path))
+    if chart_drawn:
+        written.append(str(chart_path))
     console.print(_summary(history))
-    console.print(f"wrote {md_path}, {json_path}" + (f", {chart_path}" if chart_name else ""))
+    console.print(f"wrote {', '.join(written)}")
     if chart_note:
         console.print(f"[yellow]note:[/] no chart: {escape(chart_note)}")
     return 0
