@@ -105,7 +105,7 @@ def _cell(call: Mapping[str, Any], column: str) -> str:
         if why is None and call.get("why_not_fused_layer"):
             return f"(layer) {call['why_not_fused_layer']}"
         if call.get("error"):
-            return f"raised {call['error']}"
+            return f"{why}; raised {call['error']}" if why else f"raised {call['error']}"
         if why is None:
             return "-" if call.get("path") in ("sdpa", "flex") else "(fast path taken)"
         return str(why)
@@ -212,17 +212,24 @@ def assert_no_nan_rows(t: Any, *, fully_masked: bool = True) -> None:
     A fully masked row is NaN on some APIs, backends and PyTorch versions and
     zero on others (``qkvtrace probe`` shows which on yours); either way its
     output means nothing. ``fully_masked=False`` checks NaN values only.
+    A call whose NaN count is unknown (it raised) fails too: no count is no
+    evidence. Fully masked rows are checked where the trace counts them
+    (not for FlexAttention's block masks).
     """
     __tracebackhide__ = True
     calls = _require_calls(t, "no attention output was NaN")
 
     def offending(c: Mapping[str, Any]) -> bool:
         out = c.get("output") or {}
-        return bool(out.get("nan_count")) or (fully_masked and bool(out.get("fully_masked_rows")))
+        nan = out.get("nan_count")
+        return nan is None or nan > 0 or (fully_masked and bool(out.get("fully_masked_rows")))
 
     bad = [c for c in calls if offending(c)]
     if bad:
         what = "NaN outputs or fully masked query rows" if fully_masked else "NaN outputs"
+        what += (
+            " (NaN values ?: not counted)" if any((c.get("output") or {}).get("nan_count") is None for c in bad) else ""
+        )
         raise AssertionError(
             f"{len(bad)} of {_plural(len(calls), 'attention call')} had {what}:\n"
             + format_calls(bad, ("nan_count", "fully_masked_rows"))

@@ -419,3 +419,17 @@ def test_leak_assertion_in_process() -> None:
 
     model, (tokens,) = demo_tiny_lm()
     assert_no_future_leak(model, tokens[:1, :6])
+
+
+def test_no_nan_rows_fails_when_the_count_is_unknown() -> None:
+    """A call that raised has no NaN count: no count is no evidence."""
+    torch.manual_seed(0)
+    m = nn.MultiheadAttention(16, 2, batch_first=True)
+    x = torch.randn(2, 5, 16)
+    with pytest.raises(RuntimeError), qkvtrace.trace(m) as t:
+        m(x, x, x, attn_mask=torch.zeros(3, 3))  # a mask of the wrong shape: PyTorch refuses the call
+    (call,) = t.calls
+    assert call.error and call.output["nan_count"] is None
+    with pytest.raises(AssertionError, match=r"NaN values \?: not counted") as info:
+        assert_no_nan_rows(t)
+    assert f"raised {call.error}" in str(info.value)
