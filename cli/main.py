@@ -45,6 +45,7 @@ examples:
   qkvtrace ablate --seeds 5 --md ablate.md         # Q/K/V ablations (seed 4), mean ± std over seeds
   qkvtrace validate reports/*/report.json t.json   # check saved JSON against its schema
   qkvtrace merge traces/ --json merged.json        # per-rank traces of a torchrun job; ranks that disagree
+  qkvtrace walkthrough --text "我 喜欢 机器人"      # one sentence through Q/K/V, step by step
 
 exit codes: 0 done, 1 a check found a problem, 2 bad input or usage (--debug: traceback)
 
@@ -69,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
         probe_cmd,
         trace_cmd,
         validate_cmd,
+        walkthrough_cmd,
     )
 
     parser = _Parser(
@@ -90,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     ablate_cmd.register(sub)
     validate_cmd.register(sub)
     merge_cmd.register(sub)
+    walkthrough_cmd.register(sub)
     for command in sub.choices.values():  # `qkvtrace trace X --debug` works too
         command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks")
     return parser

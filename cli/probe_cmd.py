@@ -18,7 +18,11 @@ Run the behaviour probes of `qkvtrace inspect` on the installed PyTorch and
 print them: which path/backend each scenario takes and why; what True means
 in each API's boolean mask (measured on a 2x2 example); what a fully-masked
 query row returns per API and SDPA backend, and whether its gradient is
-finite; how far each backend and MHA path is from the reference attention.
+finite; how far each backend and MHA path is from the reference attention; and how
+far the seed's own models (attention by hand, multi-head attention from
+scratch, the Transformer block, the causal LM's attention) are from
+nn.MultiheadAttention, nn.TransformerEncoderLayer and SDPA loaded with the
+same weights, outputs and gradients, in float32 and bfloat16.
 """
 
 
@@ -33,7 +37,9 @@ def run(args: argparse.Namespace, console: Console) -> int:
     from qkvtrace.behaviour import run_behaviour
     from qkvtrace.probes import run_scenarios
     from qkvtrace.records import atomic_write_text
+    from qkvtrace.reference import measure as measure_reference
     from qkvtrace.render import terminal
+    from qkvtrace.render.tutorial import reference_table
 
     if args.json is not None:
         check_output_file(args.json, "--json")
@@ -41,10 +47,13 @@ def run(args: argparse.Namespace, console: Console) -> int:
         scenarios, _ = run_scenarios(progress=lambda n: status.update(f"scenario {n}"))
         status.update("measuring masks, NaN rows, agreement")
         measured = run_behaviour()
+        status.update("measuring the seed's own models against PyTorch")
+        measured["reference"] = measure_reference()
     console.print(terminal.scenarios_table(scenarios))
     console.print(terminal.mask_semantics_table(measured["mask_semantics"]))
     console.print(terminal.fully_masked_table(measured["fully_masked_rows"]))
     console.print(terminal.agreement_table(measured["agreement"]))
+    console.print(reference_table(measured["reference"]))
     if args.json is not None:
         import torch
 

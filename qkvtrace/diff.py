@@ -137,10 +137,41 @@ def _probes(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, Any]]:
     for k in sorted(ma.keys() | mb.keys()):
         if _agreement_moved(ma.get(k), mb.get(k)):
             changed.append({"kind": "agreement", "key": f"MHA {k} vs by hand", "was": ma.get(k), "became": mb.get(k)})
+    changed += _reference(pa, pb)
     was, became = ag_a.get("slice_gradients_differ"), ag_b.get("slice_gradients_differ")
     if was != became:
         changed.append({"kind": "agreement", "key": "Q/K/V slice gradients differ", "was": was, "became": became})
     return changed
+
+
+def _reference(pa: dict[str, Any], pb: dict[str, Any]) -> list[dict[str, Any]]:
+    """The seed's models vs. PyTorch: errors that moved, or a path/backend that changed.
+
+    Compared only when both reports measured it (reports of an older qkvtrace have no ``reference``).
+    """
+    if "reference" not in pa or "reference" not in pb:
+        return []
+    ra = {(r["key"], r["dtype"]): r for r in pa["reference"]}
+    rb = {(r["key"], r["dtype"]): r for r in pb["reference"]}
+    out: list[dict[str, Any]] = []
+    for k in sorted(ra.keys() | rb.keys()):
+        a, b = ra.get(k), rb.get(k)
+        label = f"seed {k[0]} vs PyTorch, {k[1]}"
+        if a is None or b is None:
+            out.append({"kind": "reference", "key": label, "was": a and _reference_view(a),
+                        "became": b and _reference_view(b)})  # fmt: skip
+            continue
+        moved = any(_agreement_moved(a.get(f), b.get(f)) for f in ("forward_max_abs_err", "grad_max_abs_err"))
+        rerouted = (a.get("path"), a.get("sdpa_backend"), a.get("error")) != (
+            b.get("path"), b.get("sdpa_backend"), b.get("error"))  # fmt: skip
+        if moved or rerouted:
+            out.append({"kind": "reference", "key": label, "was": _reference_view(a), "became": _reference_view(b)})
+    return out
+
+
+def _reference_view(r: dict[str, Any]) -> dict[str, Any]:
+    keys = ("forward_max_abs_err", "grad_max_abs_err", "path", "sdpa_backend", "error")
+    return {f: r.get(f) for f in keys if r.get(f) is not None}
 
 
 def _plural(n: int, noun: str, verb: str) -> str:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from qkvtrace import behaviour, introspect, probes
+from qkvtrace import behaviour, introspect, probes, reference
 from qkvtrace.reportio import REPORT_SCHEMA, dumps_report, load_report
 
 __all__ = ["REPORT_SCHEMA", "collect_report", "dumps_report", "environment", "load_report", "report_dirname"]
@@ -69,6 +69,8 @@ def collect_report(progress: Callable[[str], None] | None = None) -> dict[str, A
     scenarios, dynamic = probes.run_scenarios(found.objects, progress=lambda n: say(f"scenario {n}"))
     say("measuring mask semantics, fully-masked rows, agreement")
     measured = behaviour.run_behaviour()
+    say("measuring the seed's own models against PyTorch")
+    measured["reference"] = reference.measure()
 
     # Builtins: the aten ops they were seen dispatching to in the scenarios.
     builtin_ops: dict[str, set[str]] = {}

@@ -190,4 +190,9 @@ def behaviour_markdown(probes: dict[str, Any]) -> list[str]:
         lines += ["## Agreement with the reference attention", ""]
         lines += ["Reference: `softmax(Q K^T / sqrt(d_head) + M) V` in float64.", ""]
         lines += [*_agreement(probes["agreement"]), ""]
+    if probes.get("reference"):
+        from qkvtrace.render.tutorial import reference_markdown
+
+        lines += ["## The seed's own models against PyTorch (measured)", ""]
+        lines += [*reference_markdown(probes["reference"]), ""]
     return lines

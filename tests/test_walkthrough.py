@@ -1,0 +1,144 @@
+"""``qkvtrace walkthrough``: seed section 11 under a trace, every number checked against PyTorch."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from qkvtrace.cli.main import main
+from qkvtrace.validation import load_json
+from qkvtrace.walkthrough import TEXTS, run_walkthrough
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONIOENCODING": "utf-8", "COLUMNS": "100"}
+    return subprocess.run([sys.executable, "-m", "qkvtrace", "walkthrough", *map(str, args)], capture_output=True,
+                          text=True, env=env, cwd=ROOT, timeout=300)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def full() -> dict[str, Any]:
+    return run_walkthrough()  # the seed's run: "我 喜欢 机器人", 100 epochs, lr 0.3, seed 31
+
+
+def test_every_check_holds(full: dict[str, Any]) -> None:
+    assert full["problems"] == []
+    c = full["checks"]
+    assert c["attention_vs_pytorch"] < 1e-6 and c["logits_vs_pytorch"] < 1e-6
+    assert math.isclose(c["loss"], c["minus_log_p"], abs_tol=1e-6)
+    p = full["probabilities"][full["label"]["index"]]
+    assert math.isclose(c["loss"], -math.log(p), abs_tol=1e-3)  # p is stored at 4 decimals
+
+
+def test_vocabulary_tokens_and_the_packed_layout_from_the_tracer(full: dict[str, Any]) -> None:
+    assert full["tokens"] == ["我", "喜欢", "机器人"]
+    assert full["token_ids"] == [full["vocab"][w] for w in full["tokens"]]
+    assert full["vocab"]["<unk>"] == 0 and len(full["vocab"]) == 17
+    packed = full["packed"]
+    assert packed["param"] == "in_proj_weight" and packed["shape"] == [24, 8]
+    assert packed["rows"] == {"q": [0, 8], "k": [8, 16], "v": [16, 24]}
+    # the matrices are the rows the tracer named: their norms are the tracer's weight norms
+    for part in "qkv":
+        norm = math.sqrt(sum(v * v for row in full["matrices"][f"w_{part}"] for v in row))
+        assert math.isclose(norm, packed["weight_norms"][part], rel_tol=1e-3)
+    assert full["traced_call"]["path"] == "fallback" and full["traced_call"]["why_not_fast_path"]
+
+
+def test_matrices_fit_together(full: dict[str, Any]) -> None:
+    m, t = full["matrices"], len(full["tokens"])
+    assert len(m["x"]) == t and all(len(r) == 8 for r in m["x"])
+    for row in m["attention"]:
+        assert math.isclose(sum(row), 1.0, abs_tol=1e-3)
+    # scores = Q K^T / sqrt(8), from the rounded Q and K
+    q, k = m["q"], m["k"]
+    for i in range(t):
+        for j in range(t):
+            s = sum(a * b for a, b in zip(q[i], k[j], strict=True)) / math.sqrt(8)
+            assert math.isclose(s, m["scores"][i][j], abs_tol=2e-3)
+
+
+def test_gradients_are_the_tracers_and_the_step_is_minus_lr_grad(full: dict[str, Any]) -> None:
+    g = full["gradients"]
+    assert g["backward_index"] == 0
+    for part in "qkv":
+        assert math.isclose(g["grad_norms"][part], g["grad_norms_by_hand"][part], rel_tol=1e-5)
+    assert len({round(g["grad_norms"][p], 6) for p in "qkv"}) == 3  # three matrices, not one shared one
+    assert g["weights_unchanged_by_backward"] is True
+    step = full["step"]
+    assert step["holds"] and max(step["max_abs_delta_vs_minus_lr_grad"].values()) < 1e-6
+    # the update matrix shown is lr times the gradient the tracer recorded
+    delta = math.sqrt(sum(v * v for row in step["delta_w_q"] for v in row))
+    assert math.isclose(delta, step["lr"] * g["grad_norms"]["q"], rel_tol=1e-2)
+
+
+def test_training_curve_and_honesty(full: dict[str, Any]) -> None:
+    curve = full["curve"]
+    assert [r["epoch"] for r in curve] == [1, 5, 10, 20, 50, 100]
+    assert [r["backward_index"] for r in curve] == [1, 5, 10, 20, 50, 100]  # the tracer's record of that epoch
+    assert curve[-1]["loss"] < curve[0]["loss"]
+    assert full["after"]["attention_before"] != full["after"]["attention_after"]
+    assert full["after"]["attention_after_vs_pytorch"] < 1e-6
+    assert full["memorised"] == (full["train_accuracy"] == 1.0)
+    if full["memorised"]:
+        assert "memorisation" in full["honesty"] and "no held-out data" in full["honesty"]
+
+
+def test_short_training_does_not_claim_memorisation() -> None:
+    data = run_walkthrough(epochs=1)
+    assert [r["epoch"] for r in data["curve"]] == [1]
+    assert data["train_accuracy"] < 1.0 and not data["memorised"]
+    assert "memorisation" not in data["honesty"]
+
+
+def test_same_seed_same_numbers() -> None:
+    assert run_walkthrough(epochs=3) == run_walkthrough(epochs=3)
+    assert run_walkthrough(epochs=3, seed=1)["matrices"] != run_walkthrough(epochs=3)["matrices"]
+
+
+def test_cli_prints_every_step_and_writes_valid_json(tmp_path: Path) -> None:
+    done = _cli("--text", TEXTS[4], "--epochs", "20", "--json", tmp_path / "w.json")
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    for needle in ("vocabulary and token ids", "X = embedding + position", "in_proj_weight [24, 8] = [3D, D]",
+                   "W_Q [8, 8]", "scores", "attention", "context", "−log p(negative)", "|dL/dW_Q|",
+                   "ΔW = −lr·grad holds", "training on the 8 sentences", "before training", "after training",
+                   "故障"):  # fmt: skip
+        assert needle in out, needle
+    data = load_json(tmp_path / "w.json", "qkvtrace.walkthrough/1")
+    assert data["label"] == {"index": 0, "name": "negative", "source": "training set"}
+    assert [r["epoch"] for r in data["curve"]] == [1, 5, 10, 20]
+    assert "progress" not in out and "epoch 10/" not in out  # progress goes to stderr, never stdout
+
+
+def test_cli_sentence_outside_the_training_set(tmp_path: Path) -> None:
+    done = _cli("--text", "我 爱 机器人", "--epochs", "2")
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1 and "--label" in done.stderr and "Traceback" not in done.stderr
+    done = _cli("--text", "我 爱 机器人", "--label", "positive", "--epochs", "2", "--json", tmp_path / "u.json")
+    assert done.returncode == 0, done.stderr
+    data = json.loads((tmp_path / "u.json").read_text(encoding="utf-8"))
+    assert data["unknown_words"] == ["爱"] and data["token_ids"][1] == 0
+    assert data["label"]["source"] == "given"
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [(("--epochs", "0"), "--epochs"), (("--text", "  "), "--text"), (("--text", " ".join(["我"] * 17)), "--text"),
+     (("--lr", "-1"), "--lr"), (("--json", "/nonexistent/w.json"), "--json")],
+)  # fmt: skip
+def test_cli_bad_input_is_one_line_and_exit_2(
+    args: tuple[str, ...], words: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(["walkthrough", *args])  # the command line in this process: no torch import per case
+    out, err = capsys.readouterr()
+    assert code == 2, out
+    assert err.count("\n") == 1 and words in err and "Traceback" not in err
