@@ -102,8 +102,15 @@ def _unobserved_of(t: Any) -> list[dict[str, Any]]:
 def _cell(call: Mapping[str, Any], column: str) -> str:
     if column == "why":
         why = call.get("why_not_fast_path")
-        if why is None and call.get("why_not_fused_layer"):
-            return f"(layer) {call['why_not_fused_layer']}"
+        layer = call.get("why_not_fused_layer")
+        if layer:  # the encoder layer's own reason for not taking its fused path
+            why = (
+                f"(layer: {layer})"
+                if not why
+                else f"{why} (layer: same)"
+                if why == layer
+                else f"{why} (layer: {layer})"
+            )
         if call.get("error"):
             return f"{why}; raised {call['error']}" if why else f"raised {call['error']}"
         if why is None:
@@ -391,4 +398,13 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     report = outcome.get_result()
     factory = getattr(item, "funcargs", {}).get("qkvtrace")
     if report.when == "call" and report.failed and isinstance(factory, TraceFactory) and factory.traces:
-        report.sections.append(("qkvtrace: attention calls of this test", factory.describe()))
+        if not _raised_here(call):  # a qkvtrace assertion has already shown its calls
+            report.sections.append(("qkvtrace: attention calls of this test", factory.describe()))
+
+
+def _raised_here(call: pytest.CallInfo[None]) -> bool:
+    """Whether the test failed in one of this module's assertions (its last frame is here)."""
+    tb = call.excinfo.tb if call.excinfo is not None else None
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and tb.tb_frame.f_code.co_filename == __file__

@@ -9,6 +9,7 @@ never written out.
 
 from __future__ import annotations
 
+import dataclasses
 from importlib.metadata import entry_points
 from pathlib import Path
 
@@ -179,9 +180,33 @@ def test_assert_paths_failure_shows_the_offending_calls(suite: pytest.Pytester) 
     result.stdout.re_match_lines([rf"E\s+0\s+\(root\)\s+{path}\s+\S+\s+{reason}$"])
     # the traceback points at the user's line, not into the plugin
     assert "qkvtrace/pytest_plugin.py" not in out
-    # and the report gets a section with every call of the test's traces
-    assert "qkvtrace: attention calls of this test" in out
-    assert "trace 0: 1 attention call:" in out
+    # the table is in the message already: no second copy in a report section
+    assert "qkvtrace: attention calls of this test" not in out
+
+
+def test_any_failure_of_a_test_using_the_fixture_shows_its_calls(suite: pytest.Pytester) -> None:
+    reason = _mha_reason_in_training()
+    suite.makepyfile(
+        test_user="""
+        import torch
+        from models import mha
+
+        def test_own_assert(qkvtrace):
+            m = mha().train()
+            x = torch.randn(2, 5, 16)
+            with qkvtrace(m) as t:
+                m(x, x, x, need_weights=False)
+            with torch.no_grad(), qkvtrace(m.eval()) as t2:
+                m(x, x, x, need_weights=False)
+            assert t.calls[0].path == t2.calls[0].path
+        """
+    )
+    result = suite.runpytest("-q")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        ["*- qkvtrace: attention calls of this test -*", "trace 0: 1 attention call:", "*#  module*"]
+    )
+    result.stdout.re_match_lines([rf"\s+0\s+\(root\)\s+fallback\s+\S+\s+{reason}$", r"trace 1: 1 attention call:"])
 
 
 def test_assert_backend_failure(suite: pytest.Pytester) -> None:
@@ -433,3 +458,20 @@ def test_no_nan_rows_fails_when_the_count_is_unknown() -> None:
     with pytest.raises(AssertionError, match=r"NaN values \?: not counted") as info:
         assert_no_nan_rows(t)
     assert f"raised {call.error}" in str(info.value)
+
+
+def test_format_calls_shows_the_encoder_layers_reason() -> None:
+    """An encoder's MHA call carries the layer's reason for refusing its fused path beside the MHA's."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, batch_first=True).eval()
+    with qkvtrace.trace(layer) as t:  # grad on: the layer refuses its fused path, with its own reason
+        layer(torch.randn(2, 5, 16))
+    (call,) = t.calls
+    assert call.why_not_fused_layer, "the layer was meant to refuse its fused path"
+    row = format_calls([dataclasses.asdict(call)]).splitlines()[1]
+    if call.why_not_fast_path == call.why_not_fused_layer:
+        assert row.endswith(f"{call.why_not_fast_path} (layer: same)")
+    elif call.why_not_fast_path:
+        assert row.endswith(f"{call.why_not_fast_path} (layer: {call.why_not_fused_layer})")
+    else:
+        assert row.endswith(f"(layer: {call.why_not_fused_layer})")
