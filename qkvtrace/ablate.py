@@ -221,6 +221,8 @@ class TaskSpec:
     #: whether the answer needs information from another position
     routing: bool
     split: Callable[[int], Split] = field(repr=False, compare=False)
+    #: where the answer sits in each sequence, for tasks where it sits at one position
+    answer_position: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, repr=False, compare=False)
 
     def info(self, seed: int = 0) -> dict[str, Any]:
         x_tr, _, x_ev, _ = self.split(seed)
@@ -302,6 +304,7 @@ TASKS: dict[str, TaskSpec] = {
         vocab_size=_LOOKUP_VALUES + _LOOKUP_LEN - 1, seq_len=_LOOKUP_LEN, n_classes=_LOOKUP_VALUES,
         chance_accuracy=1 / _LOOKUP_VALUES, pool="last", d_model=32, n_layers=1, lr=3e-3, batch_size=64,
         default_steps=400, routing=True, split=_lookup_split,
+        answer_position=lambda tokens: tokens[:, -1] - _LOOKUP_VALUES,
     ),
     "sentiment": TaskSpec(
         name="sentiment",
@@ -329,6 +332,9 @@ class RunResult:
     train_loss: float
     #: mean attention weight a position puts on itself, on the evaluation data (``None`` without attention)
     diagonal_share: float | None
+    #: mean weight the reading (last) position puts on the position that holds the answer, in the last
+    #: layer, on the evaluation data; ``None`` where the task has no such position or there is no attention
+    answer_weight: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -411,7 +417,9 @@ def _mean_std(values: Sequence[float]) -> tuple[float, float]:
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
 
 
-def _evaluate(model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[float, float, float | None]:
+def _evaluate(
+    model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor, task: TaskSpec
+) -> tuple[float, float, float | None, float | None]:
     import torch
     import torch.nn.functional as F
 
@@ -420,7 +428,11 @@ def _evaluate(model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor) -> t
         accuracy = (logits.argmax(dim=-1) == labels).float().mean().item()
         loss = F.cross_entropy(logits, labels).item()
         diagonal = torch.stack([w.diagonal(dim1=-2, dim2=-1).mean() for w in maps]).mean().item() if maps else None
-    return accuracy, loss, diagonal
+        answer = None
+        if maps and task.answer_position is not None:
+            where = task.answer_position(tokens)  # (N,)
+            answer = maps[-1][torch.arange(tokens.size(0)), -1, where].mean().item()
+    return accuracy, loss, diagonal, answer
 
 
 def training_batches(n: int, batch_size: int, steps: int, seed: int) -> Iterator[torch.Tensor]:
@@ -462,9 +474,9 @@ def train_run(task: TaskSpec, mode: str, seed: int, steps: int) -> RunResult:
         loss.backward()
         optimizer.step()
     model.eval()
-    accuracy, eval_loss, diagonal = _evaluate(model, x_eval, y_eval)
-    train_accuracy, train_loss, _ = _evaluate(model, x_train, y_train)
-    return RunResult(seed, accuracy, eval_loss, train_accuracy, train_loss, diagonal)
+    accuracy, eval_loss, diagonal, answer = _evaluate(model, x_eval, y_eval, task)
+    train_accuracy, train_loss, _, _ = _evaluate(model, x_train, y_train, task)
+    return RunResult(seed, accuracy, eval_loss, train_accuracy, train_loss, diagonal, answer)
 
 
 def _parameters(task: TaskSpec, mode: str) -> int:

@@ -171,8 +171,26 @@ def test_means_and_stds_come_from_the_listed_runs(small: dict) -> None:
             assert m[f"{key}_mean"] == pytest.approx(statistics.fmean(values))
             assert m[f"{key}_std"] == pytest.approx(statistics.stdev(values))
         assert (m["runs"][0]["diagonal_share"] is None) == (m["mode"] == "no_attention")
+        assert (m["runs"][0]["answer_weight"] is None) == (m["mode"] == "no_attention")
     uniform = next(m for m in small["modes"] if m["mode"] == "uniform")
-    assert all(r["diagonal_share"] == pytest.approx(1 / 10) for r in uniform["runs"])  # rows are 1/T in training too
+    for r in uniform["runs"]:  # rows are 1/T in trained models too
+        assert r["diagonal_share"] == pytest.approx(1 / 10) and r["answer_weight"] == pytest.approx(1 / 10)
+
+
+def test_answer_weight_is_the_last_rows_weight_on_the_answer_position() -> None:
+    """Recomputed from the model's own weights (steps=0 leaves the seeded initialisation)."""
+    task = TASKS["lookup"]
+    run = train_run(task, "full", seed=7, steps=0)
+    torch.manual_seed(7)
+    model = make_model(task.vocab_size, task.seq_len, task.n_classes, "full", d_model=task.d_model).eval()
+    _, _, x_ev, y_ev = task.split(7)
+    with torch.no_grad():
+        logits, (weights,) = model(x_ev, return_weights=True)
+    index = x_ev[:, -1] - 16
+    assert run.answer_weight == pytest.approx(weights[torch.arange(x_ev.size(0)), -1, index].mean().item(), rel=1e-5)
+    assert run.diagonal_share == pytest.approx(weights.diagonal(dim1=-2, dim2=-1).mean().item(), rel=1e-5)
+    assert run.accuracy == pytest.approx((logits.argmax(-1) == y_ev).float().mean().item())
+    assert train_run(TASKS["sentiment"], "full", seed=0, steps=1).answer_weight is None  # no single answer position
 
 
 # -- the JSON file ----------------------------------------------------------------------------------------
@@ -204,6 +222,7 @@ def test_cli_writes_json_markdown_and_keeps_progress_off_stdout(tmp_path: Path) 
     assert data["task"]["name"] == "lookup" and data["steps"] == 3 and data["torch_version"] == torch.__version__
     text = md.read_text()
     assert "| mode | what it keeps | accuracy | loss |" in text
+    assert "max \\|w - 1/T\\| <= 1e-06" in text  # a | inside a cell is escaped
     assert text.count("\n| `") == len(MODES)
     check = qkv("validate", out)
     assert check.returncode == 0 and "ok (qkvtrace.ablate/1)" in check.stdout
@@ -254,3 +273,4 @@ def test_full_beats_the_modes_that_cannot_route_on_lookup() -> None:
     assert margin["accuracy_gap"] > 0.5
     assert result.mode("full").accuracy_mean > 0.95
     assert result.mode("no_attention").accuracy_mean < 0.15  # chance is 1/16: the last token alone says nothing
+    assert all(r.answer_weight is not None and r.answer_weight > 0.5 for r in result.mode("full").runs)  # it routes

@@ -24,9 +24,14 @@ def _runs(mode: ModeResult) -> str:
     return " ".join(f"{r.accuracy:.3f}" for r in mode.runs)
 
 
-def _diagonal(mode: ModeResult) -> str:
-    shares = [r.diagonal_share for r in mode.runs if r.diagonal_share is not None]
+def _mean_of(mode: ModeResult, attr: str) -> str:
+    shares = [getattr(r, attr) for r in mode.runs if getattr(r, attr) is not None]
     return f"{sum(shares) / len(shares):.2f}" if shares else "-"
+
+
+def _cell(text: str) -> str:
+    """Text safe inside a Markdown table cell."""
+    return text.replace("|", "\\|")
 
 
 def ablate_table(result: AblationResult) -> Table:
@@ -36,7 +41,8 @@ def ablate_table(result: AblationResult) -> Table:
         title=f"qkvtrace ablate: task {task['name']}, {result.steps} steps, seeds {', '.join(map(str, result.seeds))}",
         caption=f"held-out data: {task['eval_size']} examples (train {task['train_size']}); "
         f"chance {task['chance_accuracy']:.3f}; std is the sample std over seeds; "
-        "diag: mean attention weight a position puts on itself",
+        "diag: mean attention weight a position puts on itself; "
+        "→answer: weight the last position puts on the answer's position",
     )
     table.add_column("mode", style="bold")
     table.add_column("accuracy", justify="right")
@@ -44,12 +50,14 @@ def ablate_table(result: AblationResult) -> Table:
     table.add_column("accuracy per seed", overflow="fold")
     table.add_column("train acc", justify="right")
     table.add_column("diag", justify="right")
+    table.add_column("→answer", justify="right")
     table.add_column("params", justify="right")
     for m in result.modes:
         train = sum(r.train_accuracy for r in m.runs) / len(m.runs)
         style = None if m.routing else "dim"
         table.add_row(m.mode, _pm(m.accuracy_mean, m.accuracy_std), _pm(m.loss_mean, m.loss_std),
-                      _runs(m), f"{train:.3f}", _diagonal(m), f"{m.parameters:,}", style=style)  # fmt: skip
+                      _runs(m), f"{train:.3f}", _mean_of(m, "diagonal_share"), _mean_of(m, "answer_weight"),
+                      f"{m.parameters:,}", style=style)  # fmt: skip
     return table
 
 
@@ -92,14 +100,15 @@ def ablate_markdown(result: AblationResult) -> str:
         f"(train {task['train_size']}); chance {task['chance_accuracy']:.3f}; PyTorch {result.torch_version}. "
         "Mean ± sample std over seeds.",
         "",
-        "| mode | what it keeps | accuracy | loss | accuracy per seed | train acc | diag | params |",
-        "| --- | --- | ---: | ---: | --- | ---: | ---: | ---: |",
+        "| mode | what it keeps | accuracy | loss | accuracy per seed | train acc | diag | →answer | params |",
+        "| --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |",
     ]
     for m in result.modes:
         train = sum(r.train_accuracy for r in m.runs) / len(m.runs)
         lines.append(
             f"| `{m.mode}` | {m.description} | {_pm(m.accuracy_mean, m.accuracy_std)} | "
-            f"{_pm(m.loss_mean, m.loss_std)} | {_runs(m)} | {train:.3f} | {_diagonal(m)} | {m.parameters:,} |"
+            f"{_pm(m.loss_mean, m.loss_std)} | {_runs(m)} | {train:.3f} | {_mean_of(m, 'diagonal_share')} | "
+            f"{_mean_of(m, 'answer_weight')} | {m.parameters:,} |"
         )
     lines += [
         "",
@@ -109,7 +118,7 @@ def ablate_markdown(result: AblationResult) -> str:
         "| --- | ---: | --- | --- |",
     ]
     for p in result.properties:
-        lines.append(f"| {p.claim} | {p.measured:.3g} | {p.expected} | {'yes' if p.holds else 'NO'} |")
+        lines.append(f"| {_cell(p.claim)} | {p.measured:.3g} | {_cell(p.expected)} | {'yes' if p.holds else 'NO'} |")
     return "\n".join(lines) + "\n"
 
 
