@@ -196,6 +196,7 @@ def test_diff_shows_a_moved_error_and_a_changed_path(tmp_path: Path, rows: list[
     assert "seed 5.1 vs PyTorch, float32" in done.stdout  # the terminal shows it too
     # a report made before the table existed is not a change of PyTorch
     old = json.loads(json.dumps(base))
+    old["probes"].pop("reference", None)
     (a / "report.json").write_text(json.dumps(old))
     done = _cli("diff", a, b, "--json", tmp_path / "d2.json")
     assert done.returncode == 0, done.stderr
@@ -211,3 +212,16 @@ def test_probe_prints_the_table_and_writes_it(tmp_path: Path) -> None:
     data = json.loads((tmp_path / "p.json").read_text())
     assert {r["key"] for r in data["reference"]} >= {"3.2", "5.1", "7 pre-norm", "8"}
     assert _cli("validate", tmp_path / "p.json").returncode == 0
+
+
+def test_readme_and_committed_report_hold_this_table(rows: list[dict[str, Any]]) -> None:
+    """The README's table is the committed 2.13.0 report's, and on that PyTorch a new measurement equals both."""
+    committed = json.loads(REPORT.read_text())["probes"]["reference"]
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    for r in committed:
+        dtype = {"float32": "fp32", "bfloat16": "bf16"}[r["dtype"]]
+        err = f"{r['forward_max_abs_err']:.2g}"
+        lines = readme.splitlines()
+        assert any(r["label"] in line and f"│ {dtype} " in line and f" {err} │" in line for line in lines), r
+    if torch.__version__ == json.loads(REPORT.read_text())["environment"]["torch_version"]:
+        assert rows == committed  # deterministic: same PyTorch, same numbers
