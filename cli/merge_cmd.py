@@ -40,8 +40,6 @@ examples:
   qkvtrace merge traces/trace.rank0.json traces/trace.rank1.json
 """
 
-_SHOWN_VALUE = 60  # characters of a value (PyTorch's reasons can be long) shown in the table
-
 
 def register(sub: Any) -> None:
     p = sub.add_parser("merge", help="combine per-rank traces of a distributed job; flag ranks that disagree",
@@ -68,31 +66,42 @@ def _calls(n: int) -> str:
     return f"{n} call" if n == 1 else f"{n} calls"
 
 
-def _value_text(field: str, value: Any) -> str:
-    if field == "present":
-        return "made it" if value else "did not make it"
-    if value is None:
-        return "none" if field == "sdpa_backend" else "null"
-    text = str(value)
-    return text if len(text) <= _SHOWN_VALUE else text[: _SHOWN_VALUE - 1] + "…"
+def _why(entry: dict[str, Any]) -> str:
+    """PyTorch's reasons as one cell: the MHA's, then the encoder layer's where it differs."""
+    why, layer = entry.get("why_not_fast_path"), entry.get("why_not_fused_layer")
+    if layer and layer != why:
+        return f"{why} (layer: {layer})" if why else f"(layer: {layer})"
+    if why:
+        return f"{why} (layer: same)" if layer else str(why)
+    return "-" if entry.get("path") in ("sdpa", "flex") else "(fast path taken)"
 
 
 def disagreements_table(merged: dict[str, Any]) -> Table:
-    table = Table(title="ranks disagree", title_justify="left")
-    table.add_column("module")
-    table.add_column("call", justify="right")
-    table.add_column("field")
-    table.add_column("what the ranks saw")
-    for d in merged["disagreements"]:
-        module = "(job)" if d["module"] is None else d["module"] or "(root)"
-        seen = Text()
-        for i, group in enumerate(d["values"]):
-            if i:
-                seen.append("\n")
-            label = "rank" if len(group["ranks"]) == 1 else "ranks"
-            seen.append(f"{label} {_ranks_text(group['ranks'])}: ", style="bold")
-            seen.append(_value_text(d["field"], group["value"]))
-        table.add_row(module, "-" if d["occurrence"] is None else str(d["occurrence"]), d["field"], seen)
+    """One block per call the ranks disagree on: the ranks grouped by what they saw."""
+    table = Table(title="calls on which the ranks disagree", title_justify="left")
+    for name, justify in (("module", "left"), ("call", "right"), ("ranks", "left"), ("path", "left"),
+                          ("backend", "left"), ("why not fast path", "left")):  # fmt: skip
+        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    for call in merged["calls"]:
+        if not call["differs"]:
+            continue
+        groups: dict[tuple[Any, ...], list[int]] = {}
+        for entry in call["ranks"]:
+            key = (None,) if entry["index"] is None else tuple(entry.get(f) for f in ("path", "sdpa_backend",
+                   "why_not_fast_path", "why_not_fused_layer"))  # fmt: skip
+            groups.setdefault(key, []).append(entry["rank"])
+        module = call["module"] or "(root)"
+        for i, (key, ranks) in enumerate(sorted(groups.items(), key=lambda g: (-len(g[1]), g[1][0]))):
+            first = i == 0
+            cells = [module if first else "", str(call["occurrence"]) if first else "", _ranks_text(ranks)]
+            if key == (None,):
+                cells += [Text("did not make this call", style="italic"), "", ""]
+            else:
+                entry = dict(
+                    zip(("path", "sdpa_backend", "why_not_fast_path", "why_not_fused_layer"), key, strict=True)
+                )
+                cells += [str(entry["path"]), entry["sdpa_backend"] or "none", _why(entry)]
+            table.add_row(*cells, end_section=i == len(groups) - 1)
     return table
 
 
@@ -110,7 +119,12 @@ def run_merge(args: argparse.Namespace, console: Console) -> int:
     calls = f"{_calls(counts[0])} each" if len(counts) == 1 else f"{counts[0]}-{_calls(counts[-1])}"
     summary = f"{len(ranks)} ranks ({_ranks_text(ranks)}){of_world} · {calls} · {len(merged['calls'])} lined up"
     if merged["disagreements"]:
-        console.print(disagreements_table(merged))
+        if any(d["module"] is not None for d in merged["disagreements"]):
+            console.print(disagreements_table(merged))
+        for d in merged["disagreements"]:
+            if d["module"] is None:  # job-wide: the ranks ran different PyTorch versions
+                seen = " · ".join(f"rank {_ranks_text(g['ranks'])}: {g['value']}" for g in d["values"])
+                console.print(f"[bold red]{d['field']} differs[/]: {seen}", soft_wrap=True, markup=True)
         n = len({(d["module"], d["occurrence"]) for d in merged["disagreements"]})
         console.print(f"{summary} · [bold red]{_calls(n)} where ranks disagree[/]", soft_wrap=True)
     else:

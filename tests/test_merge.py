@@ -41,10 +41,26 @@ def _trace(train: bool, calls: int = 1) -> qkvtrace.Trace:
     return t
 
 
+@pytest.fixture(autouse=True)
+def _wide_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "250")  # table rows on one line each
+
+
 def run(capsys: pytest.CaptureFixture[str], *args: str | Path) -> tuple[int, str, str]:
     code = main(["merge", *map(str, args)])
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def rows(out: str) -> list[list[str]]:
+    """The cells of each row of the table `qkvtrace merge` prints."""
+    return [
+        [c.strip() for c in line.strip().strip("│").split("│")] for line in out.splitlines() if line.startswith("│")
+    ]
+
+
+def why(call: qkvtrace.AttentionCall) -> str:
+    return call.why_not_fast_path or "(fast path taken)"
 
 
 @pytest.fixture
@@ -90,8 +106,11 @@ def test_a_rank_off_the_fast_path_is_flagged(
     out_file = tmp_path / "merged.json"
     code, out, err = run(capsys, folder / "trace.rank0.json", folder / "trace.rank1.json", "--json", out_file)
     assert (code, err) == (1, "")
-    assert f"rank 0: {c0.path}" in out and f"rank 1: {c1.path}" in out
-    assert f"rank 1: {c1.why_not_fast_path}" in out  # PyTorch's reason, as rank 1 recorded it
+    # the ranks grouped by what they saw, with PyTorch's reason as each rank recorded it
+    assert rows(out) == [
+        ["(root)", "0", "0", c0.path, c0.sdpa_backend or "none", why(c0)],
+        ["", "", "1", c1.path, c1.sdpa_backend or "none", why(c1)],
+    ]
     assert "1 call where ranks disagree" in out
     merged = load_json(out_file, "qkvtrace.merge/1")  # written even when the ranks disagree
     assert merged["agree"] is False
@@ -105,10 +124,13 @@ def test_a_rank_off_the_fast_path_is_flagged(
 
 def test_a_call_only_some_ranks_made(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     _trace(train=False, calls=1).save(tmp_path / "t.rank0.json")
-    _trace(train=False, calls=2).save(tmp_path / "t.rank1.json")
+    t1 = _trace(train=False, calls=2)
+    t1.save(tmp_path / "t.rank1.json")
     code, out, _ = run(capsys, tmp_path)
     assert code == 1
-    assert "rank 0: did not make it" in out and "rank 1: made it" in out
+    second = t1.calls[1]
+    assert rows(out) == [["(root)", "1", "0", "did not make this call", "", ""],
+                         ["", "", "1", second.path, second.sdpa_backend or "none", why(second)]]  # fmt: skip
     merged = merge_traces(load_rank_traces([tmp_path]))
     assert [c["differs"] for c in merged["calls"]] == [[], ["present"]]
     assert merged["calls"][1]["ranks"][0] == {"rank": 0, "index": None}
@@ -195,3 +217,14 @@ def test_save_per_rank_outside_torch_distributed(tmp_path: Path, monkeypatch: py
     assert load_json(path, "qkvtrace.trace/1") == t.to_dict()
     with pytest.raises(TypeError, match="needs a qkvtrace trace or TraceResult"):
         save_per_rank({"calls": []}, tmp_path)
+
+
+def test_ranks_on_different_pytorch_versions(agreeing: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = json.loads((agreeing / "trace.rank1.json").read_text())
+    mine = data["torch_version"]
+    data["torch_version"] = "0.0.0+other"
+    (agreeing / "trace.rank1.json").write_text(json.dumps(data))
+    code, out, _ = run(capsys, agreeing)
+    assert code == 1
+    assert f"torch_version differs: rank 0: {mine} · rank 1: 0.0.0+other" in out
+    assert rows(out) == []  # the calls themselves agree
