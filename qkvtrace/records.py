@@ -1,9 +1,10 @@
 """Plain records of what a trace observed, and their JSON form.
 
-Collectors build these; renderers read them. No record holds a tensor or a
-live module: only strings, numbers, shapes and lists of them, so a record
-outlives the model and serialises to the ``qkvtrace.trace/1`` JSON of
-DESIGN.md without PyTorch.
+Collectors build these; renderers read them. No record holds a live module,
+and only the optional attention maps are tensors (CPU copies, written to the
+JSON only when asked for): everything else is strings, numbers, shapes and
+lists of them, so a record outlives the model and serialises to the
+``qkvtrace.trace/1`` JSON of DESIGN.md without PyTorch.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ __all__ = [
     "TRACE_SCHEMA",
     "AttentionCall",
     "GradientRecord",
+    "MapTensors",
     "MaskInfo",
     "QKVInfo",
     "RouteGrad",
@@ -150,6 +152,82 @@ class AttentionCall:
     #: Why no gradient route of this call is recorded although it has a backward
     #: graph; ``None`` when routes are recorded (see ``TraceResult.routes``).
     route_reason: str | None = None
+    #: With ``trace(model, attention_maps=True)``: the tensors of the call's map
+    #: (read them as ``attention_map`` and ``attention_map_fully_masked``).
+    map_tensors: MapTensors | None = None
+    #: Which heads and batch items ``attention_map`` holds (indices in the call).
+    attention_map_heads: list[int] | None = None
+    attention_map_batch: list[int] | None = None
+    #: Why the call has no map although maps were asked for.
+    attention_map_reason: str | None = None
+    #: Where the map is not exactly what the kernel used (dropout, precision, padding).
+    attention_map_notes: list[str] | None = None
+
+
+    @property
+    def attention_map(self) -> Any:
+        """The call's attention weights: a CPU float32 tensor ``[B, H, T_query, T_key]``.
+
+        Only with ``trace(model, attention_maps=True)``, for the asked batch
+        items (``attention_map_batch``) and heads (``attention_map_heads``),
+        recomputed on the side from the call's own inputs (:mod:`qkvtrace.maps`);
+        ``None`` with ``attention_map_reason`` otherwise. Kept in the result
+        only; in the JSON only when ``save(..., maps=True)`` asks.
+        """
+        return None if self.map_tensors is None else self.map_tensors.weights
+
+    @property
+    def attention_map_fully_masked(self) -> Any:
+        """CPU bool ``[B, H, T_query]``: query rows whose keys were all masked (their weights are 0, not NaN)."""
+        return None if self.map_tensors is None else self.map_tensors.fully_masked
+
+
+class MapTensors:
+    """The tensors of one call's attention map (a plain holder: records resolve numbers, not these)."""
+
+    __slots__ = ("fully_masked", "weights")
+
+    def __init__(self, weights: Any, fully_masked: Any) -> None:
+        self.weights = weights
+        self.fully_masked = fully_masked
+
+    def __repr__(self) -> str:
+        return f"MapTensors(shape={list(self.weights.shape)})"
+
+
+#: the ``AttentionCall`` fields of attention maps (left out of the JSON while ``None``)
+MAP_FIELDS = (
+    "map_tensors", "attention_map_heads", "attention_map_batch", "attention_map_reason", "attention_map_notes",
+)
+
+
+def _call_dict(call: AttentionCall, maps: bool) -> dict[str, Any]:
+    """One call as JSON; its map tensor as nested lists only when ``maps``."""
+    weights, full = call.attention_map, call.attention_map_fully_masked
+    out = asdict(replace(call, map_tensors=None))
+    for name in MAP_FIELDS:
+        if out.get(name) is None:
+            out.pop(name, None)
+    if maps and weights is not None:
+        out["attention_map"] = {
+            "shape": list(weights.shape),
+            "values": weights.tolist(),
+            "fully_masked": [list(map(int, i)) for i in full.nonzero().tolist()] if full is not None else [],
+        }
+    return out
+
+
+def _map_from_dict(data: Any) -> MapTensors | None:
+    """The tensors of a JSON ``attention_map`` (``values`` and ``fully_masked`` positions)."""
+    if not isinstance(data, dict):
+        return None
+    import torch  # only a file with maps needs it
+
+    weights = torch.tensor(data["values"], dtype=torch.float32).reshape(data["shape"])
+    full = torch.zeros(weights.shape[:-1], dtype=torch.bool)
+    for b, h, q in data.get("fully_masked", []):
+        full[b, h, q] = True
+    return MapTensors(weights, full)
 
 
 @dataclass(slots=True)
@@ -237,24 +315,27 @@ class TraceResult:
     #: Gradient routes into each call's Q, K, V, per call and backward pass.
     routes: list[RouteRecord] = field(default_factory=list)
 
-    def to_dict(self) -> dict[str, Any]:
-        """The ``qkvtrace.trace/1`` JSON object."""
+    def to_dict(self, *, maps: bool = False) -> dict[str, Any]:
+        """The ``qkvtrace.trace/1`` JSON object (``maps``: with the attention maps' values)."""
         return {
             "schema": TRACE_SCHEMA,
             "torch_version": self.torch_version,
-            "calls": [asdict(c) for c in self.calls],
+            "calls": [_call_dict(c, maps) for c in self.calls],
             "gradients": [asdict(g) for g in self.gradients],
             "unobserved": [asdict(u) for u in self.unobserved],
             "warnings": list(self.warnings),
             "routes": [asdict(r) for r in self.routes],
         }
 
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+    def to_json(self, *, maps: bool = False) -> str:
+        return json.dumps(self.to_dict(maps=maps), indent=2, sort_keys=True) + "\n"
 
-    def save(self, path: str | os.PathLike[str]) -> Path:
-        """Write the JSON atomically: the file is either complete or absent."""
-        return atomic_write_text(Path(path), self.to_json())
+    def save(self, path: str | os.PathLike[str], *, maps: bool = False) -> Path:
+        """Write the JSON atomically: the file is either complete or absent.
+
+        ``maps``: also write each call's ``attention_map`` values (B·H·T_q·T_k numbers per call).
+        """
+        return atomic_write_text(Path(path), self.to_json(maps=maps))
 
     def summary(self) -> dict[str, dict[str, int]]:
         """Counts of calls per path and per SDPA backend."""
@@ -278,8 +359,9 @@ class TraceResult:
         known = {f.name for f in fields(AttentionCall)}
         calls = []
         for c in data["calls"]:
-            qkv = c["qkv"]
+            qkv, written_map = c["qkv"], c.get("attention_map")
             c = {k: v for k, v in c.items() if k in known}  # fields a newer writer added are not ours to read
+            c["map_tensors"] = _map_from_dict(written_map)
             c["qkv"] = QKVInfo(
                 layout=qkv["layout"],
                 holder=qkv.get("holder"),

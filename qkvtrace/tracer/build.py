@@ -24,7 +24,9 @@ from qkvtrace.tracer import routes
 if TYPE_CHECKING:
     from qkvtrace.tracer.session import Trace
 
-__all__ = ["Target", "deliver", "dtype_name", "frame_of", "modes", "nan_count", "nested_lengths", "shape"]
+__all__ = [
+    "Target", "deliver", "dtype_name", "frame_of", "modes", "nan_count", "nested_lengths", "shape", "wants_maps",
+]  # fmt: skip
 
 #: an open trace that records a call, its name for the module, and the call's index in it
 Target = tuple["Trace", str, int]
@@ -83,14 +85,25 @@ def frame_of(code: types.CodeType, frame: types.FrameType | None, depth: int = 1
     return None
 
 
+def wants_maps(targets: list[Target]) -> bool:
+    """Some trace that records the call asked for attention maps."""
+    return any(t.maps is not None for t, _, _ in targets)
+
+
 def deliver(
     call: AttentionCall,
     targets: list[Target],
     owner: nn.Module,
     projection: Projection | str,
     core: routes.Core | None = None,
+    maps: Any = None,
 ) -> None:
-    """Hand one observed call to every trace that records it (``core``: its backward side)."""
+    """Hand one observed call to every trace that records it (``core``: its backward side).
+
+    ``maps``: where the call's attention map comes from (a source of
+    :mod:`qkvtrace.maps`, or a string saying why there is none), for the
+    traces that asked for maps; each computes its own from it, now, after the call.
+    """
     call.thread = threading.current_thread().name
     call.rank, call.world_size = compat.distributed_rank()
     if core is None:
@@ -101,6 +114,7 @@ def deliver(
     for i, (trace, name, index) in enumerate(targets):
         record = call if i == 0 else dataclasses.replace(call)
         record.index, record.module = index, name
+        trace.attach_map(record, maps)
         if isinstance(projection, Projection) and projection.holder is not owner:
             holder = trace.name_of(projection.holder)
             record.qkv = dataclasses.replace(record.qkv, holder=holder)

@@ -14,15 +14,15 @@ import contextlib
 import itertools
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
-from qkvtrace import compat, lazy, masks, paths
-from qkvtrace.records import AttentionCall, GradientRecord, RouteRecord, TraceResult, Unobserved
+from qkvtrace import compat, lazy, maps, masks, paths
+from qkvtrace.records import AttentionCall, GradientRecord, MapTensors, RouteRecord, TraceResult, Unobserved
 from qkvtrace.slices import NormCache, Projection, find_projection
 from qkvtrace.tracer import registry
 from qkvtrace.tracer.gradients import GradientRecorder
@@ -64,6 +64,11 @@ class Trace:
         routes: bool = True,
         refusals: bool = True,
         threads: Threads = "entering",
+        attention_maps: bool = False,
+        max_map_tokens: int | None = None,
+        max_map_mb: float | None = None,
+        heads: int | Sequence[int] | None = None,
+        batch_index: int | Sequence[int] | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"qkvtrace.trace() needs an nn.Module, got {type(model).__name__}")
@@ -74,6 +79,10 @@ class Trace:
         self.record_routes = gradients and routes
         self.record_refusals = refusals
         self.threads = threads
+        #: what maps this trace computes and the memory they hold so far (``None``: no maps)
+        self.maps: maps.MapBudget | None = None
+        if attention_maps:
+            self.maps = maps.MapBudget(maps.MapOptions.make(max_map_tokens, max_map_mb, heads, batch_index))
         #: the thread recorded (``threading.get_ident()``), ``None`` for every thread
         self.thread: int | None = None
         self.has_layers = False
@@ -111,8 +120,8 @@ class Trace:
     def to_dict(self) -> dict[str, Any]:
         return self.result.to_dict()
 
-    def save(self, path: str | Path) -> Path:
-        return self.result.save(path)
+    def save(self, path: str | Path, *, maps: bool = False) -> Path:
+        return self.result.save(path, maps=maps)
 
     def __enter__(self) -> Trace:
         if self._exit is not None:
@@ -195,6 +204,35 @@ class Trace:
             self._grads.watch(owner, projection)
         if self.record_routes and core is not None:
             self._grads.watch_routes(call.index, call.module, core)
+
+    def attach_map(self, call: AttentionCall, source: Any) -> None:
+        """Compute ``call``'s attention map from ``source`` (after the real call), or record why not."""
+        budget = self.maps
+        if budget is None:
+            if call.attention_map_reason is not None or call.map_tensors is not None:  # copied from another trace's
+                call.map_tensors = None
+                call.attention_map_reason = call.attention_map_notes = None
+                call.attention_map_heads = call.attention_map_batch = None
+            return
+        if source is None:
+            why = "the call raised" if call.error else f"maps are not computed for path {call.path!r}"
+            call.attention_map_reason = why
+            return
+        if isinstance(source, str):
+            call.attention_map_reason = source
+            return
+        try:
+            found = source.compute(budget, call.module)
+        except Exception as exc:  # the user's run goes on whatever happens here
+            call.attention_map_reason = f"not computed: {type(exc).__name__}: {exc}"
+            return
+        if found.weights is not None:
+            call.map_tensors = MapTensors(found.weights, found.fully_masked)
+        call.attention_map_heads, call.attention_map_batch = found.heads, found.batch
+        call.attention_map_reason = found.reason
+        call.attention_map_notes = found.notes or None
+        if found.reason is not None and found.reason.startswith("not computed: ") and "max_map" in found.reason:
+            self._result.warnings.append(f"attention map of {call.module or '(root)'} {found.reason}")
 
     # -- internals -----------------------------------------------------------
 
@@ -320,6 +358,11 @@ def trace(
     routes: bool = True,
     refusals: bool = True,
     threads: Threads = "entering",
+    attention_maps: bool = False,
+    max_map_tokens: int | None = None,
+    max_map_mb: float | None = None,
+    heads: int | Sequence[int] | None = None,
+    batch_index: int | Sequence[int] | None = None,
 ) -> Trace:
     """Trace every attention call ``model`` makes inside a ``with`` block.
 
@@ -336,8 +379,18 @@ def trace(
     ``threads``: ``"entering"`` (default) records calls of the thread that
     entered the block; ``"all"`` records the model's calls in every thread
     (servers, data loaders).
+    ``attention_maps``: give each call an ``attention_map`` (CPU float32
+    ``[B, H, T_query, T_key]``), recomputed on the side from the call's own
+    inputs after it ran, without changing its path, kernel or outputs
+    (:mod:`qkvtrace.maps`). ``heads`` / ``batch_index``: only these heads and
+    batch items. A map longer than ``max_map_tokens`` on a side (default
+    1024), or that would bring the trace's maps over ``max_map_mb`` (default
+    256), is refused before it is allocated; the call says why in
+    ``attention_map_reason``. The maps live in the result and go with it.
 
     Traces nest and overlap, in any order and any thread: each records the
     calls of its own model, with its own indices.
     """
-    return Trace(model, gradients=gradients, routes=routes, refusals=refusals, threads=threads)
+    return Trace(model, gradients=gradients, routes=routes, refusals=refusals, threads=threads,
+                 attention_maps=attention_maps, max_map_tokens=max_map_tokens, max_map_mb=max_map_mb,
+                 heads=heads, batch_index=batch_index)  # fmt: skip

@@ -18,10 +18,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from qkvtrace import masks, paths
+from qkvtrace import maps, masks, paths
 from qkvtrace.records import AttentionCall
 from qkvtrace.tracer import registry, routes
-from qkvtrace.tracer.build import deliver, frame_of, modes, nan_count, nested_lengths, shape
+from qkvtrace.tracer.build import deliver, frame_of, modes, nan_count, nested_lengths, shape, wants_maps
 from qkvtrace.tracer.observers.mha import arg
 
 __all__ = ["observe_layer"]
@@ -92,7 +92,15 @@ def observe_layer(original: Callable[..., Any], args: tuple[Any, ...], kwargs: d
         output={"nan_count": nan_count(out), "fully_masked_rows": rows},
         evidence=evidence,
     )
-    deliver(call, targets, mha, projection, routes.Core(None, _no_backward(out)))
+    source = None
+    if wants_maps(targets):  # from the builtin's own arguments: src, its first norm, qkv weights, merged mask
+        def get(name: str) -> Any:
+            return arg(args, kwargs, _LAYER_FWD_ARGS, name)
+
+        source = maps.LayerSource(src, int(get("num_heads")), get("qkv_weight"), get("qkv_bias"),
+                                  bool(get("norm_first")), float(get("eps")), get("norm_weight_1"),
+                                  get("norm_bias_1"), mask, mask_type)  # fmt: skip
+    deliver(call, targets, mha, projection, routes.Core(None, _no_backward(out)), source)
     return out
 
 

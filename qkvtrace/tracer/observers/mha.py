@@ -27,11 +27,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qkvtrace import masks, paths
+from qkvtrace import maps, masks, paths
 from qkvtrace.records import EVIDENCE_WITNESSED, AttentionCall
 from qkvtrace.slices import PartSpec, Projection, ProjectionSpec
 from qkvtrace.tracer import registry, routes
-from qkvtrace.tracer.build import Target, deliver, dtype_name, frame_of, modes, nan_count, nested_lengths, shape
+from qkvtrace.tracer.build import (
+    Target,
+    deliver,
+    dtype_name,
+    frame_of,
+    modes,
+    nan_count,
+    nested_lengths,
+    shape,
+    wants_maps,
+)
 
 __all__ = ["OpenMHA", "observe_forward", "observe_function", "observe_native"]
 
@@ -56,7 +66,7 @@ class OpenMHA:
     """A multi-head attention call that has started and not yet ended (on this thread)."""
 
     __slots__ = ("attn_mask", "backend", "canonical", "core", "error", "evidence", "inputs", "kpm", "local",
-                 "module", "ops", "path", "projection", "query", "refusals", "targets")  # fmt: skip
+                 "map_args", "module", "ops", "path", "projection", "query", "refusals", "targets")  # fmt: skip
 
     def __init__(self, module: nn.Module, targets: list[Target]) -> None:
         self.module = module
@@ -78,6 +88,8 @@ class OpenMHA:
         self.projection: Projection | str | None = None
         #: the backward side of the call, from its SDPA kernel's output when one ran
         self.core: routes.Core | None = None
+        #: the bound arguments an attention map is computed from (only when a trace asked for maps)
+        self.map_args: dict[str, Any] | None = None
 
 
 def _innermost() -> OpenMHA | None:
@@ -147,6 +159,8 @@ def observe_forward(original: Callable[..., Any], args: tuple[Any, ...], kwargs:
     a = _bind(_MHA_NAMES, _MHA_DEFAULTS, args[1:], kwargs)
     ctx.query, ctx.kpm, ctx.attn_mask = a["query"], a["key_padding_mask"], a["attn_mask"]
     ctx.inputs = _inputs(module, a, batch_first=bool(module.batch_first))
+    if wants_maps(ctx.targets):
+        ctx.map_args = a
     return _run(ctx, original, args, kwargs)
 
 
@@ -227,6 +241,8 @@ def observe_function(original: Callable[..., Any], args: tuple[Any, ...], kwargs
     ctx.inputs = _inputs(module, a, batch_first=False)  # this function takes (L, N, E) or (L, E)
     ctx.inputs["num_heads"] = a["num_heads"]
     ctx.inputs["training"] = bool(a["training"])  # the argument, not the module's flag
+    if wants_maps(ctx.targets):
+        ctx.map_args = a
     return _run(ctx, original, args, kwargs)
 
 
@@ -306,6 +322,7 @@ def _finish(ctx: OpenMHA, out: Any) -> None:
     query = ctx.query
     inputs = ctx.inputs
     rows: Any = 0
+    kpm_c = attn_c = None
     if ctx.error is not None:  # the inputs were refused: record them as given, measure nothing
         rows = None
         inputs["key_padding_mask"] = _mask_info(ctx.kpm, None)
@@ -349,10 +366,33 @@ def _finish(ctx: OpenMHA, out: Any) -> None:
         result = out[0] if isinstance(out, tuple) else out
         heads = getattr(module, "num_heads", None) or inputs.get("num_heads")
         core = routes.find_core(result, (query,), heads=int(heads) if heads else None)
-    ctx.query = ctx.kpm = ctx.attn_mask = None
+    source = _map_source(ctx, kpm_c, attn_c) if ctx.map_args is not None else None
+    ctx.query = ctx.kpm = ctx.attn_mask = ctx.map_args = None
     ctx.local = {}
     ctx.core = None
-    deliver(call, ctx.targets, module, projection, core)
+    deliver(call, ctx.targets, module, projection, core, source)
+
+
+def _map_source(ctx: OpenMHA, kpm_c: Any, attn_c: Any) -> Any:
+    """Where this call's attention map comes from (masks as PyTorch canonicalised them), or why none."""
+    a = ctx.map_args
+    if a is None or ctx.error is not None:
+        return None
+    if ctx.path not in ("fast", "fallback"):
+        return "not computed: no MultiheadAttention path was observed for this call"
+    if ctx.kpm is not None and kpm_c is None:
+        kpm_c = _canonical(ctx.kpm, "key_padding_mask", ctx.query)
+    if ctx.attn_mask is not None and attn_c is None:
+        attn_c = _canonical(ctx.attn_mask, "attn_mask", ctx.query)
+    if (ctx.kpm is not None and kpm_c is None) or (ctx.attn_mask is not None and attn_c is None):
+        return "not computed: PyTorch's canonical form of the masks could not be read"
+    # the fallback hands SDPA is_causal=True instead of the mask when there is no padding mask and no weights
+    causal = ctx.path == "fallback" and bool(a["is_causal"]) and kpm_c is None and not a["need_weights"]
+    if ctx.canonical:
+        return maps.function_source(a, kpm_c, attn_c, causal)
+    module = ctx.module
+    return maps.mha_source(module, a["query"], a["key"], kpm_c, attn_c, batch_first=bool(module.batch_first),
+                           causal=causal)  # fmt: skip
 
 
 def _layer_reason(mha: nn.Module) -> str | None:

@@ -29,10 +29,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from qkvtrace import masks, paths
+from qkvtrace import maps, masks, paths
 from qkvtrace.records import AttentionCall, QKVInfo, SliceInfo
 from qkvtrace.tracer import registry, routes
-from qkvtrace.tracer.build import Target, deliver, modes, nan_count, shape
+from qkvtrace.tracer.build import Target, deliver, modes, nan_count, shape, wants_maps
 from qkvtrace.tracer.install import redispatch_sdpa, relevant_overrides
 from qkvtrace.tracer.observers.mha import OpenMHA, arg
 
@@ -80,6 +80,13 @@ class _Args:
             return None
         return paths.sdpa_refusals(self.q, self.k, self.v, self.mask, self.dropout_p, self.is_causal, self.gqa)
 
+    def map_source(self, targets: list[Target], override: bool = False) -> maps.SDPASource | None:
+        """The q/k/mask handed to the kernel, for the traces that asked for attention maps."""
+        if not wants_maps(targets):
+            return None
+        return maps.SDPASource(self.q, self.k, self.mask, self.is_causal, self.scale, self.gqa, self.dropout_p,
+                               override)  # fmt: skip
+
     def grad(self) -> bool:
         return torch.is_grad_enabled() and any(
             isinstance(t, torch.Tensor) and t.requires_grad for t in (self.q, self.k, self.v)
@@ -119,7 +126,8 @@ def observe_sdpa(original: Callable[..., Any], args: tuple[Any, ...], kwargs: di
         raise
     _learn(a, backend, ops)
     core = routes.sdpa_core(out, a.q, a.k, a.v)
-    _deliver(_record(owner, targets, a, backend, ops, evidence, out, refusals), owner, targets, core)
+    record = _record(owner, targets, a, backend, ops, evidence, out, refusals)
+    _deliver(record, owner, targets, core, a.map_source(targets))
     return out
 
 
@@ -173,7 +181,8 @@ def _observe_override(
     if backend is None and ops is not None:
         backend = _EVIDENCE.backend_of(a.q.device.type, ops)
     core = routes.sdpa_core(out, a.q, a.k, a.v)
-    _deliver(_record(owner, targets, a, backend, ops, evidence, out, ctx.refusals), owner, targets, core)
+    record = _record(owner, targets, a, backend, ops, evidence, out, ctx.refusals)
+    _deliver(record, owner, targets, core, a.map_source(targets, override=_overrides(a.mask)))
     return out
 
 
@@ -183,8 +192,9 @@ def _pop(stack: list[Any], ctx: Any) -> None:
             break
 
 
-def _deliver(call: AttentionCall, owner: nn.Module, targets: list[Target], core: routes.Core | None = None) -> None:
-    deliver(call, targets, owner, targets[0][0].projection(owner), core)
+def _deliver(call: AttentionCall, owner: nn.Module, targets: list[Target], core: routes.Core | None = None,
+             source: maps.SDPASource | None = None) -> None:  # fmt: skip
+    deliver(call, targets, owner, targets[0][0].projection(owner), core, source)
 
 
 def _override_mask(mask: Any, device: torch.device) -> dict[str, Any]:
