@@ -38,6 +38,7 @@ examples:
   qkvtrace trace demo:mha --train --backward       # fallback path, Q/K/V gradients
   qkvtrace trace my_pkg.models:build --json t.json # your own model factory
   qkvtrace trace path/to/model.py:make --input-shape 4,128
+  qkvtrace grads demo:tiny-lm --svg routes.svg      # how the loss reaches W_Q, W_K, W_V, drawn
   qkvtrace probe                                   # mask semantics, NaN rows, backends
   qkvtrace check demo:tiny-lm --causal             # leakage by perturbation
   qkvtrace diff reports/torch-A reports/torch-B    # what changed between versions
@@ -64,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
         ablate_cmd,
         check_cmd,
         diff_cmd,
+        grads_cmd,
         history_cmd,
         inspect_cmd,
         merge_cmd,
@@ -84,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
     trace_cmd.register(sub)
+    grads_cmd.register(sub)
     inspect_cmd.register(sub)
     probe_cmd.register(sub)
     check_cmd.register(sub)

@@ -90,9 +90,9 @@ def _mha_spec(module: nn.MultiheadAttention) -> ProjectionSpec:
 
 
 _SEPARATE_NAMES = {
-    "q": re.compile(r"^(q|query|q_proj|to_q|wq|q_lin|query_proj)$"),
-    "k": re.compile(r"^(k|key|k_proj|to_k|wk|k_lin|key_proj)$"),
-    "v": re.compile(r"^(v|value|v_proj|to_v|wv|v_lin|value_proj)$"),
+    "q": re.compile(r"^(q|query|q_proj|to_q|wq|w_q|q_lin|query_proj)$", re.IGNORECASE),
+    "k": re.compile(r"^(k|key|k_proj|to_k|wk|w_k|k_lin|key_proj)$", re.IGNORECASE),
+    "v": re.compile(r"^(v|value|v_proj|to_v|wv|w_v|v_lin|value_proj)$", re.IGNORECASE),
 }
 
 

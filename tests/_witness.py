@@ -9,6 +9,7 @@ profiler. Nothing here asks qkvtrace anything.
 from __future__ import annotations
 
 import warnings
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -76,3 +77,28 @@ def learn_kernel_backends(batch: int, heads: int, length: int, head_dim: int) ->
     mapping = {k: next(iter(v)) for k, v in seen.items()}
     assert "MATH" in mapping.values(), mapping
     return mapping
+
+
+def graph_names(out: torch.Tensor) -> list[str]:
+    """Every node name of ``out``'s autograd graph, breadth first (an un-instrumented run's backward)."""
+    names, queue, seen = [], deque([out.grad_fn]), set()
+    while queue:
+        node = queue.popleft()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        names.append(node.name())
+        queue.extend(child for child, _ in node.next_functions)
+    return names
+
+
+def attention_core(out: torch.Tensor) -> str:
+    """The attention core of an un-instrumented graph, said as the tracer says it."""
+    names = graph_names(out)
+    fused = [n for n in names if "ScaledDotProduct" in n]
+    if fused:
+        return fused[0]
+    softmax = next(n for n in names if "Softmax" in n)
+    # the product with V is the first matmul met above the softmax, breadth first from the output
+    matmul = next(n for n in names if n.startswith(("Bmm", "Mm", "Matmul")))
+    return f"{softmax} + {matmul}"

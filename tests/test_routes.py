@@ -11,12 +11,12 @@ import copy
 import gc
 import math
 import weakref
-from collections import deque
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
+from _witness import attention_core, graph_names
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -25,31 +25,6 @@ from qkvtrace.validation import load_trace
 
 E, H, B, T = 16, 4, 3, 6
 D = E // H
-
-
-def _names(out: torch.Tensor) -> list[str]:
-    """Every node name of ``out``'s autograd graph, breadth first (the un-instrumented witness)."""
-    names, queue, seen = [], deque([out.grad_fn]), set()
-    while queue:
-        node = queue.popleft()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        names.append(node.name())
-        queue.extend(child for child, _ in node.next_functions)
-    return names
-
-
-def _core_of(out: torch.Tensor) -> str:
-    """The attention core of an un-instrumented graph, said as the tracer says it."""
-    names = _names(out)
-    fused = [n for n in names if "ScaledDotProduct" in n]
-    if fused:
-        return fused[0]
-    softmax = next(n for n in names if "Softmax" in n)
-    # the product with V is the first matmul met above the softmax, breadth first from the output
-    matmul = next(n for n in names if n.startswith(("Bmm", "Mm", "Matmul")))
-    return f"{softmax} + {matmul}"
 
 
 def _weights(seed: int = 0) -> torch.Tensor:
@@ -121,12 +96,12 @@ def test_mha_backward_kernel_is_the_node_an_uninstrumented_run_builds(need_weigh
         _out, _ = m(x, x, x, need_weights=need_weights)
     (call,) = t.calls
     assert call.path == "fallback"
-    assert call.backward_kernel == _core_of(witness)
+    assert call.backward_kernel == attention_core(witness)
     assert call.backward_reason is None
     if need_weights:
         assert "Softmax" in call.backward_kernel and " + " in call.backward_kernel
     else:
-        assert call.backward_kernel == next(n for n in _names(witness) if "ScaledDotProduct" in n)
+        assert call.backward_kernel == next(n for n in graph_names(witness) if "ScaledDotProduct" in n)
 
 
 @pytest.mark.parametrize("backend", [SDPBackend.MATH, SDPBackend.FLASH_ATTENTION])
@@ -139,7 +114,7 @@ def test_sdpa_backward_kernel_per_forced_backend(backend: SDPBackend) -> None:
             model(x)
     (call,) = t.calls
     assert call.sdpa_backend == backend.name
-    assert call.backward_kernel == _core_of(witness)
+    assert call.backward_kernel == attention_core(witness)
     assert ("ScaledDotProductFlash" in call.backward_kernel) == (backend == SDPBackend.FLASH_ATTENTION)
 
 

@@ -75,6 +75,7 @@ def test_every_file_the_tool_writes_validates(tmp_path: Path, capsys: pytest.Cap
     write("qkvtrace.check/1", "c-leak.json", "check", f"{ROOT / 'tests' / 'mistakes.py'}:build_reversed",
           "--causal", "--mode", "inference", code=1)  # fmt: skip
     write("qkvtrace.probes/1", "probes.json", "probe")
+    write("qkvtrace.grads/1", "g.json", "grads", "demo:mha")
     write("qkvtrace.ablate/1", "ablate.json", "ablate", "--seeds", "1", "--steps", "2")
     write("qkvtrace.walkthrough/1", "w.json", "walkthrough", "--epochs", "3")
     code, _, err = run(capsys, "inspect", "--out", tmp_path / "reports")

@@ -1,0 +1,273 @@
+"""One forward and backward pass, and how the loss reached each attention call's W_Q, W_K and W_V.
+
+Seed section 11 in measurements: the gradient leaves the loss, enters
+``context = attention @ V`` and splits -- straight into V, and through the
+softmax and the scores into Q and K -- and each route ends in its slice of
+the projection weight. :func:`measure` runs the model once under
+:func:`qkvtrace.trace` (which records each call's backward kernel, the
+gradients reaching its Q, K and V, and the slice gradients), and adds the
+attention that the tracer cannot see because it is written by hand (a
+softmax of QKᵀ in a module of the model's own): for those modules a
+forward hook reads the same backward core from the module's output.
+
+Every number comes from this pass: norms of PyTorch's own gradients, read
+by hooks that only read.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from qkvtrace.records import AttentionCall, GradientRecord, TraceResult, atomic_write_text
+
+PARTS_ORDER = ("q", "k", "v")
+
+__all__ = ["GRADS_SCHEMA", "GradsResult", "NoBackward", "Route", "SliceGradient", "measure"]
+
+GRADS_SCHEMA = "qkvtrace.grads/1"
+
+#: the path reported for attention the tracer does not wrap (a softmax written in the model's own code)
+HAND_WRITTEN = "hand-written"
+
+
+class NoBackward(ValueError):
+    """The model's output has no autograd graph: there is no backward pass to measure."""
+
+
+@dataclass(slots=True)
+class SliceGradient:
+    """Where one of Q, K, V lives in the weights, and its gradient after the pass."""
+
+    #: dotted parameter name in the model, e.g. ``layers.0.self_attn.in_proj_weight``
+    param: str
+    #: ``[start, stop)`` rows (columns for ``dim`` 1) of a packed weight; ``None`` for a whole one
+    rows: list[int] | None
+    dim: int
+    #: norm of that slice of the parameter's ``.grad`` after the pass
+    grad_norm: float | None
+    #: its share of the squared Q/K/V weight-gradient norm of the module
+    share: float | None
+
+
+@dataclass(slots=True)
+class Route:
+    """One attention call (or hand-written attention module) seen from the backward pass."""
+
+    #: the call's index in the trace; ``None`` for hand-written attention
+    call: int | None
+    module: str
+    path: str
+    backward_kernel: str | None
+    #: why there is no route for this call (no graph, routes not readable)
+    reason: str | None
+    #: gradient reaching Q, K, V: ``{"norm", "per_head", "share"}`` each, or ``None``
+    q: dict[str, Any] | None = None
+    k: dict[str, Any] | None = None
+    v: dict[str, Any] | None = None
+    #: the Q, K and V slices of the projection weights and their gradients
+    slices: dict[str, SliceGradient] = field(default_factory=dict)
+
+
+@dataclass
+class GradsResult:
+    """What ``qkvtrace grads`` measured."""
+
+    target: str
+    torch_version: str
+    #: how the loss was made (``lm``: next-token cross-entropy; ``probe``: ⟨output, R⟩ with a fixed random R)
+    loss_kind: str
+    loss: float
+    routes: list[Route]
+    #: the full trace of the pass (calls, slice gradients, routes), for readers who want more
+    trace: TraceResult
+
+    def drawable(self) -> list[Route]:
+        return [r for r in self.routes if r.q is not None or r.k is not None or r.v is not None]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": GRADS_SCHEMA,
+            "target": self.target,
+            "torch_version": self.torch_version,
+            "loss": {"kind": self.loss_kind, "value": self.loss},
+            "routes": [asdict(r) for r in self.routes],
+        }
+
+    def save(self, path: str | Path) -> Path:
+        return atomic_write_text(Path(path), json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+
+
+def make_loss(model: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """A loss whose gradient reaches every output position.
+
+    A language model (integer token ids in, one score per vocabulary entry
+    out) gets its own loss, next-token cross-entropy. Anything else gets
+    ⟨output, R⟩ with R drawn once from N(0, 1) (seed 0): a plain ``sum``
+    would give a zero gradient through a final LayerNorm.
+    """
+    ids = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    vocab = next((m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    if (ids is not None and not ids.is_floating_point() and ids.dim() == 2 and out.dim() == 3
+            and vocab is not None and out.shape[-1] == vocab and ids.shape[1] > 1):  # fmt: skip
+        logits = out[:, :-1].reshape(-1, out.shape[-1]).float()
+        return "lm", nn.functional.cross_entropy(logits, ids[:, 1:].reshape(-1))
+    probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(0)).to(out.device, torch.float32)
+    return "probe", (out.float() * probe).sum()
+
+
+def measure(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None, *,
+            target: str = "model") -> GradsResult:  # fmt: skip
+    """Run ``model(*args, **kwargs)`` forward and backward once, with gradients on, and measure the routes."""
+    import qkvtrace
+    from qkvtrace.target import first_tensor
+
+    kwargs = kwargs or {}
+    hand = _HandWritten(model)
+    with hand, qkvtrace.trace(model) as t, torch.enable_grad():
+        out = first_tensor(model(*args, **kwargs))
+        if out is None or out.grad_fn is None:
+            raise NoBackward(
+                "the output has no autograd graph (nothing in the model requires grad, or it ran without "
+                "autograd): there is no backward pass to draw"
+            )
+        kind, loss = make_loss(model, args, out)
+        loss.backward()
+    result = t.result
+    routes = [_route_of_call(call, result) for call in result.calls]
+    seen = {c.module for c in result.calls} | {c.qkv.holder for c in result.calls if c.qkv.holder}
+    routes += [r for r in hand.routes() if not any(_related(r.module, s) for s in seen)]
+    return GradsResult(target, str(torch.__version__), kind, float(loss.detach()), routes, result)
+
+
+def _related(a: str, b: str) -> bool:
+    return a == b or a.startswith(b + ".") or b.startswith(a + ".")
+
+
+def _route_of_call(call: AttentionCall, result: TraceResult) -> Route:
+    found = [r for r in result.routes if r.call == call.index]
+    reason = call.backward_reason or call.route_reason
+    if not found and reason is None:
+        reason = "no gradient reached this call in the backward pass"
+    route = Route(call.index, call.module, call.path, call.backward_kernel, reason)
+    if found:
+        for part in PARTS_ORDER:
+            got = getattr(found[-1], part)
+            setattr(route, part, asdict(got) if got is not None else None)
+    holder = call.qkv.holder or call.module
+    grads = [g for g in result.gradients if g.module == call.module]
+    if call.qkv.layout is not None and grads:
+        route.slices = _slices(call, holder, grads[-1])
+    return route
+
+
+def _slices(call: AttentionCall, holder: str, grad: GradientRecord) -> dict[str, SliceGradient]:
+    out: dict[str, SliceGradient] = {}
+    for part in PARTS_ORDER:
+        info, g = getattr(call.qkv, part), getattr(grad, part)
+        if info is None or info.param is None:
+            continue
+        name = f"{holder}.{info.param}" if holder else info.param
+        out[part] = SliceGradient(name, info.rows, info.dim, g.grad_norm, g.pass_share)
+    return out
+
+
+class _HandWritten:
+    """Forward hooks on the model's own attention modules, reading their backward core and routes.
+
+    Only modules written outside ``torch.nn`` get a hook (PyTorch's own
+    modules are traced, and a hook on an encoder layer would change its path).
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        from qkvtrace.slices import Projection, find_projection
+
+        self._candidates: dict[int, tuple[str, nn.Module, Any]] = {}
+        for name, m in model.named_modules():
+            if type(m).__module__.startswith("torch."):
+                continue
+            found = find_projection(m)
+            if isinstance(found, Projection):
+                self._candidates[id(m)] = (name, m, found)
+        self._handles: list[Any] = []
+        self._seen: list[tuple[str, Any, dict[str, Any]]] = []
+
+    def __enter__(self) -> _HandWritten:
+        for _, m, _ in self._candidates.values():
+            self._handles.append(m.register_forward_hook(self._hook))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _hook(self, module: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
+        from qkvtrace.target import first_tensor
+        from qkvtrace.tracer import routes
+
+        name, _, projection = self._candidates[id(module)]
+        out = first_tensor(output)
+        heads = next((getattr(module, a) for a in ("num_heads", "n_heads", "n_head", "heads")
+                      if isinstance(getattr(module, a, None), int)), None)  # fmt: skip
+        core = routes.find_core(out, inputs, heads=heads)
+        got: dict[str, Any] = {}
+
+        def on_grad(part: str, layout: routes.Layout, grad: torch.Tensor) -> None:
+            with torch.no_grad():
+                per_head = routes.head_norms(grad, layout)
+                got[part] = {
+                    "norm": float(torch.linalg.vector_norm(grad.float())),
+                    "per_head": per_head.tolist() if per_head is not None else None,
+                    "share": None,
+                }
+
+        routes.register(core, on_grad)
+        self._seen.append((name, core.kernel, {"reason": core.reason or core.route_reason, "got": got,
+                                               "projection": projection, "module": module}))  # fmt: skip
+
+    def routes(self) -> list[Route]:
+        out = []
+        for name, kernel, extra in self._seen:
+            got = extra["got"]
+            route = Route(None, name, HAND_WRITTEN, kernel, extra["reason"] if not got else None)
+            total = sum(v["norm"] ** 2 for v in got.values())
+            for part, value in got.items():
+                value["share"] = value["norm"] ** 2 / total if total > 0 else None
+                setattr(route, part, value)
+            route.slices = _real_slices(name, extra["module"], extra["projection"])
+            out.append(route)
+        return out
+
+
+def _real_slices(name: str, module: nn.Module, projection: Any) -> dict[str, SliceGradient]:
+    """Slices of the real ``.grad`` of a hand-written module's projection (no tracer record exists)."""
+    from qkvtrace.slices import grad_slices
+
+    parts = grad_slices(projection, {})  # 0-dim tensors: read once the pass is over
+    norms: dict[str, float | None] = {}
+    for p in PARTS_ORDER:
+        value: Any = parts[p].grad_norm
+        norms[p] = float(value) if value is not None else None
+    total = sum(v * v for v in norms.values() if v is not None)
+    out = {}
+    for part, ps in projection.spec.parts():
+        param = f"{name}.{ps.param}" if name else ps.param
+        rows = list(ps.rows) if ps.rows is not None else None
+        n = norms[part]
+        out[part] = SliceGradient(param, rows, ps.dim, n, n * n / total if n is not None and total > 0 else None)
+    return out
+
+
+def routes_from_dict(data: dict[str, Any]) -> list[Route]:
+    """The routes of a ``qkvtrace.grads/1`` object."""
+    out = []
+    for r in data["routes"]:
+        slices = {p: SliceGradient(**s) for p, s in r.get("slices", {}).items()}
+        out.append(Route(**{**r, "slices": slices}))
+    return out
