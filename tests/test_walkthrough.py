@@ -142,3 +142,19 @@ def test_cli_bad_input_is_one_line_and_exit_2(
     out, err = capsys.readouterr()
     assert code == 2, out
     assert err.count("\n") == 1 and words in err and "Traceback" not in err
+
+
+def test_a_failed_check_is_a_problem() -> None:
+    """What makes the command exit 1: each check, tampered with, is reported in words."""
+    from qkvtrace.walkthrough import problems
+
+    data = run_walkthrough(epochs=1)
+    assert problems(data) == []
+    tampered = json.loads(json.dumps(data))
+    tampered["checks"]["attention_vs_pytorch"] = 1e-3
+    tampered["gradients"]["grad_norms"]["k"] *= 1.01
+    tampered["step"]["holds"] = False
+    found = problems(tampered)
+    assert len(found) == 3
+    assert any("PyTorch's" in p for p in found) and any("K slice" in p for p in found)
+    assert any("-lr * grad" in p for p in found)
