@@ -163,6 +163,14 @@ def _rows_of(call: Any) -> dict[str, tuple[int, int]]:
     return {p: tuple(getattr(qkv, p).rows) for p in "qkv"}  # type: ignore[misc]
 
 
+def _map_err(call: Any, attention: torch.Tensor) -> float | None:
+    """Max |difference| to the attention map the tracer recomputed for ``call`` (``None`` without one)."""
+    weights = getattr(call, "attention_map", None)  # [B, H, Tq, Tk] for the batch items and heads it kept
+    if weights is None:
+        return None
+    return _err(attention, weights[0, 0])
+
+
 def _call_view(call: Any) -> dict[str, Any]:
     return {
         "path": call.path,
@@ -210,7 +218,7 @@ def run_walkthrough(
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     w = model.attention.in_proj_weight
 
-    with trace(model) as t:
+    with trace(model, attention_maps=True) as t:
         # -- one forward of the sentence, every matrix ---------------------------------------------
         model.train()
         logits, torch_weights = model(tokens, need_weights=True)
@@ -310,6 +318,7 @@ def run_walkthrough(
         "probabilities": _v(probabilities),
         "checks": {
             "attention_vs_pytorch": _err(hand["attention"], torch_weights[0]),
+            "attention_vs_tracer_map": _map_err(first_call, hand["attention"]),
             "logits_vs_pytorch": _err(hand["logits"], logits[0]),
             "rows_sum_to_one": _err(hand["attention"].sum(-1), torch.ones(len(words))),
             "loss": round(float(loss.detach()), 6),
@@ -334,6 +343,7 @@ def run_walkthrough(
             "attention_before": _m(attention_before),
             "attention_after": _m(after["attention"]),
             "attention_after_vs_pytorch": _err(after["attention"], final_weights[0]),
+            "attention_after_vs_tracer_map": _map_err(last_call, after["attention"]),
             "probabilities": _v(final_logits.softmax(dim=-1)[0]),
             "weight_change_norms": {
                 p: round(float((w[slice(*rows[p])] - before[p]).detach().norm()), 4) for p in "qkv"
@@ -361,6 +371,10 @@ def problems(data: dict[str, Any]) -> list[str]:
                       ("loss_vs_minus_log_p", "cross-entropy differs from -log p(label)")):  # fmt: skip
         if checks[key] > TOLERANCE:
             found.append(f"{what} (by {checks[key]:.2g})")
+    for where, value in (("before", checks.get("attention_vs_tracer_map")),
+                         ("after", data["after"].get("attention_after_vs_tracer_map"))):  # fmt: skip
+        if value is not None and value > TOLERANCE:
+            found.append(f"{where} training, the tracer's attention map differs from the attention (by {value:.2g})")
     if data["after"]["attention_after_vs_pytorch"] > TOLERANCE:
         found.append("after training, the attention computed by hand differs from PyTorch's")
     for p in "qkv":

@@ -34,6 +34,10 @@ def test_every_check_holds(full: dict[str, Any]) -> None:
     assert full["problems"] == []
     c = full["checks"]
     assert c["attention_vs_pytorch"] < 1e-6 and c["logits_vs_pytorch"] < 1e-6
+    # the tracer's own attention map (trace(model, attention_maps=True)) of the same calls, before and after
+    assert c["attention_vs_tracer_map"] is not None and c["attention_vs_tracer_map"] < 1e-6
+    assert full["after"]["attention_after_vs_tracer_map"] is not None
+    assert full["after"]["attention_after_vs_tracer_map"] < 1e-6
     assert math.isclose(c["loss"], c["minus_log_p"], abs_tol=1e-6)
     p = full["probabilities"][full["label"]["index"]]
     assert math.isclose(c["loss"], -math.log(p), abs_tol=1e-3)  # p is stored at 4 decimals

@@ -86,6 +86,10 @@ def _dims(n: int, prefix: str = "d") -> list[str]:
     return [f"{prefix}{i}" for i in range(n)]
 
 
+def _maybe(x: float | None) -> str:
+    return "(no map)" if x is None else f"{x:.2g}"
+
+
 def _norms(n: dict[str, float | None]) -> str:
     return " / ".join("-" if n[p] is None else f"{n[p]:.4g}" for p in "qkv")
 
@@ -132,7 +136,8 @@ def walkthrough_renderables(data: dict[str, Any]) -> list[RenderableType]:
     out.append(_matrix(f"context [{len(tokens)}, {d}]", m["context"], tokens, _dims(d)))
     out.append(Text(
         f"PyTorch's own attention weights differ from these by at most {checks['attention_vs_pytorch']:.2g}; "
-        f"rows sum to 1 within {checks['rows_sum_to_one']:.2g}. PyTorch ran path {call['path']!r} "
+        f"rows sum to 1 within {checks['rows_sum_to_one']:.2g}; the tracer's attention map differs by "
+            f"{_maybe(checks.get('attention_vs_tracer_map'))}. PyTorch ran path {call['path']!r} "
         f"(why not fast: {call['why_not_fast_path']!r}; SDPA backend: {call['sdpa_backend'] or 'none'}, "
         f"need_weights={call['need_weights']})."
     ))  # fmt: skip
@@ -185,6 +190,7 @@ def walkthrough_renderables(data: dict[str, Any]) -> list[RenderableType]:
     out.append(Text(
         f"probabilities [negative, positive]: before {probs}, after {after['probabilities']}; "
         f"|ΔW_Q| / |ΔW_K| / |ΔW_V| since the start: {_norms(after['weight_change_norms'])}; "
+        f"the tracer's map of the call after training differs by {_maybe(after.get('attention_after_vs_tracer_map'))}; "
         f"after training PyTorch ran path {after['traced_call']['path']!r} "
         f"(why not fast: {after['traced_call']['why_not_fast_path']!r})"
     ))  # fmt: skip
