@@ -188,6 +188,7 @@ def build_history(reports: Sequence[tuple[Path | str, dict[str, Any]] | dict[str
                 "torch_git_version": r["environment"].get("torch_git_version", ""),
                 "platform": r["environment"].get("platform", ""),
                 "python_version": r["environment"].get("python_version", ""),
+                "cuda_available": bool(r["environment"].get("cuda_available", False)),
                 "missing": sorted(m["name"] for m in r.get("missing", [])),
             }
             for v, r in zip(releases, ordered, strict=True)

@@ -46,21 +46,37 @@ def _value(value: Any) -> str:
     return str(value)
 
 
-def chart_rows(history: dict[str, Any]) -> list[tuple[str, dict[str, str]]]:
-    """Rows of the chart: (item, {release: change}) for every item that changed at least once."""
-    rows: list[tuple[str, dict[str, str]]] = []
+def _label(text: str) -> str:
+    for long, short in (("F.scaled_dot_product_attention", "SDPA"), ("nn.MultiheadAttention", "MHA"),
+                        ("torch.nn.attention.", "attention."), ("fully_masked_rows", "fully-masked rows"),
+                        ("mask_semantics", "mask semantics"), ("torch._C.", "C.")):  # fmt: skip
+        text = text.replace(long, short)
+    return text
+
+
+def chart_rows(history: dict[str, Any]) -> list[tuple[str, dict[str, str], dict[str, str]]]:
+    """Rows of the chart: (item, {release: change}, {release: cell text}) for every item that changed."""
+    rows: list[tuple[str, dict[str, str], dict[str, str]]] = []
     for s in history["sources"]:
         if s["changes"]:
-            rows.append((f"source: {_short(s['name'])}", {c["release"]: c["change"] for c in s["changes"]}))
-    by_function: dict[str, dict[str, str]] = {}
+            rows.append((f"source: {_label(_short(s['name']))}", {c["release"]: c["change"] for c in s["changes"]}, {}))
+    by_function: dict[str, dict[str, dict[str, int]]] = {}
     for c in history["fast_path_conditions"]:
-        cells = by_function.setdefault(c["function"], {})
-        cells[c["release"]] = c["change"] if c["release"] not in cells else "several"
-    rows += [(f"fast-path conditions: {_short(f)}", cells) for f, cells in sorted(by_function.items())]
+        counts = by_function.setdefault(c["function"], {}).setdefault(c["release"], {})
+        counts[c["change"]] = counts.get(c["change"], 0) + 1
+    for function, per_release in sorted(by_function.items()):
+        kinds = {r: next(iter(n)) if len(n) == 1 else "several" for r, n in per_release.items()}
+        marks = {"added": "+", "reworded": "~", "removed": "−"}
+        texts = {r: "".join(f"{marks[k]}{n[k]}" for k in marks if k in n) for r, n in per_release.items()}
+        rows.append((f"fast-path conditions: {_label(_short(function))}", kinds, texts))
     for p in history["probes"]:
-        rows.append((f"{p['kind']}: {p['key']}", {c["release"]: "behaviour" for c in p["changes"]}))
+        rows.append((f"{_label(p['kind'])}: {_label(p['key'])}", {c["release"]: "behaviour" for c in p["changes"]}, {}))
     if history["callgraph"]:
-        rows.append(("call graph edges", {g["release"]: "edges" for g in history["callgraph"]}))
+        rows.append((
+            "call graph edges",
+            {g["release"]: "edges" for g in history["callgraph"]},
+            {g["release"]: f"+{len(g['edges_added'])}−{len(g['edges_removed'])}" for g in history["callgraph"]},
+        ))  # fmt: skip
     return rows
 
 
@@ -89,24 +105,25 @@ def draw_history_chart(history: dict[str, Any], path: Path) -> None:
     height = max(3.0, 0.22 * len(rows) + 1.8)
     fig, ax = plt.subplots(figsize=(4.5 + 0.55 * len(releases), height))
     try:
-        for y, (_, cells) in enumerate(rows):
+        for y, (_, cells, texts) in enumerate(rows):
             for release, change in cells.items():
                 x = releases.index(release)
                 ax.add_patch(plt.Rectangle((x - 0.45, y - 0.4), 0.9, 0.8, color=_COLOURS.get(change, "#000000")))
+                if release in texts:
+                    ax.text(x, y, texts[release], ha="center", va="center", fontsize=5, color="white")
         ax.set_xlim(-0.5, len(releases) - 0.5)
         ax.set_ylim(len(rows) - 0.5, -0.5)
         ax.set_xticks(range(len(releases)))
         ax.set_xticklabels(releases, rotation=60, ha="right", fontsize=7)
         ax.set_yticks(range(len(rows)))
-        ax.set_yticklabels([label if len(label) <= 70 else label[:67] + "…" for label, _ in rows], fontsize=6)
+        ax.set_yticklabels([label if len(label) <= 70 else label[:67] + "…" for label, _, _ in rows], fontsize=6)
         ax.grid(axis="x", color="#eeeeee", linewidth=0.5)
         ax.set_axisbelow(True)
-        used = sorted({c for _, cells in rows for c in cells.values()})
+        used = sorted({c for _, cells, _ in rows for c in cells.values()})
         ax.legend(handles=[Patch(color=_COLOURS[c], label=c) for c in used], loc="upper left",
                   bbox_to_anchor=(1.01, 1.0), fontsize=7, frameon=False)  # fmt: skip
         ax.set_title(f"what changed in PyTorch attention, torch {releases[0]} … {releases[-1]}", fontsize=9)
-        fig.tight_layout()
-        fig.savefig(path, dpi=110, metadata={"Software": None})
+        fig.savefig(path, dpi=110, bbox_inches="tight", metadata={"Software": None})
     finally:
         plt.close(fig)
 
@@ -119,6 +136,10 @@ def history_markdown(history: dict[str, Any], *, chart_name: str | None = None) 
                f"({len(releases)} releases: {', '.join(releases)}). Each release is compared with the one "
                "before it, exactly as `qkvtrace diff` does.")  # fmt: skip
     out.append("")
+    if not any(r["cuda_available"] for r in history["reports"]):
+        out.append("Every report was collected without a CUDA device, so GPU-only SDPA backends appear as errors; "
+                   "a backend a release did not select when forced is recorded as an error saying so.")  # fmt: skip
+        out.append("")
     if chart_name:
         out += [f"![release x item chart]({chart_name})", ""]
     out += ["## Headlines", "", "| release | what changed |", "| --- | --- |"]
@@ -181,7 +202,8 @@ def history_markdown(history: dict[str, Any], *, chart_name: str | None = None) 
     out += ["## Reports", ""]
     for r in history["reports"]:
         v = r["torch_version"]
-        out.append(f"- [torch {v}](torch-{v}/report.md) — {r['platform']}, Python {r['python_version']}, "
+        device = "with CUDA" if r["cuda_available"] else "CPU only"
+        out.append(f"- [torch {v}](torch-{v}/report.md) — {r['platform']}, {device}, Python {r['python_version']}, "
                    f"git {r['torch_git_version'][:10] or 'unknown'}")  # fmt: skip
     out.append("")
     return "\n".join(out)
