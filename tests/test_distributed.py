@@ -3,8 +3,9 @@
 The test launches this file under ``torchrun`` (2 processes, gloo backend,
 rendezvous and collectives on 127.0.0.1 only, every step under a timeout);
 each rank runs :func:`worker`, which traces a ``DistributedDataParallel``
-model (and, where the installed PyTorch has it, a ``fully_shard`` one),
-measures the reduced ``.grad`` itself, and writes what it saw as JSON. The
+model (and, where the installed PyTorch can on the CPU, ``fully_shard`` and
+``FullyShardedDataParallel`` ones), measures the reduced ``.grad`` itself,
+and writes what it saw as JSON. The
 tests then read those files: module names as in the unwrapped model, each
 record's ``rank`` and ``world_size``, gradient records equal to the slices
 of the reduced ``.grad`` on every rank, and ``qkvtrace merge`` on the
@@ -104,6 +105,50 @@ def _recorded(t: Any) -> dict[str, Any]:
     return data
 
 
+#: the sharded data-parallel wrappers tried: FSDP2's ``fully_shard`` and FSDP1's ``FullyShardedDataParallel``
+SHARDED = {"fully_shard": "fully_shard (FSDP2)", "fsdp1": "FullyShardedDataParallel (FSDP1, use_orig_params=True)"}
+
+
+def _shard(kind: str, net: Net) -> nn.Module:
+    """``net`` wrapped by ``kind``; raises ImportError / RuntimeError... where this PyTorch cannot on the CPU."""
+    if kind == "fully_shard":
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(net.encoder["attn"])
+        fully_shard(net.block)
+        fully_shard(net)
+        return net
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return FullyShardedDataParallel(net, device_id=torch.device("cpu"), use_orig_params=True)
+
+
+def _full_grad_norms(kind: str, wrapped: nn.Module, net: Net) -> dict[str, dict[str, dict[str, float]]]:
+    """The reduced gradient, whole: gathered from the shards, then sliced by hand."""
+    if kind == "fully_shard":
+        return _slice_norms(net, full=True)
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    with FullyShardedDataParallel.summon_full_params(wrapped, with_grads=True):
+        return _slice_norms(net)
+
+
+def _sharded_step(kind: str, x: torch.Tensor) -> dict[str, Any]:
+    import qkvtrace
+
+    net = _net().train()
+    try:
+        wrapped = _shard(kind, net)
+    except (ImportError, RuntimeError, ValueError, NotImplementedError) as exc:  # e.g. no CPU support here
+        return {"unsupported": f"{SHARDED[kind]} on the CPU with gloo: {type(exc).__name__}: {exc}"}
+    try:
+        with qkvtrace.trace(wrapped) as t:
+            wrapped(x).sum().backward()
+    except Exception as exc:  # the tracer's failure is the finding: reported by the tests, not a hung job
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return {"trace": _recorded(t), "reduced": _full_grad_norms(kind, wrapped, net)}
+
+
 def worker(out: Path) -> None:
     """One rank of the job (run by torchrun): trace, measure, write ``out/rank{R}.json`` and per-rank traces."""
     import torch.distributed as dist
@@ -137,27 +182,9 @@ def worker(out: Path) -> None:
         ddp(x)
     save_per_rank(t2, out / "split")
 
-    # 3. fully_shard (FSDP2), where this PyTorch has it
-    try:
-        from torch.distributed.fsdp import fully_shard
-    except ImportError as exc:
-        found["fsdp"] = {"unsupported": f"torch.distributed.fsdp.fully_shard cannot be imported: {exc}"}
-    else:
-        sharded = _net().train()
-        try:
-            fully_shard(sharded.encoder["attn"])
-            fully_shard(sharded.block)
-            fully_shard(sharded)
-        except (RuntimeError, ValueError, NotImplementedError) as exc:  # e.g. no CPU support in this version
-            found["fsdp"] = {"unsupported": f"fully_shard on CPU with gloo failed: {type(exc).__name__}: {exc}"}
-        else:
-            try:
-                with qkvtrace.trace(sharded) as t3:
-                    sharded(x).sum().backward()
-            except Exception as exc:  # the tracer's failure is the finding: reported by the tests, not a hung job
-                found["fsdp"] = {"error": f"{type(exc).__name__}: {exc}"}
-            else:
-                found["fsdp"] = {"trace": _recorded(t3), "reduced": _slice_norms(sharded, full=True)}
+    # 3. the sharded wrappers, where this PyTorch has them on the CPU
+    for kind in SHARDED:
+        found[kind] = _sharded_step(kind, x)
 
     dist.barrier()
     (out / f"rank{rank}.json").write_text(json.dumps(found, indent=1, sort_keys=True))
@@ -292,30 +319,32 @@ def test_merge_flags_the_rank_that_fell_off_the_fast_path(job: dict[int, dict[st
     assert ("encoder.attn", "path") in flagged and ("encoder.attn", "why_not_fast_path") in flagged
 
 
-def _fsdp(job: dict[int, dict[str, Any]]) -> None:
-    reasons = {found["fsdp"].get("unsupported") for found in job.values()} - {None}
+def _sharded(job: dict[int, dict[str, Any]], kind: str) -> None:
+    reasons = {found[kind].get("unsupported") for found in job.values()} - {None}
     if reasons:  # PyTorch cannot do it here: nothing to test
-        pytest.skip(f"fully_shard is not usable here: {sorted(reasons)[0]}")
-    errors = {f"rank {r}: {found['fsdp']['error']}" for r, found in job.items() if "error" in found["fsdp"]}
+        pytest.skip(f"not usable here: {sorted(reasons)[0]}")
+    errors = {f"rank {r}: {found[kind]['error']}" for r, found in job.items() if "error" in found[kind]}
     if errors:  # PyTorch can, the trace cannot yet: a known gap, named with the tracer's own error
-        pytest.xfail("tracing a fully_shard model raises: " + "; ".join(sorted(errors)))
+        pytest.xfail(f"tracing a {SHARDED[kind]} model raises: " + "; ".join(sorted(errors)))
 
 
-def test_fully_shard_names_and_ranks(job: dict[int, dict[str, Any]]) -> None:
-    _fsdp(job)
+@pytest.mark.parametrize("kind", list(SHARDED))
+def test_sharded_names_and_ranks(job: dict[int, dict[str, Any]], kind: str) -> None:
+    _sharded(job, kind)
     for rank, found in job.items():
-        trace = found["fsdp"]["trace"]
+        trace = found[kind]["trace"]
         assert sorted(c["module"] for c in trace["calls"]) == sorted(PACKED), rank
         assert {(r.get("rank"), r.get("world_size")) for r in _records(trace)} == {(rank, WORLD)}
 
 
-def test_fully_shard_gradients_are_slices_of_the_reduced_grad(job: dict[int, dict[str, Any]]) -> None:
-    _fsdp(job)
+@pytest.mark.parametrize("kind", list(SHARDED))
+def test_sharded_gradients_are_slices_of_the_reduced_grad(job: dict[int, dict[str, Any]], kind: str) -> None:
+    _sharded(job, kind)
     for rank, found in job.items():
-        recorded, reduced = _flat(_grads(found["fsdp"]["trace"])), _flat(found["fsdp"]["reduced"])
+        recorded, reduced = _flat(_grads(found[kind]["trace"])), _flat(found[kind]["reduced"])
         assert _same(recorded, reduced), (rank, recorded, reduced)
-    # fully_shard averages like DDP: the whole gradient is DDP's, on every rank
-    assert _same(_flat(job[0]["fsdp"]["reduced"]), _flat(job[0]["ddp"]["reduced"]))
+    # sharding averages like DDP: the whole gradient is DDP's, on every rank
+    assert _same(_flat(job[0][kind]["reduced"]), _flat(job[0]["ddp"]["reduced"]))
 
 
 if __name__ == "__main__":  # a rank of the job launched by the `job` fixture
