@@ -39,15 +39,14 @@ def ablate_table(result: AblationResult) -> Table:
     task = result.task
     table = Table(
         title=f"qkvtrace ablate: task {task['name']}, {result.steps} steps, seeds {', '.join(map(str, result.seeds))}",
-        caption=f"held-out data: {task['eval_size']} examples (train {task['train_size']}); "
-        f"chance {task['chance_accuracy']:.3f}; std is the sample std over seeds; "
-        "diag: mean attention weight a position puts on itself; "
-        "→answer: weight the last position puts on the answer's position",
+        caption=f"held-out {task['eval_size']} examples (train {task['train_size']}), chance "
+        f"{task['chance_accuracy']:.3f}; ± sample std over seeds; diag: weight a position puts on itself; "
+        "→answer: weight the last position puts on the answer",
     )
     table.add_column("mode", style="bold")
     table.add_column("accuracy", justify="right")
     table.add_column("loss", justify="right")
-    table.add_column("accuracy per seed", overflow="fold")
+    table.add_column("accuracy per seed", no_wrap=True)
     table.add_column("train acc", justify="right")
     table.add_column("diag", justify="right")
     table.add_column("→answer", justify="right")
