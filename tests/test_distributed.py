@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -218,11 +219,16 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
         "--max-restarts", "0",
         __file__, str(out),
     ]  # fmt: skip
-    try:
-        proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=LAUNCH_TIMEOUT_S)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"the {WORLD}-rank job did not finish in {LAUNCH_TIMEOUT_S} s: {str(exc.stderr)[-3000:]}")
-    assert proc.returncode == 0, f"the {WORLD}-rank job failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    # a session of its own: on a timeout the launcher and every rank it started are killed together
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                          start_new_session=True) as proc:  # fmt: skip
+        try:
+            stdout, stderr = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+            pytest.fail(f"the {WORLD}-rank job did not finish in {LAUNCH_TIMEOUT_S} s:\n{stderr[-3000:]}")
+    assert proc.returncode == 0, f"the {WORLD}-rank job failed:\n{stdout[-3000:]}\n{stderr[-6000:]}"
     found = {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)}
     for r in range(WORLD):
         found[r]["out"] = str(out)
