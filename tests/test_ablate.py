@@ -261,6 +261,18 @@ def test_cli_plot(tmp_path: Path) -> None:
     assert svg.lstrip().startswith("<?xml") and "<svg" in svg
 
 
+def test_cli_plot_without_matplotlib_says_what_to_install(tmp_path: Path) -> None:
+    code = (
+        "import sys; sys.modules['matplotlib'] = None\n"  # as if it were not installed
+        "from qkvtrace.cli.main import main\n"
+        f"sys.exit(main(['ablate', '--seeds', '1', '--steps', '1', '--plot', {str(tmp_path / 'a.svg')!r}]))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=120)
+    assert proc.returncode == 2
+    assert 'pip install "qkvtrace[plot]"' in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert proc.stdout == "" and not (tmp_path / "a.svg").exists()  # refused before any training
+
+
 # -- the outcome -------------------------------------------------------------------------------------------------
 
 
