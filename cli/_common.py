@@ -2,13 +2,68 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
+
 from qkvtrace.errors import InputError, OutputError
 
-__all__ = ["add_budget_options", "check_output_file", "load_with_inputs", "parse_shape"]
+__all__ = [
+    "TARGET_HELP",
+    "add_budget_options",
+    "add_target_options",
+    "check_output_file",
+    "load_with_inputs",
+    "parse_shape",
+    "progress",
+]
+
+TARGET_HELP = """\
+TARGET says where the model comes from:
+  package.module:callable, path/to/file.py:callable
+                    a factory taking no arguments that returns a model or
+                    (model, example_inputs): a tensor, a tuple of arguments or
+                    a dict of keyword arguments
+  demo:NAME         a built-in demo (demo:mha, demo:encoder, demo:tiny-lm)
+  hf:NAME_OR_PATH   a Hugging Face transformers model from a local folder or
+                    the local cache (never downloaded); --random-init builds
+                    it from its config.json alone, with random weights
+  timm:NAME         a timm model, random weights (pip install timm)
+  torchvision:NAME  a torchvision model, random weights (pip install torchvision)
+Without example inputs they are made up: token ids for a model that starts
+with nn.Embedding or has a vocabulary in its config, images of the config's
+size for vision models, (B, T, E) floats for one that starts with an attention
+layer (see --input-shape).
+"""
+
+
+@contextlib.contextmanager
+def progress(text: str) -> Iterator[Callable[[str], None]]:
+    """A spinner on stderr while the block runs (only on a terminal); yields a function to change its text.
+
+    Progress never goes to stdout, so piped output and JSON stay clean.
+    """
+    err = Console(stderr=True)
+    with err.status(text, spinner="dots") as status:
+        yield lambda message: status.update(message)
+
+
+def add_target_options(p: Any) -> None:
+    """TARGET and ``--random-init``."""
+    p.add_argument(
+        "target",
+        metavar="TARGET",
+        help="module:callable, file.py:callable, demo:NAME, hf:NAME_OR_PATH, timm:NAME or torchvision:NAME",
+    )
+    p.add_argument(
+        "--random-init",
+        action="store_true",
+        help="hf: build the model from its config alone, with random weights (reads no weight file)",
+    )
 
 
 def check_output_file(path: Path, flag: str) -> Path:
@@ -54,16 +109,17 @@ def add_budget_options(p: Any) -> None:
     )
 
 
-def load_with_inputs(target: str, input_shape: str | None, max_tokens: int, max_attention_mb: float) -> Any:
+def load_with_inputs(target: str, input_shape: str | None, max_tokens: int, max_attention_mb: float, *,
+                     random_init: bool = False) -> Any:  # fmt: skip
     """Load TARGET, make inputs if needed, and refuse them if over budget — before any forward."""
     from qkvtrace.guard import Budget, check_budget
-    from qkvtrace.target import load_target, synthesize_inputs
+    from qkvtrace.target import load_target
 
     shape = parse_shape(input_shape) if input_shape else None
-    loaded = load_target(target)
+    loaded = load_target(target, random_init=random_init)
     if shape is not None or not (loaded.args or loaded.kwargs):
         b, t = shape or (2, 16)
-        loaded.args, loaded.kwargs, loaded.synthesized = synthesize_inputs(loaded.model, b, t), {}, True
+        (loaded.args, loaded.kwargs), loaded.synthesized = loaded.make_inputs(b, t), True
     try:
         check_budget(loaded.model, loaded.args, loaded.kwargs, Budget(max_tokens, max_attention_mb))
     except ValueError as exc:

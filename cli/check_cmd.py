@@ -10,7 +10,9 @@ from typing import Any
 
 from rich.console import Console
 
-from qkvtrace.cli._common import add_budget_options, check_output_file, load_with_inputs
+from qkvtrace.cli._common import add_budget_options, add_target_options, check_output_file, load_with_inputs, progress
+
+TRUE_MEANS = ("ignore", "attend")
 
 __all__ = ["register", "run"]
 
@@ -21,10 +23,20 @@ the wrong axis or heads mixed by a wrong view() do, whatever the code says.
 
   --causal    for every position j, change only j's input: no output at a
               position before j may move ("position 3 reads position 4").
-  --padding   mark the tail of the first sequence as padding (True = padding,
-              PyTorch's key_padding_mask convention, passed as the keyword
-              --mask-arg, default key_padding_mask) and change only the padded
-              inputs: no real position's output may move.
+  --padding   mark the tail of the first sequence (and the head of the
+              second) as padding, pass the mask as the keyword --mask-arg
+              (default key_padding_mask) and change only the padded inputs:
+              no real position's output may move.
+
+What True means in the mask is the argument's convention (seed section 6.3):
+key_padding_mask and src_key_padding_mask say True = ignore (a bool mask,
+True on padding); Hugging Face's attention_mask says 1 = attend (an int64
+mask, 1 on real tokens). These are the defaults for those names; any other
+name is assumed to follow PyTorch (ignore) — say --mask-true-means to be
+sure. Before judging, the convention is measured: the padded inputs must move
+some real output without a mask, and the mask must remove that somewhere.
+The result says whether it did ("confirmed"), and if the opposite convention
+would have.
 
 Each check runs in inference (eval + no_grad, where PyTorch's fast paths run)
 and in training (train, grad on, dropout reseeded identically), and says in
@@ -41,12 +53,17 @@ def register(sub: Any) -> None:
     p = sub.add_parser("check", help="causal / padding leakage checks on a model, by perturbation",
                        description=_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
                        epilog="examples:\n  qkvtrace check demo:tiny-lm --causal\n"
-                              "  qkvtrace check my_pkg.model:build --causal --padding --mask-arg pad_mask")  # fmt: skip
-    p.add_argument("target", metavar="TARGET", help="package.module:callable, file.py:callable or demo:NAME")
+                              "  qkvtrace check my_pkg.model:build --causal --padding --mask-arg pad_mask\n"
+                              "  qkvtrace check hf:./tiny-bert --random-init --padding \\\n"
+                              "      --mask-arg attention_mask")  # fmt: skip
+    add_target_options(p)
     p.add_argument("--causal", action="store_true", help="outputs at t must not depend on inputs after t")
     p.add_argument("--padding", action="store_true", help="real positions must not depend on padded ones")
     p.add_argument("--mask-arg", default="key_padding_mask", metavar="NAME",
-                   help="keyword the padding mask is passed as (default key_padding_mask)")  # fmt: skip
+                   help="keyword the padding mask is passed as (default key_padding_mask)")
+    p.add_argument("--mask-true-means", choices=TRUE_MEANS, metavar="ignore|attend",
+                   help="what True (1) means in that mask: ignore = padding (PyTorch), attend = real token "
+                        "(Hugging Face); default: the argument's known convention, else ignore")  # fmt: skip
     p.add_argument("--mode", choices=("both", "inference", "training"), default="both", help="modes to run in")
     p.add_argument("--trials", type=int, default=2, metavar="N", help="random perturbations per position (default 2)")
     p.add_argument("--input-shape", metavar="B,T", help="batch and sequence length of made-up inputs (default 2,16)")
@@ -59,7 +76,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     from qkvtrace.check import MODES, run_checks
     from qkvtrace.errors import InputError
     from qkvtrace.records import atomic_write_text
-    from qkvtrace.render.terminal import calls_table, findings_table
+    from qkvtrace.render.terminal import calls_table, convention_lines, findings_table
 
     if not (args.causal or args.padding):
         raise InputError("choose at least one check: --causal and/or --padding")
@@ -67,13 +84,19 @@ def run(args: argparse.Namespace, console: Console) -> int:
         raise InputError(f"--trials {args.trials}: give a positive number")
     if args.json is not None:
         check_output_file(args.json, "--json")
-    loaded = load_with_inputs(args.target, args.input_shape, args.max_tokens, args.max_attention_mb)
     modes = MODES if args.mode == "both" else (args.mode,)
-    with console.status("perturbing inputs", spinner="dots"):
+    with progress(f"loading {args.target}") as status:
+        loaded = load_with_inputs(args.target, args.input_shape, args.max_tokens, args.max_attention_mb,
+                                  random_init=args.random_init)  # fmt: skip
+        status("perturbing inputs")
         report = run_checks(loaded.model, loaded.args, loaded.kwargs, causal=args.causal, padding=args.padding,
-                            mask_arg=args.mask_arg, trials=args.trials, modes=modes)  # fmt: skip
-    console.print(findings_table(report.findings, f"qkvtrace check {args.target}"))
-    console.print(calls_table(report.calls, "attention calls seen during the checks"))
+                            mask_arg=args.mask_arg, mask_true_means=args.mask_true_means, trials=args.trials,
+                            modes=modes)  # fmt: skip
+    console.print(findings_table(report.findings, f"qkvtrace check {args.target}", width=console.width), crop=False)
+    for line in convention_lines(report.convention):
+        console.print(line)
+    console.print(calls_table(report.calls, "attention calls seen during the checks", width=console.width),
+                  crop=False)  # fmt: skip
     failed = [f for f in report.findings if not f.passed]
     if failed:
         where = sorted({f"{f.check} ({f.mode})" for f in failed})
@@ -82,6 +105,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
         console.print("[bold green]all requested checks hold[/]")
     if args.json is not None:
         data = {"schema": "qkvtrace.check/1", "target": args.target, "ok": report.ok,
-                "findings": [asdict(f) for f in report.findings], "calls": report.calls}  # fmt: skip
+                "findings": [asdict(f) for f in report.findings], "calls": report.calls,
+                "padding_convention": asdict(report.convention) if report.convention else None}  # fmt: skip
         atomic_write_text(args.json, json.dumps(data, indent=2, sort_keys=True) + "\n")
     return 0 if report.ok else 1

@@ -14,7 +14,7 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
-from qkvtrace.cli._common import check_output_file
+from qkvtrace.cli._common import check_output_file, progress
 from qkvtrace.errors import InputError, QkvtraceError
 from qkvtrace.reportio import REPORT_SCHEMA
 from qkvtrace.validation import check_document
@@ -102,7 +102,7 @@ def run_diff(args: argparse.Namespace, console: Console) -> int:
     _outputs(args)
     a, b = load_report(args.a), load_report(args.b)
     diff = diff_reports(a, b)
-    console.print(diff_renderable(diff))
+    console.print(diff_renderable(diff, width=console.width), crop=False)
     warning = _write_diff(a, b, diff, json_path=args.json, md_path=args.md, svg_path=args.svg)
     if warning:
         console.print(f"[yellow]warning:[/] {escape(warning)}")
@@ -162,8 +162,8 @@ def run_compare(args: argparse.Namespace, console: Console) -> int:
     _outputs(args)
     prepare_out(args.out)
     reports = []
-    for python in args.python:
-        with console.status(f"collecting under {python}", spinner="dots"):
+    for n, python in enumerate(args.python, 1):
+        with progress(f"collecting under {python} ({n} of {len(args.python)})"):  # stderr only
             report = collect_in(python)
         written = write_report_dir(report, args.out)
         console.print(f"torch {report['environment']['torch_version']} ← {python}: wrote {written.folder}/"
@@ -174,7 +174,7 @@ def run_compare(args: argparse.Namespace, console: Console) -> int:
         reports.append(report)
     a, b = reports
     diff = diff_reports(a, b)
-    console.print(diff_renderable(diff))
+    console.print(diff_renderable(diff, width=console.width), crop=False)
     diffs = args.out / "diffs"
     diffs.mkdir(exist_ok=True)
     stem = f"torch-{diff['a']}..torch-{diff['b']}"

@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from qkvtrace.cli._common import progress
 from qkvtrace.errors import OutputError
 
 if TYPE_CHECKING:  # the CLI imports this module at start-up; drawing libraries load only when needed
@@ -139,8 +140,8 @@ def picture_note(written: Written) -> str | None:
 def _summary(report: dict[str, Any], written: Written, seconds: float) -> Table:
     env = report["environment"]
     table = Table(title=f"qkvtrace inspect — torch {env['torch_version']}", show_header=False)
-    table.add_column(style="bold")
-    table.add_column()
+    table.add_column(style="bold", overflow="fold")  # fold, never cut: names and folders stay whole
+    table.add_column(overflow="fold")
     kinds: dict[str, int] = {}
     for s in report["sources"]:
         kinds[s["kind"]] = kinds.get(s["kind"], 0) + 1
@@ -178,9 +179,9 @@ def run(args: argparse.Namespace, console: Console) -> int:
 
     prepare_out(args.out)
     start = time.perf_counter()
-    with console.status("collecting", spinner="dots") as status:
-        report = collect_report(progress=lambda msg: status.update(msg))
-        status.update("writing the report")
+    with progress("collecting") as status:  # on stderr: stdout stays plain when piped
+        report = collect_report(progress=status)
+        status("writing the report")
         written = write_report_dir(report, args.out)
     console.print(_summary(report, written, time.perf_counter() - start))
     note = picture_note(written)

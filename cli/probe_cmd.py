@@ -9,7 +9,7 @@ from typing import Any
 
 from rich.console import Console
 
-from qkvtrace.cli._common import check_output_file
+from qkvtrace.cli._common import check_output_file, progress
 
 __all__ = ["register", "run"]
 
@@ -43,16 +43,17 @@ def run(args: argparse.Namespace, console: Console) -> int:
 
     if args.json is not None:
         check_output_file(args.json, "--json")
-    with console.status("running scenarios", spinner="dots") as status:
-        scenarios, _ = run_scenarios(progress=lambda n: status.update(f"scenario {n}"))
-        status.update("measuring masks, NaN rows, agreement")
+    with progress("running scenarios") as status:  # on stderr: stdout stays plain when piped
+        scenarios, _ = run_scenarios(progress=lambda n: status(f"scenario {n}"))
+        status("measuring masks, NaN rows, agreement")
         measured = run_behaviour()
-        status.update("measuring the seed's own models against PyTorch")
+        status("measuring the seed's own models against PyTorch")
         measured["reference"] = measure_reference()
-    console.print(terminal.scenarios_table(scenarios))
-    console.print(terminal.mask_semantics_table(measured["mask_semantics"]))
-    console.print(terminal.fully_masked_table(measured["fully_masked_rows"]))
-    console.print(terminal.agreement_table(measured["agreement"]))
+    width = console.width  # tables become one block per row where their names would not fit
+    console.print(terminal.scenarios_table(scenarios, width=width), crop=False)
+    console.print(terminal.mask_semantics_table(measured["mask_semantics"], width=width), crop=False)
+    console.print(terminal.fully_masked_table(measured["fully_masked_rows"], width=width), crop=False)
+    console.print(terminal.agreement_table(measured["agreement"], width=width), crop=False)
     console.print(reference_table(measured["reference"]))
     if args.json is not None:
         import torch

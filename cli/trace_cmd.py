@@ -8,9 +8,16 @@ from typing import Any
 
 from rich.console import Console
 
-from qkvtrace.cli._common import add_budget_options, check_output_file, load_with_inputs
+from qkvtrace.cli._common import (
+    TARGET_HELP,
+    add_budget_options,
+    add_target_options,
+    check_output_file,
+    load_with_inputs,
+    progress,
+)
 from qkvtrace.errors import InputError
-from qkvtrace.render.terminal import blind_spots, summary_line, trace_table
+from qkvtrace.render.terminal import COLUMNS, blind_spots, summary_line, trace_table
 
 __all__ = ["register", "run"]
 
@@ -19,14 +26,11 @@ Run a model once under qkvtrace and show, for every attention call, the path
 PyTorch took (fast / fallback / fused_encoder_layer / sdpa), PyTorch's own
 reason for refusing the fast path, the SDPA kernel that ran, the norms of the
 Q/K/V slices of the projection and, with --backward, of their gradients.
+Module names, paths, backends and reasons are printed whole at any terminal
+width: one row per call when they fit, one block per call when they do not.
+Secondary columns are asked for with --columns.
 
-TARGET is package.module:callable, path/to/file.py:callable, or a built-in
-demo (demo:mha, demo:encoder, demo:tiny-lm). The callable takes no arguments
-and returns a model or (model, example_inputs); example_inputs is a tensor, a
-tuple of arguments or a dict of keyword arguments. Without them, inputs are
-made up: token ids for a model that starts with nn.Embedding, (B, T, E)
-floats for one that starts with an attention layer (see --input-shape).
-
+{TARGET_HELP}
 By default the model runs as inference does: model.eval() under
 torch.no_grad(), where PyTorch's fast paths can be taken. --train switches to
 training mode; --backward runs with gradients on and calls backward() on the
@@ -38,6 +42,8 @@ examples:
   qkvtrace trace demo:encoder
   qkvtrace trace demo:tiny-lm --train --backward --json trace.json
   qkvtrace trace my_pkg.model:build --input-shape 4,128
+  qkvtrace trace hf:./tiny-bert --random-init --columns type,weights
+  qkvtrace trace timm:vit_tiny_patch16_224 --input-shape 1,1
 """
 
 
@@ -45,11 +51,11 @@ def register(sub: Any) -> None:
     p = sub.add_parser(
         "trace",
         help="record every attention call of a model (path, reason, kernel, Q/K/V)",
-        description=_HELP,
+        description=_HELP.replace("{TARGET_HELP}", TARGET_HELP),
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("target", metavar="TARGET", help="package.module:callable, file.py:callable or demo:NAME")
+    add_target_options(p)
     p.add_argument(
         "--backward",
         action="store_true",
@@ -66,19 +72,51 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--input-shape", metavar="B,T", help="batch and sequence length of made-up inputs (default 2,16)")
     p.add_argument("--json", metavar="FILE", type=Path, help="also write the qkvtrace.trace/1 JSON here")
+    p.add_argument("--columns", metavar="LIST", type=_columns, default=None,
+                   help=f"secondary columns, comma-separated: {', '.join(COLUMNS)} or all "
+                        "(default: grads when --backward recorded gradients)")  # fmt: skip
     add_budget_options(p)
     p.set_defaults(run=run, mode="eval")
+
+
+def _columns(text: str) -> list[str]:
+    names = [c.strip() for c in text.split(",") if c.strip()]
+    if names == ["all"]:
+        return list(COLUMNS)
+    unknown = [c for c in names if c not in COLUMNS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown column {unknown[0]!r}; choose from {', '.join(COLUMNS)} or all")
+    return names
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
     import torch
 
+    if args.json is not None:
+        check_output_file(args.json, "--json")
+    with progress(f"loading {args.target}") as status:
+        loaded = load_with_inputs(args.target, args.input_shape, args.max_tokens, args.max_attention_mb,
+                                  random_init=args.random_init)  # fmt: skip
+        status(f"running {args.target}")
+        result = _run(args, loaded)
+    mode = args.mode + (", backward" if args.backward else "")
+    title = f"qkvtrace trace {args.target}  (torch {torch.__version__}, {mode})"
+    console.print(trace_table(result, title=title, width=console.width, columns=args.columns), crop=False)
+    console.print(summary_line(result))
+    for line in blind_spots(result):  # silence is not absence: say what the trace could not see
+        console.print(line, style="yellow", markup=False, highlight=False, soft_wrap=True)
+    if args.json is not None:
+        result.save(args.json)
+        console.print(f"wrote {args.json}")
+    return 0
+
+
+def _run(args: argparse.Namespace, loaded: Any) -> Any:
+    import torch
+
     import qkvtrace
     from qkvtrace.target import first_tensor
 
-    if args.json is not None:
-        check_output_file(args.json, "--json")
-    loaded = load_with_inputs(args.target, args.input_shape, args.max_tokens, args.max_attention_mb)
     model, call_args, call_kwargs = loaded.model, loaded.args, loaded.kwargs
     model.train(args.mode == "train")
     with qkvtrace.trace(model) as tr, torch.set_grad_enabled(args.backward):
@@ -96,14 +134,4 @@ def run(args: argparse.Namespace, console: Console) -> int:
                     f"{args.target}: the output does not require grad, so there is nothing to backward through"
                 )
             first.float().sum().backward()
-    result = tr.result
-    mode = args.mode + (", backward" if args.backward else "")
-    title = f"qkvtrace trace {args.target}  (torch {torch.__version__}, {mode})"
-    console.print(trace_table(result, title=title))
-    console.print(summary_line(result))
-    for line in blind_spots(result):  # silence is not absence: say what the trace could not see
-        console.print(line, style="yellow", markup=False, highlight=False)
-    if args.json is not None:
-        result.save(args.json)
-        console.print(f"wrote {args.json}")
-    return 0
+    return tr.result

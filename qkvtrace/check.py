@@ -10,9 +10,18 @@ input can. Each check runs the model in the modes it really runs in:
 
 ``causal``: perturb one position ``j`` at a time; any output at ``i < j``
 that moves is a leak "position i reads position j". ``padding``: mark the
-tail of the first sequence as padding (``True`` = padding, PyTorch's
-convention) and perturb only its contents; any moved output at a real
-position is a leak. NaN anywhere is reported too.
+tail of the first sequence as padding and perturb only its contents; any
+moved output at a real position is a leak. NaN anywhere is reported too.
+
+What ``True`` means in a padding mask depends on the argument (seed section
+6.3): ``key_padding_mask`` says True = ignore this key, Hugging Face's
+``attention_mask`` says 1 = attend to it. The convention is explicit
+(:data:`KNOWN_CONVENTIONS` gives the default for names whose convention is
+known) and measured before judging: without padding, changing the padded
+inputs must move some real position's output, and the mask in the chosen
+convention must remove that influence somewhere — else the report says the
+convention could not be confirmed, and whether the opposite one would have
+removed it.
 """
 
 from __future__ import annotations
@@ -29,9 +38,19 @@ from qkvtrace.errors import InputError
 from qkvtrace.target import first_mha, first_tensor
 from qkvtrace.tracer import trace
 
-__all__ = ["CheckReport", "Finding", "run_checks"]
+__all__ = ["KNOWN_CONVENTIONS", "CheckReport", "Convention", "Finding", "default_convention", "run_checks"]
 
 MODES = ("inference", "training")
+TRUE_MEANS = ("ignore", "attend")
+
+#: What True (or 1) means in padding-mask arguments whose convention is known.
+KNOWN_CONVENTIONS: dict[str, str] = {
+    "key_padding_mask": "ignore",  # nn.MultiheadAttention, F.multi_head_attention_forward
+    "src_key_padding_mask": "ignore",  # nn.TransformerEncoder(Layer), nn.Transformer
+    "tgt_key_padding_mask": "ignore",
+    "memory_key_padding_mask": "ignore",
+    "attention_mask": "attend",  # Hugging Face models: 1 = a real token, 0 = padding
+}
 
 
 @dataclass
@@ -48,10 +67,36 @@ class Finding:
 
 
 @dataclass
+class Convention:
+    """How the padding mask was passed, and whether the model was seen to honour it."""
+
+    #: the keyword argument the mask is passed as
+    mask_arg: str
+    #: ``"ignore"``: True marks padding (PyTorch); ``"attend"``: 1 marks a real token (Hugging Face)
+    true_means: str
+    #: where ``true_means`` came from: ``"given"``, ``"known"`` (:data:`KNOWN_CONVENTIONS`) or ``"assumed"``
+    source: str
+    #: True: the mask removed padded inputs' influence on at least one real position that had it
+    #: without padding; False: it did not; None: nothing to remove (no real position was influenced)
+    confirmed: bool | None
+    #: the measurement, in words
+    evidence: str
+    #: real positions influenced by the padded inputs without padding / with the mask in this
+    #: convention / with the mask in the opposite convention
+    influenced: int = 0
+    still_influenced: int = 0
+    still_influenced_opposite: int = 0
+    #: per sequence (only the first two carry padding): the padded positions
+    padded: dict[int, list[int]] = field(default_factory=dict)
+
+
+@dataclass
 class CheckReport:
     findings: list[Finding]
     #: per mode: the attention calls the tracer saw (path, backend, fully-masked rows)
     calls: dict[str, list[dict[str, Any]]]
+    #: the padding mask's convention and its measurement (``None`` without ``padding``)
+    convention: Convention | None = None
 
     @property
     def ok(self) -> bool:
@@ -86,12 +131,15 @@ class _Runner:
         emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
         self.vocab = emb.num_embeddings if emb is not None and not x.is_floating_point() else None
 
-    def forward(self, x: torch.Tensor, mode: str, extra: dict[str, Any] | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mode: str, extra: dict[str, Any] | None = None,
+                without: str | None = None) -> torch.Tensor:  # fmt: skip
+        """The model's output on ``x`` (keyword arguments plus ``extra``, less ``without``)."""
         args = tuple(x if a is self.x else a for a in self.args)
+        kwargs = {k: v for k, v in {**self.kwargs, **(extra or {})}.items() if k != without}
         with _mode(self.model, mode), torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
             try:
-                out = self.model(*args, **{**self.kwargs, **(extra or {})})
+                out = self.model(*args, **kwargs)
             except TypeError as exc:
                 raise InputError(f"calling the model failed: {exc}") from exc
         t = first_tensor(out)
@@ -196,10 +244,82 @@ def _padding_mask(batch: int, length: int) -> torch.Tensor:
     return mask
 
 
-def _padding(r: _Runner, mode: str, trials: int, rtol: float, mask_arg: str) -> list[Finding]:
+def default_convention(mask_arg: str) -> tuple[str, str]:
+    """``(true_means, source)`` for an argument name: its known convention, else PyTorch's (assumed)."""
+    known = KNOWN_CONVENTIONS.get(mask_arg)
+    return (known, "known") if known else ("ignore", "assumed")
+
+
+def _mask_value(pad: torch.Tensor, true_means: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The (B, T) padding mask in a convention: True = padding (``ignore``) or True = real token (``attend``).
+
+    The dtype is bool for ``ignore`` (PyTorch's masks) and int64 for ``attend`` (what Hugging Face
+    tokenizers return), unless ``dtype`` is given.
+    """
+    value = pad if true_means == "ignore" else ~pad
+    return value.to(dtype or (torch.bool if true_means == "ignore" else torch.int64))
+
+
+def _opposite(true_means: str) -> str:
+    return "attend" if true_means == "ignore" else "ignore"
+
+
+def _moved_real(r: _Runner, mode: str, pad: torch.Tensor, mask: torch.Tensor | None, mask_arg: str, rtol: float,
+                seed: int) -> torch.Tensor:  # fmt: skip
+    """(B, T): real positions whose output moved when only the padded inputs changed, with ``mask`` passed
+    (``None``: the argument left out)."""
+    extra, without = ({mask_arg: mask}, None) if mask is not None else (None, mask_arg)
+    base = r.forward(r.x, mode, extra, without)
+    out = r.forward(r.perturb_where(r.x, pad, torch.Generator().manual_seed(seed)), mode, extra, without)
+    return r.moved_bt(out, base, _tolerance(base, rtol)) & ~pad
+
+
+def _confirm(r: _Runner, mode: str, mask_arg: str, true_means: str, source: str, rtol: float) -> Convention:
+    """Measure whether the mask, in this convention, removes the padded inputs' influence anywhere."""
     batch = int(r.x.shape[1 - r.seq_dim])
-    pad = _padding_mask(batch, r.length)  # (B, T)
-    extra = {mask_arg: pad}
+    pad = _padding_mask(batch, r.length)
+    other = _opposite(true_means)
+    dtype = _mask_value(pad, true_means).dtype  # the opposite convention is tried in the same dtype
+    try:  # the influence to remove: the model as it runs without a padding mask ...
+        free = _moved_real(r, mode, pad, None, mask_arg, rtol, 99)
+        unpadded = f"without {mask_arg}"
+    except Exception:  # ... or, where the mask is required, with one that pads nothing
+        free = _moved_real(r, mode, pad, _mask_value(torch.zeros_like(pad), true_means), mask_arg, rtol, 99)
+        unpadded = "with no position padded"
+    chosen = _moved_real(r, mode, pad, _mask_value(pad, true_means), mask_arg, rtol, 99)
+    try:
+        opposite = _moved_real(r, mode, pad, _mask_value(pad, other, dtype), mask_arg, rtol, 99)
+    except Exception:  # a model may reject a mask it never meets in use; then it is not measured
+        opposite = free
+    n_free, n_chosen, n_opp = int(free.sum()), int(chosen.sum()), int(opposite.sum())
+    removed, removed_opp = int((free & ~chosen).sum()), int((free & ~opposite).sum())
+    said = f"{mask_arg}= (True = {true_means})"
+    if n_free == 0:
+        confirmed: bool | None = None
+        evidence = (f"could not be confirmed: {unpadded}, changing the padded inputs moved no real "
+                    f"position's output ({mode}), so there was no influence for the mask to remove")  # fmt: skip
+    elif removed:
+        confirmed = True
+        evidence = (f"confirmed ({mode}): {unpadded}, changing the padded inputs moved {n_free} real "
+                    f"position(s); with {said} it moved {n_chosen}")  # fmt: skip
+    else:
+        confirmed = False
+        evidence = (f"NOT confirmed ({mode}): {unpadded}, changing the padded inputs moved {n_free} real "
+                    f"position(s), and with {said} still {n_chosen}: the mask removed no influence")  # fmt: skip
+        if removed_opp:
+            evidence += (f"; with True = {other} it moved {n_opp}: {mask_arg} probably means {other} "
+                         f"(--mask-true-means {other}), or the model inverts its mask")  # fmt: skip
+        else:
+            evidence += f"; with True = {other} neither ({n_opp}): is {mask_arg} passed on to the attention?"
+    padded = {b: [int(t) for t in pad[b].nonzero().flatten().tolist()] for b in range(min(batch, 2))}
+    return Convention(mask_arg, true_means, source, confirmed, evidence, n_free, n_chosen, n_opp, padded)
+
+
+def _padding(r: _Runner, mode: str, trials: int, rtol: float, conv: Convention) -> list[Finding]:
+    batch = int(r.x.shape[1 - r.seq_dim])
+    pad = _padding_mask(batch, r.length)  # (B, T), True = padding
+    mask_arg = conv.mask_arg
+    extra = {mask_arg: _mask_value(pad, conv.true_means)}
     base = r.forward(r.x, mode, extra)
     tol = _tolerance(base, rtol)
     gen = torch.Generator().manual_seed(4321)
@@ -214,16 +334,17 @@ def _padding(r: _Runner, mode: str, trials: int, rtol: float, mask_arg: str) -> 
                     else pad.T, 0.0).max()) if diff.dim() > 2 else 0.0)  # fmt: skip
     positions = [(int(b), int(t)) for b, t in moved_real.nonzero().tolist()]
     leaks = [(t, -1) for _, t in positions]
-    padded = {int(b): [int(t) for t in pad[b].nonzero().flatten().tolist()] for b in range(min(batch, 2))}
+    padded = conv.padded
+    how = f"mask passed as {mask_arg}=, True = {conv.true_means}"
     if positions:
         shown = ", ".join(f"sequence {b} position {t}" for b, t in positions[:6])
         more = f" (+{len(positions) - 6} more)" if len(positions) > 6 else ""
         detail = (
             f"outputs at real positions moved when only padded inputs changed: {shown}{more} "
-            f"(padded: {padded}; mask passed as {mask_arg}=, True = padding)"
+            f"(padded: {padded}; {how})"
         )
     else:
-        detail = f"real positions ignore the padded ones {padded} (mask passed as {mask_arg}=, True = padding)"
+        detail = f"real positions ignore the padded ones {padded} ({how})"
     findings = [Finding("padding", mode, not positions, detail, leaks, worst)]
     nan = _nan_finding(base, mode, "padding check")
     return findings + ([nan] if nan else [])
@@ -253,25 +374,37 @@ def run_checks(
     causal: bool = False,
     padding: bool = False,
     mask_arg: str = "key_padding_mask",
+    mask_true_means: str | None = None,
     trials: int = 2,
     rtol: float = 1e-4,
     modes: tuple[str, ...] = MODES,
     seed: int = 0,
 ) -> CheckReport:
-    """Run the requested checks in each mode; see the module docstring."""
+    """Run the requested checks in each mode; see the module docstring.
+
+    ``mask_true_means`` (``"ignore"`` or ``"attend"``) says what True means in the padding mask;
+    ``None`` takes it from :data:`KNOWN_CONVENTIONS`, else assumes PyTorch's ``"ignore"``.
+    """
     if not (causal or padding):
         raise InputError("choose at least one check: --causal and/or --padding")
+    if mask_true_means is not None and mask_true_means not in TRUE_MEANS:
+        raise InputError(f"mask_true_means {mask_true_means!r}: choose 'ignore' or 'attend'")
     r = _Runner(model, args, dict(kwargs or {}), seed)
     if r.length < 2:
         raise InputError(f"the sequence has length {r.length}; checks need at least 2 positions")
+    conv = None
+    if padding:
+        true_means, source = (mask_true_means, "given") if mask_true_means else default_convention(mask_arg)
+        conv = _confirm(r, "inference" if "inference" in modes else modes[0], mask_arg, true_means, source, rtol)
     findings: list[Finding] = []
     calls: dict[str, list[dict[str, Any]]] = {}
     extra = None
     for mode in modes:
         if causal:
             findings += _causal(r, mode, trials, rtol)
-        if padding:
-            findings += _padding(r, mode, trials, rtol, mask_arg)
-            extra = {mask_arg: _padding_mask(int(r.x.shape[1 - r.seq_dim]), r.length)}
+        if conv is not None:
+            findings += _padding(r, mode, trials, rtol, conv)
+            pad = _padding_mask(int(r.x.shape[1 - r.seq_dim]), r.length)
+            extra = {conv.mask_arg: _mask_value(pad, conv.true_means)}
         calls[mode] = _calls(r, mode, extra)
-    return CheckReport(findings, calls)
+    return CheckReport(findings, calls, conv)

@@ -5,6 +5,18 @@
 where ``example_inputs`` is a tuple of positional arguments or a dict of
 keyword arguments. Without example inputs they are synthesised from the
 model's first layer (:func:`synthesize_inputs`).
+
+Models from the libraries people use need no factory:
+
+* ``hf:NAME_OR_PATH`` — Hugging Face ``transformers``, from a local folder or
+  the local cache only (nothing is downloaded): the class named in the
+  config's ``architectures``, else ``AutoModel``. ``random_init`` builds it from
+  ``config.json`` alone (seeded), so no weight file is read.
+* ``timm:NAME`` / ``torchvision:NAME`` — random weights (nothing downloaded).
+
+Their inputs come from the config: token ids below ``vocab_size`` (at most
+``max_position_embeddings`` long), or images of ``image_size``. Each library
+is an optional extra; without it the error names what to install.
 """
 
 from __future__ import annotations
@@ -12,6 +24,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,9 +35,19 @@ from torch import nn
 from qkvtrace.demos import DEMOS
 from qkvtrace.errors import InputError, TargetError
 
-__all__ = ["Loaded", "first_mha", "first_tensor", "load_target", "synthesize_inputs"]
+__all__ = ["LIBRARIES", "Loaded", "first_mha", "first_tensor", "load_target", "synthesize_inputs"]
 
-_FORM = "package.module:callable, path/to/file.py:callable or demo:NAME"
+_FORM = ("package.module:callable, path/to/file.py:callable, demo:NAME, hf:NAME_OR_PATH, timm:NAME "
+         "or torchvision:NAME")  # fmt: skip
+
+#: TARGET prefix -> (the library it loads from, what to install)
+LIBRARIES = {
+    "hf": ("transformers", 'pip install "qkvtrace[hf]" (transformers)'),
+    "timm": ("timm", 'pip install "qkvtrace[timm]" (timm)'),
+    "torchvision": ("torchvision", 'pip install "qkvtrace[torchvision]" (torchvision, built for your torch)'),
+}
+
+InputMaker = Callable[[int, int], tuple[tuple[Any, ...], dict[str, Any]]]
 
 
 @dataclass
@@ -34,8 +57,18 @@ class Loaded:
     model: nn.Module
     args: tuple[Any, ...] = ()
     kwargs: dict[str, Any] = field(default_factory=dict)
-    #: True when the inputs were made up by :func:`synthesize_inputs`.
+    #: True when the inputs were made up by :func:`synthesize_inputs` or from the model's config.
     synthesized: bool = False
+    #: makes ``(args, kwargs)`` for a batch and sequence length; default :func:`synthesize_inputs`
+    input_maker: InputMaker | None = None
+
+    def make_inputs(self, batch: int, length: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Made-up ``(args, kwargs)`` for this model: from its config where it has one."""
+        if batch < 1 or length < 1:
+            raise InputError(f"--input-shape needs positive B,T, got {batch},{length}")
+        if self.input_maker is not None:
+            return self.input_maker(batch, length)
+        return synthesize_inputs(self.model, batch, length), {}
 
 
 def _split(target: str) -> tuple[str, str]:
@@ -79,8 +112,127 @@ def _import_module(name: str) -> Any:
         raise TargetError(f"importing module {name!r} raised {type(exc).__name__}: {exc}") from exc
 
 
-def load_target(target: str) -> Loaded:
-    """Import and call the factory named by ``target``."""
+def _library(prefix: str, target: str) -> Any:
+    module, install = LIBRARIES[prefix]
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:  # missing, or built for another torch (then importing it fails)
+        raise TargetError(f"TARGET {target!r} needs the {module} library, which cannot be imported here "
+                          f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+                          f"{install}") from exc  # fmt: skip
+
+
+def _seeded(build: Callable[[], nn.Module]) -> nn.Module:
+    """Random weights that are the same on every run (the global random state is left as it was)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return build()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def _hf_inputs(config: Any, target: str) -> InputMaker:
+    """Token ids below the vocabulary size, or images of the config's size."""
+    vocab = getattr(config, "vocab_size", None)
+    image = getattr(config, "image_size", None)
+    limit = getattr(config, "max_position_embeddings", None)
+
+    def make(batch: int, length: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if isinstance(vocab, int) and vocab > 0:
+            if isinstance(limit, int) and length > limit:
+                raise InputError(f"{target}: sequence length {length} is over the config's "
+                                 f"max_position_embeddings={limit}; lower --input-shape")  # fmt: skip
+            ids = torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(0))
+            kwargs = {"decoder_input_ids": ids} if getattr(config, "is_encoder_decoder", False) else {}
+            return (ids,), kwargs
+        if image is not None:
+            return (_images(batch, getattr(config, "num_channels", 3), image),), {}
+        raise InputError(f"{target}: its config has neither vocab_size nor image_size to make inputs from; "
+                         "write a factory that returns (model, example_inputs)")  # fmt: skip
+
+    return make
+
+
+def _images(batch: int, channels: int, size: Any) -> torch.Tensor:
+    h, w = (size, size) if isinstance(size, int) else tuple(size)[-2:]
+    return torch.randn(batch, channels, h, w, generator=torch.Generator().manual_seed(0))
+
+
+def _image_inputs(channels: int, size: Any) -> InputMaker:
+    return lambda batch, _length: ((_images(batch, channels, size),), {})
+
+
+def _load_hf(target: str, name: str, random_init: bool) -> Loaded:
+    transformers = _library("hf", target)
+    folder = Path(name).expanduser()
+    where = str(folder) if folder.exists() else name
+    if not folder.exists() and (name.startswith((".", "/", "~")) or "\\" in name or name.count("/") > 1):
+        raise TargetError(f"{target}: folder {name!r} does not exist; give a folder written by save_pretrained")
+    if folder.exists() and not (folder / "config.json").is_file():
+        raise TargetError(f"{target}: folder {where!r} has no config.json; give a model folder "
+                          "(save_pretrained writes one)")  # fmt: skip
+    try:
+        config = transformers.AutoConfig.from_pretrained(where, local_files_only=True)
+    except (OSError, ValueError) as exc:  # not cached / no such folder, or an unknown model_type
+        raise TargetError(f"{target}: no usable config in a local folder or the local cache ({_first_line(exc)}); "
+                          f"give a folder with config.json, or download it first "
+                          f"(hf download {name})") from None  # fmt: skip
+    arch = next(iter(getattr(config, "architectures", None) or []), None)
+    cls = getattr(transformers, arch, None) if arch else None
+    hf_logging = transformers.utils.logging
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # qkvtrace shows its own progress, on stderr
+    try:
+        if random_init:
+            model = _seeded(lambda: cls(config) if cls is not None else transformers.AutoModel.from_config(config))
+        else:
+            auto = cls if cls is not None else transformers.AutoModel
+            model = auto.from_pretrained(where, local_files_only=True)
+    except OSError as exc:  # no weight file there
+        raise TargetError(f"{target}: no weights in a local folder or the local cache ({_first_line(exc)}); "
+                          "--random-init builds the model from its config alone") from None  # fmt: skip
+    except (ValueError, TypeError, ImportError, RuntimeError) as exc:  # what transformers raises for a bad model
+        raise TargetError(f"{target}: transformers could not build the model ({_first_line(exc)})") from exc
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    return Loaded(model, input_maker=_hf_inputs(config, target))
+
+
+def _load_timm(target: str, name: str) -> Loaded:
+    timm = _library("timm", target)
+    try:
+        model = _seeded(lambda: timm.create_model(name, pretrained=False))
+    except RuntimeError as exc:  # timm: "Unknown model (...)"
+        raise TargetError(f"{target}: {_first_line(exc)}; list names with timm.list_models()") from exc
+    cfg = getattr(model, "pretrained_cfg", None) or getattr(model, "default_cfg", None) or {}
+    channels, *size = cfg.get("input_size", (3, 224, 224))
+    return Loaded(model, input_maker=_image_inputs(channels, size))
+
+
+def _load_torchvision(target: str, name: str) -> Loaded:
+    torchvision = _library("torchvision", target)
+    try:
+        model = _seeded(lambda: torchvision.models.get_model(name, weights=None))
+    except ValueError as exc:  # torchvision: "Unknown model ..."
+        raise TargetError(f"{target}: {_first_line(exc)}; list names with torchvision.models.list_models()") from exc
+    return Loaded(model, input_maker=_image_inputs(3, getattr(model, "image_size", 224)))
+
+
+def load_target(target: str, *, random_init: bool = False) -> Loaded:
+    """Import and call the factory named by ``target``, or load a library model (``hf:``, ``timm:``, ...)."""
+    prefix, sep, rest = target.partition(":")
+    if sep and prefix in LIBRARIES:
+        if not rest:
+            raise TargetError(f"TARGET {target!r} names no model; e.g. {prefix}:NAME")
+        if prefix == "hf":
+            return _load_hf(target, rest, random_init)
+        return _load_timm(target, rest) if prefix == "timm" else _load_torchvision(target, rest)
+    if random_init:
+        raise TargetError(f"--random-init is for hf: targets; {target!r} builds its own model")
     where, name = _split(target)
     if where == "demo":
         factory = DEMOS.get(name)

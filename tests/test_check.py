@@ -13,7 +13,7 @@ import torch
 from mistakes import MISTAKES, build
 from torch import nn
 
-from qkvtrace.check import run_checks
+from qkvtrace.check import CheckReport, run_checks
 
 HERE = Path(__file__).resolve().parent
 ENV = {**os.environ, "COLUMNS": "200", "PYTHONWARNINGS": "ignore"}
@@ -77,6 +77,15 @@ class _Causal(nn.Module):
         return self.layer(x, src_mask=self.mask, is_causal=True)
 
 
+def _judged_mask(report: CheckReport, batch: int, length: int) -> torch.Tensor:
+    """The (B, T) True = padding mask the padding check judged with, from the positions it reports."""
+    assert report.convention is not None
+    mask = torch.zeros(batch, length, dtype=torch.bool)
+    for b, positions in report.convention.padded.items():
+        mask[b, positions] = True
+    return mask
+
+
 class _PadsAllOfSequence1(nn.Module):
     """MHA whose key padding mask also blocks every key of sequence 1: all its query rows are fully masked."""
 
@@ -103,8 +112,11 @@ def test_mha_fully_masked_rows_and_nan_are_reported_as_measured() -> None:
     report = run_checks(model, (x,), padding=True, trials=1)
     paths = {m: {c["path"] for c in calls} for m, calls in report.calls.items()}
     assert paths == {"inference": {"fast"}, "training": {"fallback"}}
-    kpm = model.received[0]
-    assert all(torch.equal(m, kpm) for m in model.received)  # one padding mask for every forward
+    kpm = _judged_mask(report, x.shape[0], x.shape[1])
+    assert any(torch.equal(m, kpm) for m in model.received)
+    # key_padding_mask: True = padding (its known convention); the measurement saw the mask remove influence
+    assert report.convention is not None and report.convention.true_means == "ignore"
+    assert report.convention.source == "known" and report.convention.confirmed is True
     # independent: the same forward, untraced, in each mode; rows whose keys are all blocked, by hand
     fully_masked = int(model.blocked(kpm).all(dim=1).sum()) * x.shape[1]
     assert fully_masked == 8
@@ -150,7 +162,8 @@ def test_nan_in_the_output_fails_the_check() -> None:
     model = _CausalWithPadding()
     ids = torch.randint(0, 50, (2, 8))
     report = run_checks(model, (ids,), padding=True, trials=1)
-    kpm = model.received[0]
+    kpm = _judged_mask(report, 2, 8)
+    assert any(torch.equal(m, kpm) for m in model.received)
     # by hand: a query row i is fully masked when every key j <= i is padding
     allowed = ~kpm[:, None, :] & torch.ones(8, 8, dtype=torch.bool).tril()
     rows = int((~allowed.any(dim=-1)).sum())
@@ -185,3 +198,118 @@ def test_cli_refuses_over_budget_before_running() -> None:
     proc = _cli("trace", "demo:tiny-lm", "--input-shape", "64,128", "--max-tokens", "1000")
     assert proc.returncode == 2
     assert "max_tokens=1000" in proc.stderr and "Traceback" not in proc.stderr
+
+
+BERT_FACTORY = '''
+import torch
+from torch import nn
+from transformers import BertConfig, BertModel
+
+
+class Bert(nn.Module):
+    """A tiny Hugging Face BERT on PyTorch's SDPA; its forward takes the HF-style attention_mask (1 = attend)."""
+
+    def __init__(self, invert: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        config = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                            intermediate_size=64, max_position_embeddings=64, attn_implementation="sdpa")
+        self.bert = BertModel(config)
+        self.invert = invert
+
+    def forward(self, input_ids, attention_mask=None):
+        if attention_mask is not None and self.invert:  # the mistake: the padding mask turned over
+            attention_mask = 1 - attention_mask
+        return self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+
+def correct():
+    return Bert(), (torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1)),)
+
+
+def inverted():
+    return Bert(invert=True), (torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1)),)
+'''
+
+
+@pytest.fixture(scope="module")
+def bert_factory(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pytest.importorskip("transformers")
+    folder = tmp_path_factory.mktemp("bert")
+    (folder / "bert_factory.py").write_text(BERT_FACTORY)
+    return folder / "bert_factory.py"
+
+
+def test_hf_attention_mask_convention_passes_a_correct_model(bert_factory: Path, tmp_path: Path) -> None:
+    """attention_mask is 1 = attend: check knows it, says so, and confirms it on the model before judging."""
+    out = tmp_path / "c.json"
+    proc = _cli("check", f"{bert_factory}:correct", "--padding", "--mask-arg", "attention_mask", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(out.read_text())
+    conv = data["padding_convention"]
+    assert (conv["mask_arg"], conv["true_means"], conv["source"], conv["confirmed"]) == (
+        "attention_mask", "attend", "known", True)  # fmt: skip
+    assert conv["influenced"] > 0 and conv["still_influenced"] == 0  # measured: the mask removed the influence
+    assert "True means attend" in proc.stdout and "confirmed" in proc.stdout
+    assert all(f["passed"] for f in data["findings"])
+    assert {c["path"] for calls in data["calls"].values() for c in calls} == {"sdpa"}
+    valid = _cli("validate", str(out))
+    assert valid.returncode == 0, valid.stdout + valid.stderr
+
+
+def test_hf_inverted_padding_mask_fails_and_says_why(bert_factory: Path, tmp_path: Path) -> None:
+    out = tmp_path / "c.json"
+    proc = _cli("check", f"{bert_factory}:inverted", "--padding", "--mask-arg", "attention_mask", "--json", str(out))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "FAILED: padding (inference), padding (training)" in " ".join(proc.stdout.split())
+    conv = json.loads(out.read_text())["padding_convention"]
+    assert conv["confirmed"] is False and conv["still_influenced"] == conv["influenced"] > 0
+    assert conv["still_influenced_opposite"] == 0  # the other convention would have removed it
+    assert "--mask-true-means ignore" in conv["evidence"] and "inverts its mask" in conv["evidence"]
+
+
+def test_wrong_convention_given_for_a_correct_model_is_not_confirmed(bert_factory: Path) -> None:
+    """Telling check the opposite of the truth makes the padding fail — and the measurement says which is right."""
+    sys.path.insert(0, str(bert_factory.parent))
+    try:
+        import bert_factory as factory  # type: ignore[import-not-found]
+    finally:
+        sys.path.pop(0)
+    model, args = factory.correct()
+    report = run_checks(model, args, padding=True, mask_arg="attention_mask", mask_true_means="ignore", trials=1)
+    assert not report.ok
+    assert report.convention is not None and report.convention.source == "given"
+    assert report.convention.confirmed is False and "--mask-true-means attend" in report.convention.evidence
+
+
+def test_default_conventions_by_argument_name() -> None:
+    from qkvtrace.check import default_convention
+
+    assert default_convention("key_padding_mask") == ("ignore", "known")
+    assert default_convention("src_key_padding_mask") == ("ignore", "known")
+    assert default_convention("attention_mask") == ("attend", "known")
+    assert default_convention("pad_mask") == ("ignore", "assumed")
+
+
+def test_mask_ignored_by_the_model_is_not_confirmed() -> None:
+    """A model that never passes its mask on: padding leaks, and neither convention removes it."""
+
+    class Ignores(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mha = nn.MultiheadAttention(16, 2, batch_first=True)
+
+        def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+            return self.mha(x, x, x, need_weights=False)[0]
+
+    torch.manual_seed(0)
+    report = run_checks(Ignores(), (torch.randn(2, 8, 16),), padding=True, trials=1, modes=("inference",))
+    assert not report.ok and report.convention is not None
+    assert report.convention.confirmed is False
+    assert report.convention.still_influenced_opposite == report.convention.influenced
+    assert "is key_padding_mask passed on to the attention?" in report.convention.evidence
+
+
+def test_cli_mask_true_means_choices() -> None:
+    bad = _cli("check", "demo:tiny-lm", "--padding", "--mask-true-means", "padding")
+    assert bad.returncode == 2 and "--mask-true-means" in bad.stderr and "Traceback" not in bad.stderr

@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, ClassVar
 
 import networkx as nx
-from rich.console import Group, RenderableType
+from rich.console import Console, ConsoleOptions, Group, RenderableType
 from rich.syntax import Syntax
-from rich.table import Table
 from rich.text import Text
 
 from qkvtrace.render.graph import report_graph, short_name, to_dot
+from qkvtrace.render.terminal import Col, records_view
 
-__all__ = ["diff_dot", "diff_markdown", "diff_renderable"]
+__all__ = ["SourceDiff", "diff_dot", "diff_markdown", "diff_renderable"]
 
 _ADDED, _REMOVED = "#2e7d32", "#c62828"
 
@@ -91,43 +92,74 @@ def diff_markdown(diff: dict[str, Any], *, svg_name: str | None = "diff.svg") ->
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
-def diff_renderable(diff: dict[str, Any]) -> RenderableType:
-    """Summary first, then what changed, with syntax-highlighted source diffs."""
+class SourceDiff:
+    """A unified diff of Python source: code in syntax colour, ``+``/``-`` lines marked green/red.
+
+    On a colour terminal with 256 or more colours the changed lines also get a tinted background.
+    Lines are never wrapped or cut (print with ``crop=False``): the terminal wraps them, and piped
+    output is the plain unified diff, line for line.
+    """
+
+    _MARK: ClassVar[dict[str, tuple[str, str]]] = {"+": ("bold green", "on #0f2f14"), "-": ("bold red", "on #3a1214")}
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> Iterator[Text]:
+        tint = console.color_system in ("256", "truecolor")
+        code = Syntax("", "python", theme="ansi_dark", background_color="default")
+        for line in self.text.splitlines():
+            if line.startswith(("---", "+++")):
+                yield Text(line, style="bold", no_wrap=True, overflow="ignore")
+            elif line.startswith("@@"):
+                yield Text(line, style="magenta", no_wrap=True, overflow="ignore")
+            else:
+                mark, body = line[:1], line[1:]
+                text = Text(no_wrap=True, overflow="ignore", end="\n")
+                style, background = self._MARK.get(mark, ("dim", ""))
+                text.append(mark or " ", style=style)
+                highlighted = code.highlight(body)
+                if highlighted.plain.endswith("\n"):  # the lexer ends every snippet with a newline
+                    highlighted.right_crop(1)
+                text.append_text(highlighted)
+                if tint and background:
+                    text.stylize(background)
+                yield text
+
+
+def diff_renderable(diff: dict[str, Any], *, width: int = 200) -> RenderableType:
+    """Summary first, then what changed, with syntax-coloured source diffs; tables fit ``width``."""
     parts: list[RenderableType] = [Text(diff["summary"], style="bold")]
     s, c, g, p = diff["sources"], diff["fast_path_conditions"], diff["callgraph"], diff["probes"]["changed"]
     if s["added"] or s["removed"]:
         parts.append(Text("functions added: " + (", ".join(s["added"]) or "-")))
         parts.append(Text("functions removed: " + (", ".join(s["removed"]) or "-")))
     for name in s["changed"]:
-        parts.append(Text(f"\nchanged: {name}", style="bold cyan"))
-        parts.append(Syntax(diff["source_diffs"].get(name, ""), "diff", theme="ansi_dark", word_wrap=True))
+        parts.append(Text(f"\nchanged: {name}", style="bold cyan", no_wrap=True, overflow="ignore"))
+        parts.append(SourceDiff(diff["source_diffs"].get(name, "")))
     if c["added"] or c["removed"] or c["reworded"]:
-        t = Table(title="fast-path conditions")
-        for col in ("change", "function", "reason", "condition"):
-            t.add_column(col, overflow="fold")
+        rows: list[list[str | Text]] = []
         for kind in ("added", "removed"):
             for x in c[kind]:
-                t.add_row(kind, short_name(x["function"]), x["reason"], x["condition"])
+                rows.append([kind, short_name(x["function"]), x["reason"], x["condition"]])
         for x in c["reworded"]:
-            t.add_row("reworded", short_name(x["function"]), f"{x['was']}\n→ {x['became']}",
-                      f"{x['condition_was']}\n→ {x['condition_became']}")  # fmt: skip
-        parts.append(t)
+            rows.append(["reworded", short_name(x["function"]), f"{x['was']}\n→ {x['became']}",
+                         f"{x['condition_was']}\n→ {x['condition_became']}"])  # fmt: skip
+        cols = [Col("change"), Col("function"), Col("reason", "text"), Col("condition", "text")]
+        parts.append(Text(""))
+        parts.append(records_view("fast-path conditions", cols, rows, width=width, title_cols=2))
     if g["edges_added"] or g["edges_removed"]:
-        t = Table(title="call-graph edges")
-        for col in ("change", "caller", "callee"):
-            t.add_column(col, overflow="fold")
-        for e in g["edges_added"]:
-            t.add_row(Text("added", style="green"), e["caller"], e["callee"])
-        for e in g["edges_removed"]:
-            t.add_row(Text("removed", style="red"), e["caller"], e["callee"])
-        parts.append(t)
+        edges: list[list[str | Text]] = [[Text("added", style="green"), e["caller"], e["callee"]]
+                                         for e in g["edges_added"]]  # fmt: skip
+        edges += [[Text("removed", style="red"), e["caller"], e["callee"]] for e in g["edges_removed"]]
+        parts.append(Text(""))
+        parts.append(records_view("call-graph edges", [Col("change"), Col("caller"), Col("callee")], edges,
+                                  width=width, title_cols=2))  # fmt: skip
     if p:
-        t = Table(title="behaviour probes that changed")
-        for col in ("probe", "case", "was", "became"):
-            t.add_column(col, overflow="fold")
-        for x in p:
-            t.add_row(x["kind"], x["key"], _short(x["was"]), _short(x["became"]))
-        parts.append(t)
+        probes: list[list[str | Text]] = [[x["kind"], x["key"], _short(x["was"]), _short(x["became"])] for x in p]
+        cols = [Col("probe"), Col("case"), Col("was", "text"), Col("became", "text")]
+        parts.append(Text(""))
+        parts.append(records_view("behaviour probes that changed", cols, probes, width=width, title_cols=2))
     return Group(*parts)
 
 

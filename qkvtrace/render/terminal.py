@@ -1,21 +1,38 @@
-"""Rich renderables for trace results. Reads records only; never touches torch."""
+"""Rich renderables for trace results, checks and probes. Reads records only; never touches torch.
+
+Readable at any width: the facts a command exists to show — a module's name, the
+path, the SDPA backend, PyTorch's reason — are never cut. Names are never wrapped
+or folded (a name is searched for and copied whole); reasons wrap between words.
+When the identifying columns and a readable reason column do not fit the width,
+a table becomes one block per row, its name as the title (:func:`records_view`).
+Print the renderables with ``console.print(x, crop=False)`` so a name longer than
+the terminal runs on rather than being cropped.
+"""
 
 from __future__ import annotations
 
+import textwrap
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
+from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
 from qkvtrace.records import AttentionCall, GradientRecord, SliceGrad, TraceResult
 
 __all__ = [
+    "COLUMNS",
+    "Col",
     "agreement_table",
     "blind_spots",
     "calls_table",
+    "convention_lines",
     "findings_table",
     "fully_masked_table",
     "mask_semantics_table",
+    "records_view",
     "scenarios_table",
     "summary_line",
     "trace_table",
@@ -26,20 +43,111 @@ _PATH_STYLE = {
     "fused_encoder_layer": "bold green",
     "fallback": "yellow",
     "sdpa": "cyan",
+    "flex": "cyan",
 }
+
+#: secondary columns of ``qkvtrace trace`` (``--columns``), in display order
+COLUMNS = {
+    "type": "module type",
+    "weights": "|W| q/k/v",
+    "grads": "|dW| q/k/v",
+    "ops": "aten ops",
+}
+
+#: a reason column narrower than this reads as a word per line: switch to blocks instead
+_MIN_TEXT = 24
+
+
+@dataclass(frozen=True)
+class Col:
+    """A column: ``name`` (never wrapped: identifiers, numbers) or ``text`` (wraps between words)."""
+
+    header: str
+    kind: str = "name"
+    justify: str = "left"
+
+
+def _plain(cell: str | Text) -> str:
+    return cell.plain if isinstance(cell, Text) else cell
+
+
+def _cell_width(cell: str | Text) -> int:
+    return max((len(line) for line in _plain(cell).split("\n")), default=0)
+
+
+def _table_width(cols: Sequence[Col], rows: Sequence[Sequence[str | Text]]) -> int:
+    """The width a boxed table needs with every name column whole and text columns at ``_MIN_TEXT``."""
+    total = len(cols) + 1  # vertical rules
+    for i, col in enumerate(cols):
+        natural = max([len(col.header)] + [_cell_width(r[i]) for r in rows])
+        total += 2 + (min(natural, _MIN_TEXT) if col.kind == "text" else natural)
+    return total
+
+
+def _as_text(cell: str | Text, **kw: Any) -> Text:
+    return cell.copy() if isinstance(cell, Text) else Text(cell, **kw)
+
+
+def records_view(
+    title: str | None,
+    cols: Sequence[Col],
+    rows: Sequence[Sequence[str | Text]],
+    *,
+    width: int,
+    title_cols: int = 1,
+) -> RenderableType:
+    """A table when it fits ``width`` with every name whole; else one block per row.
+
+    In a block the first ``title_cols`` cells make the title line (never wrapped), and
+    every other cell is a ``header  value`` line; text values wrap under themselves.
+    """
+    head: list[RenderableType] = [Text(title, style="bold", no_wrap=True, overflow="ignore")] if title else []
+    if _table_width(cols, rows) <= width:
+        table = Table(expand=False)
+        for i, col in enumerate(cols):
+            natural = max([len(col.header)] + [_cell_width(r[i]) for r in rows])
+            if col.kind == "name":
+                table.add_column(col.header, no_wrap=True, min_width=natural, justify=col.justify)  # type: ignore[arg-type]
+            else:
+                table.add_column(col.header, overflow="fold", min_width=min(natural, _MIN_TEXT))
+        for row in rows:
+            table.add_row(*row)
+        return Group(*head, table)
+    blocks: list[RenderableType] = list(head)
+    key_width = max((len(c.header) for c in cols[title_cols:]), default=0)
+    indent = 2 + key_width + 2
+    for row in rows:
+        block = Text(no_wrap=True, overflow="ignore")
+        for j, cell in enumerate(row[:title_cols]):
+            if j:
+                block.append("  ")
+            block.append(_as_text(cell, style="bold") if j == title_cols - 1 else _as_text(cell))
+        for col, cell in zip(cols[title_cols:], row[title_cols:], strict=True):
+            value = _as_text(cell)
+            lines = value.plain.split("\n")
+            if col.kind == "text":  # wrap between words under the value's first column; never cut a word
+                lines = [w for line in lines for w in (textwrap.wrap(line, max(width - indent, _MIN_TEXT),
+                         break_long_words=False, break_on_hyphens=False) or [""])]  # fmt: skip
+            block.append("\n  " + col.header.ljust(key_width) + "  ", style="dim")
+            block.append(lines[0], style=value.style)
+            for line in lines[1:]:
+                block.append("\n" + " " * indent + line, style=value.style)
+        blocks.append(block)
+    return Group(*blocks)
 
 
 def _fmt(x: float | None) -> str:
+    """Numbers take little room: three significant digits, no padded exponent (``2.96e-7``)."""
     if x is None:
         return "-"
-    return f"{x:.3g}"
+    return f"{x:.3g}".replace("e-0", "e-").replace("e+0", "e+")
 
 
 def _qkv_norms(call: AttentionCall) -> str:
     parts = (call.qkv.q, call.qkv.k, call.qkv.v)
     if all(p is None or p.weight_norm is None for p in parts):
         return "-"
-    return " / ".join(_fmt(p.weight_norm if p else None) for p in parts)
+    return "/".join(_fmt(p.weight_norm if p else None) for p in parts)
 
 
 def _grad_norms(grads: list[GradientRecord], module: str) -> str:
@@ -48,7 +156,7 @@ def _grad_norms(grads: list[GradientRecord], module: str) -> str:
         return "-"
     last = mine[-1]
     slices: tuple[SliceGrad, ...] = (last.q, last.k, last.v)
-    return " / ".join(_fmt(s.grad_norm) for s in slices)
+    return "/".join(_fmt(s.grad_norm) for s in slices)
 
 
 def _why(call: AttentionCall) -> Text:
@@ -62,27 +170,45 @@ def _why(call: AttentionCall) -> Text:
     return text
 
 
-def trace_table(result: TraceResult, *, title: str | None = None) -> Table:
-    """One row per attention call: module, path, why, backend, Q/K/V and grad norms."""
-    table = Table(title=title, show_lines=False, expand=False)
-    table.add_column("#", justify="right", style="dim")
-    table.add_column("module")
-    table.add_column("path")
-    table.add_column("why not fast", overflow="fold", max_width=44)
-    table.add_column("backend")
-    table.add_column("|Wq| / |Wk| / |Wv|", justify="right")
-    table.add_column("|dWq| / |dWk| / |dWv|", justify="right")
+def _path(path: str) -> Text:
+    return Text(path, style=_PATH_STYLE.get(path, ""))
+
+
+def _backend(backend: str | None) -> Text:
+    return Text(backend) if backend else Text("none", style="dim")
+
+
+def trace_table(
+    result: TraceResult,
+    *,
+    title: str | None = None,
+    width: int = 200,
+    columns: Sequence[str] | None = None,
+) -> RenderableType:
+    """One row (or block) per attention call: module, path, backend, PyTorch's reason.
+
+    ``columns`` adds secondary columns (keys of :data:`COLUMNS`); by default the gradient
+    norms are shown when gradients were recorded.
+    """
+    extra = list(columns) if columns is not None else (["grads"] if result.gradients else [])
+    unknown = [c for c in extra if c not in COLUMNS]
+    if unknown:
+        raise ValueError(f"unknown column(s) {', '.join(unknown)}; choose from {', '.join(COLUMNS)}")
+    extra = [c for c in COLUMNS if c in extra]
+    cols = [Col("#", justify="right"), Col("module"), Col("path"), Col("backend")]
+    cols += [Col(COLUMNS[c], justify="left" if c in ("type", "ops") else "right") for c in extra]
+    cols.append(Col("why not fast", "text"))
+    rows: list[list[str | Text]] = []
     for call in result.calls:
-        table.add_row(
-            str(call.index),
-            call.module or "(root)",
-            Text(call.path, style=_PATH_STYLE.get(call.path, "")),
-            _why(call),
-            call.sdpa_backend or Text("none", style="dim"),
-            _qkv_norms(call),
-            _grad_norms(result.gradients, call.module),
-        )
-    return table
+        cells: dict[str, str | Text] = {
+            "type": call.module_type,
+            "weights": _qkv_norms(call),
+            "grads": _grad_norms(result.gradients, call.module),
+            "ops": "\n".join(call.aten_ops) if call.aten_ops else Text(call.evidence or "-", style="dim"),
+        }
+        rows.append([Text(f"#{call.index}", style="dim"), call.module or "(root)", _path(call.path),
+                     _backend(call.sdpa_backend), *(cells[c] for c in extra), _why(call)])  # fmt: skip
+    return records_view(title, cols, rows, width=width, title_cols=2)
 
 
 def summary_line(result: TraceResult) -> str:
@@ -104,97 +230,100 @@ def blind_spots(result: TraceResult) -> list[str]:
     return lines
 
 
-def findings_table(findings: list[Any], title: str) -> Table:
+def findings_table(findings: list[Any], title: str, *, width: int = 200) -> RenderableType:
     """One row per check and mode: PASS/FAIL and the evidence."""
-    table = Table(title=title)
-    table.add_column("check")
-    table.add_column("mode")
-    table.add_column("result")
-    table.add_column("evidence", overflow="fold")
+    cols = [Col("check"), Col("mode"), Col("result"), Col("evidence", "text")]
+    rows: list[list[str | Text]] = []
     for f in findings:
         result = Text("PASS", style="bold green") if f.passed else Text("FAIL", style="bold red")
-        table.add_row(f.check, f.mode, result, f.detail)
-    return table
+        rows.append([f.check, f.mode, result, f.detail])
+    return records_view(title, cols, rows, width=width, title_cols=3)
 
 
-def calls_table(calls: dict[str, list[dict[str, Any]]], title: str) -> Table:
+def convention_lines(convention: Any) -> list[Text]:
+    """The padding mask's convention and whether the model was seen to honour it (nothing without one)."""
+    if convention is None:
+        return []
+    source = {
+        "given": "as given",
+        "known": f"the known convention of {convention.mask_arg}",
+        "assumed": "assumed: PyTorch's convention; say --mask-true-means to be sure",
+    }[convention.source]
+    meaning = "padding" if convention.true_means == "ignore" else "a real token"
+    line = Text(f"padding mask: {convention.mask_arg}=, True means {convention.true_means} (True on {meaning}; ")
+    line.append(f"{source})")
+    style = {True: "green", False: "bold red", None: "yellow"}[convention.confirmed]
+    return [line, Text(f"convention {convention.evidence}", style=style)]
+
+
+def calls_table(calls: dict[str, list[dict[str, Any]]], title: str, *, width: int = 200) -> RenderableType:
     """Per mode, the attention calls the tracer saw during a check."""
-    table = Table(title=title)
-    for col in ("mode", "module", "path", "backend", "why not fast", "fully-masked rows", "NaN"):
-        table.add_column(col, overflow="fold")
-    for mode, rows in calls.items():
-        for c in rows:
-            table.add_row(
-                mode,
-                c["module"] or "(root)",
-                Text(c["path"], style=_PATH_STYLE.get(c["path"], "")),
-                c["sdpa_backend"] or "none",
-                " ".join((c["why_not_fast_path"] or "-").split()),
-                str(c["fully_masked_rows"]),
-                str(c["nan_count"]),
-            )
-    return table
+    cols = [Col("mode"), Col("module"), Col("path"), Col("backend"), Col("fully-masked rows", justify="right"),
+            Col("NaN", justify="right"), Col("why not fast", "text")]  # fmt: skip
+    rows: list[list[str | Text]] = []
+    for mode, found in calls.items():
+        for c in found:
+            rows.append([mode, c["module"] or "(root)", _path(c["path"]), _backend(c["sdpa_backend"]),
+                         str(c["fully_masked_rows"]), str(c["nan_count"]),
+                         " ".join((c["why_not_fast_path"] or "-").split())])  # fmt: skip
+    return records_view(title, cols, rows, width=width, title_cols=2)
 
 
-def scenarios_table(scenarios: list[dict[str, Any]]) -> Table:
-    table = Table(title="what runs when (measured)")
-    for col in ("scenario", "path", "backend", "why not fast (PyTorch's words)"):
-        table.add_column(col, overflow="fold")
+def scenarios_table(scenarios: list[dict[str, Any]], *, width: int = 200) -> RenderableType:
+    cols = [Col("scenario", "text"), Col("path"), Col("backend"), Col("why not fast (PyTorch's words)", "text")]
+    rows: list[list[str | Text]] = []
     for s in scenarios:
         if s.get("error"):
-            table.add_row(s["description"], Text("error", style="red"), "", s["error"])
+            rows.append([s["description"], Text("error", style="red"), "", s["error"]])
             continue
         calls = s["calls"]
-        table.add_row(
+        rows.append([
             s["description"],
-            ", ".join(sorted({c["path"] for c in calls})),
-            ", ".join(sorted({c["sdpa_backend"] or "none" for c in calls})),
+            "\n".join(sorted({c["path"] for c in calls})),
+            "\n".join(sorted({c["sdpa_backend"] or "none" for c in calls})),
             "; ".join(sorted({" ".join((c["why_not_fast_path"] or "").split()) for c in calls} - {""})) or "-",
-        )
-    return table
+        ])  # fmt: skip
+    return records_view("what runs when (measured)", cols, rows, width=width)
 
 
-def mask_semantics_table(records: list[dict[str, Any]]) -> Table:
-    table = Table(title="boolean masks: what True means (measured on [[T, F], [F, T]])")
-    for col in ("API", "True means", "masked → 0", "rows sum to 1", "observed weights"):
-        table.add_column(col, overflow="fold")
+def mask_semantics_table(records: list[dict[str, Any]], *, width: int = 200) -> RenderableType:
+    cols = [Col("API"), Col("True means"), Col("masked → 0"), Col("rows sum to 1"), Col("observed weights", "text")]
+    rows: list[list[str | Text]] = []
     for r in records:
         weights = r.get("observed_weights")
-        table.add_row(
+        rows.append([
             r["api"],
             Text(str(r.get("true_means")), style="bold"),
             str(r.get("masked_prob_zero")),
             "n/a" if r.get("rows_sum_to_one") is None else str(r["rows_sum_to_one"]),
             str(weights) if weights else (r.get("error") or "by perturbation"),
-        )
-    return table
+        ])  # fmt: skip
+    return records_view("boolean masks: what True means (measured on [[T, F], [F, T]])", cols, rows, width=width)
 
 
-def fully_masked_table(records: list[dict[str, Any]]) -> Table:
-    table = Table(title="a query row whose keys are all masked returns (measured)")
-    for col in ("API", "backend", "result", "grad finite"):
-        table.add_column(col, overflow="fold")
+def fully_masked_table(records: list[dict[str, Any]], *, width: int = 200) -> RenderableType:
+    cols = [Col("API"), Col("backend"), Col("result", "text"), Col("grad finite")]
     styles = {"nan": "bold red", "zero": "green", "other": "yellow", "error": "dim"}
+    rows: list[list[str | Text]] = []
     for r in records:
-        result = r["result"] if r["result"] != "error" else f"error: {r.get('error', '')[:60]}"
-        table.add_row(
+        result = r["result"] if r["result"] != "error" else f"error: {r.get('error', '')}"
+        rows.append([
             r["api"],
             r.get("backend") or "",
             Text(result, style=styles.get(r["result"], "")),
             "n/a" if r.get("grad_finite") is None else str(r["grad_finite"]),
-        )
-    return table
+        ])  # fmt: skip
+    return records_view("a query row whose keys are all masked returns (measured)", cols, rows, width=width,
+                        title_cols=2)  # fmt: skip
 
 
-def agreement_table(data: dict[str, Any]) -> Table:
-    table = Table(title="max |difference| to softmax(QKᵀ/√d_head + M)V (float64)")
-    for col in ("computation", "dtype", "max abs diff"):
-        table.add_column(col)
+def agreement_table(data: dict[str, Any], *, width: int = 200) -> RenderableType:
+    cols = [Col("computation"), Col("dtype"), Col("max abs diff", justify="right")]
+    rows: list[list[str | Text]] = []
     for r in data.get("sdpa", []):
         diff = "error" if r.get("max_abs_diff") is None else f"{r['max_abs_diff']:.2g}"
-        table.add_row(f"SDPA {r['backend']}", r["dtype"], diff)
+        rows.append([f"SDPA {r['backend']}", r["dtype"], diff])
     for r in data.get("mha", []):
-        table.add_row(
-            f"MHA {r['path']} vs. by hand (3 in_proj slices)", "float32", f"{r['max_abs_diff_to_by_hand']:.2g}"
-        )
-    return table
+        by_hand = f"{r['max_abs_diff_to_by_hand']:.2g}"
+        rows.append([f"MHA {r['path']} vs. by hand (3 in_proj slices)", "float32", by_hand])
+    return records_view("max |difference| to softmax(QKᵀ/√d_head + M)V (float64)", cols, rows, width=width)

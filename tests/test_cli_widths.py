@@ -1,0 +1,280 @@
+"""Every command's terminal output at 80, 100 and 200 columns: names whole, reasons uncut, colour only on a terminal.
+
+The model has module names of 40 to 90 characters, as real models do
+(``model.encoder.layer.11.attention.self``), and calls that take four
+different paths, so PyTorch's reasons, paths and backends all appear. What
+must appear is read from the trace's own JSON, never written here.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rich.console import Console
+
+from qkvtrace.render.diff_render import diff_renderable
+from qkvtrace.render.terminal import calls_table, trace_table
+
+HERE = Path(__file__).resolve().parent
+REPORTS = HERE.parent / "reports"
+WIDTHS = (80, 100, 200)
+SGR = re.compile(r"\x1b\[([0-9;]*)m")
+
+FACTORY = textwrap.dedent(
+    """
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+
+    class HandWrittenScaledDotProductAttentionBlock(nn.Module):
+        def __init__(self, width):
+            super().__init__()
+            self.query_key_value_projection = nn.Linear(width, 3 * width)
+
+        def forward(self, x):
+            q, k, v = self.query_key_value_projection(x).chunk(3, dim=-1)
+            return F.scaled_dot_product_attention(q, k, v)
+
+
+    class Block(nn.Module):
+        def __init__(self, width):
+            super().__init__()
+            # 3 heads: PyTorch refuses the fast path ("self.num_heads is not even")
+            self.multi_head_self_attention_with_odd_head_count = nn.MultiheadAttention(width, 3, batch_first=True)
+            self.sequence_first_cross_attention = nn.MultiheadAttention(width, 4)  # batch_first=False
+            self.hand_written_scaled_dot_product_attention_block = HandWrittenScaledDotProductAttentionBlock(width)
+
+        def forward(self, x):
+            x = self.multi_head_self_attention_with_odd_head_count(x, x, x, need_weights=False)[0]
+            t = x.transpose(0, 1)
+            x = self.sequence_first_cross_attention(t, t, t, need_weights=False)[0].transpose(0, 1)
+            return self.hand_written_scaled_dot_product_attention_block(x)
+
+
+    class LongNames(nn.Module):
+        def __init__(self, width=24):
+            super().__init__()
+            self.transformer_encoder_stack_with_descriptive_names = nn.ModuleList([Block(width)])
+            self.fused_encoder_layer_at_the_end = nn.TransformerEncoderLayer(width, 4, 48, batch_first=True)
+
+        def forward(self, x):
+            for block in self.transformer_encoder_stack_with_descriptive_names:
+                x = block(x)
+            return self.fused_encoder_layer_at_the_end(x)
+
+
+    def build():
+        torch.manual_seed(0)
+        return LongNames(), (torch.randn(2, 6, 24),)
+    """
+)
+
+
+def _env(columns: int, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "NO_COLOR", "TERM")}
+    return {**env, "COLUMNS": str(columns), "PYTHONWARNINGS": "ignore", **extra}
+
+
+def qkv(*args: str, columns: int = 80, cwd: Path | None = None, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "qkvtrace", *args], capture_output=True, text=True,
+                          env=_env(columns, **env), cwd=cwd or HERE.parent, timeout=300)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def factory(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("widths")
+    (folder / "long_names.py").write_text(FACTORY)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def traced(factory: Path) -> dict[int, tuple[str, dict[str, Any]]]:
+    """stdout and the JSON trace of the same run, at each width."""
+    runs = {}
+    for width in WIDTHS:
+        out = factory / f"t{width}.json"
+        proc = qkv("trace", "long_names.py:build", "--json", str(out), columns=width, cwd=factory)
+        assert proc.returncode == 0, proc.stderr
+        runs[width] = (proc.stdout, json.loads(out.read_text()))
+    return runs
+
+
+def _flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _why_cells(out: str) -> str:
+    """Output with each table row reduced to its last cell (the reason column), so wrapped reasons rejoin."""
+    lines = []
+    for line in out.splitlines():
+        cells = [c for c in line.split("│") if c.strip()] if line.startswith("│") else [line]
+        lines.append(cells[-1] if cells else "")
+    return _flat("\n".join(lines))
+
+
+def assert_whole(out: str, calls: list[dict[str, Any]], width: int) -> None:
+    """Every module name, path and backend whole on one line; every reason uncut; nothing cropped."""
+    lines = out.splitlines()
+    assert "…" not in out, out  # rich's ellipsis: something was cut
+    for call in calls:
+        for fact in (call["module"], call["path"], call["sdpa_backend"] or "none"):
+            assert any(fact in line for line in lines), f"{fact!r} is not whole on one line at {width}:\n{out}"
+        if call["why_not_fast_path"]:
+            assert _flat(call["why_not_fast_path"]) in _why_cells(out), (call["why_not_fast_path"], out)
+    names = [c["module"] for c in calls]
+    for line in lines:  # only a name longer than the terminal may run past it
+        assert len(line) <= width or any(n in line for n in names), (width, line)
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_trace_shows_every_name_whole(traced: dict[int, tuple[str, dict[str, Any]]], width: int) -> None:
+    out, data = traced[width]
+    calls = data["calls"]
+    assert {c["path"] for c in calls} >= {"fallback", "sdpa", "fused_encoder_layer"}, calls
+    assert max(len(c["module"]) for c in calls) > width - 10 or width == 200  # names as long as the terminal
+    assert sum(1 for c in calls if len(c["module"]) >= 40) >= 3
+    assert any(c["why_not_fast_path"] for c in calls)
+    assert_whole(out, calls, width)
+    assert "\x1b[" not in out  # piped: plain text
+
+
+def test_layout_follows_the_width(traced: dict[int, tuple[str, dict[str, Any]]]) -> None:
+    """Wide: one table row per call, and it fits; narrow: one block per call, titled by the module name."""
+    wide, data = traced[200]
+    assert "┏" in wide and max(len(line) for line in wide.splitlines()) <= 200
+    narrow, _ = traced[80]
+    assert "┏" not in narrow
+    for call in data["calls"]:
+        assert f"#{call['index']}  {call['module']}" in narrow.splitlines()
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_secondary_columns_keep_names_whole(traced: dict[int, tuple[str, dict[str, Any]]], width: int) -> None:
+    """--columns all adds the type, norms and kernels; the numbers give way, the names do not."""
+    from qkvtrace.records import TraceResult
+
+    _, data = traced[200]
+    result = TraceResult.from_dict(data)
+    buf = io.StringIO()
+    console = Console(file=buf, width=width, color_system=None)
+    console.print(trace_table(result, title="t", width=width, columns=["type", "weights", "grads", "ops"]), crop=False)
+    out = buf.getvalue()
+    assert_whole(out, data["calls"], width)
+    for call in data["calls"]:
+        assert call["module_type"] in out
+        for op in call["aten_ops"] or []:
+            assert any(op in line for line in out.splitlines()), op
+
+
+def test_columns_option_and_bad_column(factory: Path) -> None:
+    proc = qkv("trace", "long_names.py:build", "--columns", "type,weights", columns=200, cwd=factory)
+    assert proc.returncode == 0, proc.stderr
+    assert "module type" in proc.stdout and "|W| q/k/v" in proc.stdout and "|dW|" not in proc.stdout
+    bad = qkv("trace", "demo:mha", "--columns", "speed")
+    assert bad.returncode == 2 and "unknown column 'speed'" in bad.stderr and bad.stdout == ""
+
+
+def _colours(text: str) -> set[str]:
+    """SGR parameters that set a colour (foreground or background)."""
+    found = set()
+    for params in SGR.findall(text):
+        parts = params.split(";")
+        for i, p in enumerate(parts):
+            if p in ("38", "48") or (p.isdigit() and (30 <= int(p) <= 37 or 40 <= int(p) <= 47 or 90 <= int(p) <= 107)):
+                if i == 0 or parts[i - 1] not in ("38", "48", "5", "2"):
+                    found.add(p)
+    return found
+
+
+def test_colour_only_on_a_terminal_and_never_with_no_color(factory: Path) -> None:
+    coloured = qkv("trace", "long_names.py:build", columns=100, cwd=factory, FORCE_COLOR="1")
+    assert coloured.returncode == 0 and _colours(coloured.stdout), coloured.stdout
+    plain = qkv("trace", "long_names.py:build", columns=100, cwd=factory, FORCE_COLOR="1", NO_COLOR="1")
+    assert plain.returncode == 0
+    assert not _colours(plain.stdout), repr(plain.stdout[:400])
+    # the same words either way
+    assert _flat(SGR.sub("", plain.stdout)) == _flat(SGR.sub("", coloured.stdout))
+
+
+def test_progress_goes_to_stderr_only(factory: Path) -> None:
+    on_terminal = qkv("trace", "long_names.py:build", cwd=factory, FORCE_COLOR="1")
+    assert "running long_names.py:build" in on_terminal.stderr  # the spinner, on stderr
+    assert "running long_names.py:build" not in on_terminal.stdout
+    piped = qkv("trace", "long_names.py:build", cwd=factory)
+    assert piped.stderr == "" and "running" not in piped.stdout
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_check_calls_keep_names_whole(factory: Path, width: int) -> None:
+    """The calls `check` lists, rendered at each width, from the calls the tracer saw."""
+    sys.path.insert(0, str(factory))
+    try:
+        import long_names  # type: ignore[import-not-found]
+    finally:
+        sys.path.pop(0)
+    from qkvtrace.check import run_checks
+
+    model, args = long_names.build()
+    report = run_checks(model, args, causal=True, trials=1, modes=("inference",))
+    buf = io.StringIO()
+    Console(file=buf, width=width, color_system=None).print(calls_table(report.calls, "calls", width=width), crop=False)
+    calls = [{**c, "sdpa_backend": c["sdpa_backend"]} for c in report.calls["inference"]]
+    assert len(calls) == 4
+    assert_whole(buf.getvalue(), calls, width)
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_diff_names_whole(width: int, tmp_path: Path) -> None:
+    """Function names in `diff` (call-graph edges, fast-path conditions) are never folded."""
+    proc = qkv("diff", str(REPORTS / "torch-2.4.1+cu121"), str(REPORTS / "torch-2.13.0+cpu"), "--json",
+               str(tmp_path / "d.json"), columns=width)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    diff = json.loads((tmp_path / "d.json").read_text())
+    out = proc.stdout
+    lines = out.splitlines()
+    assert "…" not in out
+    for edge in diff["callgraph"]["edges_added"] + diff["callgraph"]["edges_removed"]:
+        for name in (edge["caller"], edge["callee"]):
+            assert any(name in line for line in lines), (width, name)
+    for name in diff["sources"]["changed"]:
+        assert f"changed: {name}" in lines
+    assert "\x1b[" not in out
+
+
+def test_diff_source_in_syntax_colour_on_a_terminal_plain_when_piped(tmp_path: Path) -> None:
+    a, b = str(REPORTS / "torch-2.4.1+cu121"), str(REPORTS / "torch-2.13.0+cpu")
+    assert qkv("diff", a, b, "--json", str(tmp_path / "d.json")).returncode == 0
+    diff = json.loads((tmp_path / "d.json").read_text())
+    name = diff["sources"]["changed"][0]
+    unified = diff["source_diffs"][name].splitlines()
+    piped = qkv("diff", a, b, columns=100).stdout.splitlines()
+    start = piped.index(f"changed: {name}") + 1
+    assert piped[start : start + len(unified)] == unified  # the unified diff, line for line, uncut
+    coloured = qkv("diff", a, b, columns=100, FORCE_COLOR="1").stdout
+    added = next(line for line in unified if line.startswith("+") and "def " in line)
+    row = next(line for line in coloured.splitlines() if SGR.sub("", line) == added)
+    assert len(_colours(row)) >= 2, repr(row)  # the marker and the code in their own colours
+    assert len(set(SGR.findall(row))) >= 3, repr(row)  # `def`, the name, the rest: highlighted, not one colour
+
+
+def test_diff_renderable_tints_changed_lines_on_rich_terminals() -> None:
+    diff = json.loads((REPORTS / "diffs" / "torch-2.4.1+cu121..torch-2.13.0+cpu.json").read_text())
+    renders = {}
+    for system in ("truecolor", "standard"):
+        buf = io.StringIO()
+        Console(file=buf, width=100, force_terminal=True, color_system=system).print(
+            diff_renderable(diff, width=100), crop=False
+        )
+        renders[system] = buf.getvalue()
+    assert "48;2;" in renders["truecolor"]  # a background tint on + / - lines
+    assert "48;2;" not in renders["standard"]  # not where it could make text unreadable

@@ -1,0 +1,175 @@
+"""TARGET forms for library models: hf:, timm:, torchvision: — offline, tiny models saved to a temporary folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from qkvtrace.errors import TargetError
+from qkvtrace.target import load_target
+
+HERE = Path(__file__).resolve().parent
+#: never reach the network: the hub refuses at once instead of trying
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+def qkv(*args: str, cwd: Path | None = None, **env: str) -> subprocess.CompletedProcess[str]:
+    full = {**os.environ, "COLUMNS": "200", "PYTHONWARNINGS": "ignore", **OFFLINE, **env}
+    return subprocess.run([sys.executable, "-m", "qkvtrace", *args], capture_output=True, text=True, env=full,
+                          cwd=cwd or HERE.parent, timeout=300)  # fmt: skip
+
+
+def one_line_error(proc: subprocess.CompletedProcess[str], *needles: str) -> str:
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A tiny BERT saved with its weights, and the same config alone."""
+    transformers = pytest.importorskip("transformers")
+    root = tmp_path_factory.mktemp("hf")
+    config = transformers.BertConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=64, max_position_embeddings=40)  # fmt: skip
+    torch.manual_seed(3)
+    model = transformers.BertForMaskedLM(config)
+    model.save_pretrained(root / "weights")
+    config.save_pretrained(root / "config-only")
+    return {"weights": root / "weights", "config": root / "config-only", "root": root}
+
+
+def test_hf_folder_loads_the_saved_weights(bert: dict[str, Path], tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    proc = qkv("trace", f"hf:{bert['weights']}", "--columns", "weights", "--json", str(tmp_path / "t.json"))
+    assert proc.returncode == 0, proc.stderr
+    calls = json.loads((tmp_path / "t.json").read_text())["calls"]
+    assert [c["module"] for c in calls] == [f"bert.encoder.layer.{i}.attention.self" for i in range(2)]
+    # independent: the saved weights, read back by transformers itself
+    saved = transformers.BertForMaskedLM.from_pretrained(bert["weights"])
+    for i, call in enumerate(calls):
+        q = saved.bert.encoder.layer[i].attention.self.query.weight
+        assert call["qkv"]["q"]["weight_norm"] == pytest.approx(float(q.detach().norm()), rel=1e-6)
+    assert "bert.encoder.layer.1.attention.self" in proc.stdout
+
+
+def test_hf_random_init_needs_only_the_config(bert: dict[str, Path], tmp_path: Path) -> None:
+    assert not any(p.suffix in (".safetensors", ".bin") for p in bert["config"].iterdir())
+    out = tmp_path / "t.json"
+    proc = qkv("trace", f"hf:{bert['config']}", "--random-init", "--input-shape", "3,11", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    calls = json.loads(out.read_text())["calls"]
+    assert len(calls) == 2 and {c["path"] for c in calls} == {"sdpa"}
+    assert all(c["inputs"]["query_shape"][0] == 3 and 11 in c["inputs"]["query_shape"] for c in calls), calls
+    # seeded: the same random model in every process, and the global random state left alone
+    state = torch.random.get_rng_state()
+    again = load_target(f"hf:{bert['config']}", random_init=True).model
+    assert torch.equal(torch.random.get_rng_state(), state)
+    q = again.bert.encoder.layer[0].attention.self.query.weight
+    assert calls[0]["qkv"]["q"]["weight_norm"] == pytest.approx(float(q.detach().norm()), rel=1e-6)
+    without = qkv("trace", f"hf:{bert['config']}")
+    one_line_error(without, "no weights", "--random-init")
+
+
+def test_hf_inputs_come_from_the_config(bert: dict[str, Path]) -> None:
+    pytest.importorskip("transformers")
+    loaded = load_target(f"hf:{bert['config']}", random_init=True)
+    (ids,), kwargs = loaded.make_inputs(4, 9)
+    assert ids.shape == (4, 9) and ids.dtype == torch.int64 and kwargs == {}
+    assert 0 <= int(ids.min()) and int(ids.max()) < 97  # below the config's vocab_size
+    with pytest.raises(Exception, match="max_position_embeddings=40"):
+        loaded.make_inputs(1, 41)
+
+
+def test_hf_vision_model_gets_images_of_the_config_size(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.ViTConfig(image_size=24, patch_size=8, num_channels=3, hidden_size=32, num_hidden_layers=1,
+                                    num_attention_heads=4, intermediate_size=64)  # fmt: skip
+    config.save_pretrained(tmp_path / "vit")
+    loaded = load_target(f"hf:{tmp_path / 'vit'}", random_init=True)
+    (pixels,), _ = loaded.make_inputs(2, 16)
+    assert pixels.shape == (2, 3, 24, 24)
+    proc = qkv("trace", f"hf:{tmp_path / 'vit'}", "--random-init", "--json", str(tmp_path / "t.json"))
+    assert proc.returncode == 0, proc.stderr
+    calls = json.loads((tmp_path / "t.json").read_text())["calls"]
+    assert len(calls) == 1 and calls[0]["module"].endswith("attention")
+    assert 10 in calls[0]["inputs"]["query_shape"]  # (24/8)² patches + [CLS] = 10 tokens
+
+
+@pytest.mark.parametrize(
+    ("target", "needles"),
+    [
+        ("hf:./no-such-folder", ["does not exist"]),
+        ("hf:no-such-org/no-such-model-xyz", ["local cache", "hf download no-such-org/no-such-model-xyz"]),
+        ("hf:", ["names no model"]),
+        ("demo:mha --random-init", ["--random-init is for hf: targets"]),
+    ],
+)
+def test_hf_bad_targets(target: str, needles: list[str]) -> None:
+    pytest.importorskip("transformers")
+    one_line_error(qkv("trace", *target.split()), *needles)
+
+
+def test_hf_folder_without_config(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    (tmp_path / "empty").mkdir()
+    one_line_error(qkv("trace", f"hf:{tmp_path / 'empty'}", "--random-init"), "no config.json")
+
+
+@pytest.mark.parametrize(("prefix", "library", "extra"),
+                         [("hf", "transformers", "hf"), ("timm", "timm", "timm"),
+                          ("torchvision", "torchvision", "torchvision")])  # fmt: skip
+def test_missing_library_is_one_clear_line(tmp_path: Path, prefix: str, library: str, extra: str) -> None:
+    """A library that cannot be imported (absent, or built for another torch) is named, with what to install."""
+    blocked = tmp_path / library
+    blocked.mkdir()
+    (blocked / "__init__.py").write_text(f"raise ImportError('{library} is blocked for this test')\n")
+    proc = qkv("trace", f"{prefix}:some_model", PYTHONPATH=str(tmp_path))
+    one_line_error(proc, f"needs the {library} library", f'pip install "qkvtrace[{extra}]"')
+
+
+def _importable(name: str) -> str | None:
+    """Why ``name`` cannot be used here, or None when it imports."""
+    proc = subprocess.run([sys.executable, "-c", f"import {name}"], capture_output=True, text=True, timeout=120)
+    return None if proc.returncode == 0 else (proc.stderr.strip().splitlines() or ["?"])[-1]
+
+
+def test_timm_model_random_weights(tmp_path: Path) -> None:
+    why = _importable("timm")
+    if why:
+        pytest.skip(f"timm cannot be imported beside this torch ({why}); the error path is tested above")
+    proc = qkv("trace", "timm:vit_tiny_patch16_224", "--input-shape", "1,1", "--json", str(tmp_path / "t.json"))
+    assert proc.returncode == 0, proc.stderr
+    calls = json.loads((tmp_path / "t.json").read_text())["calls"]
+    assert len(calls) == 12 and all(197 in c["inputs"]["query_shape"] for c in calls)  # 14² patches + [CLS]
+
+
+def test_torchvision_model_random_weights(tmp_path: Path) -> None:
+    why = _importable("torchvision")
+    if why:
+        pytest.skip(f"torchvision cannot be imported beside this torch ({why}); the error path is tested above")
+    proc = qkv("trace", "torchvision:vit_b_16", "--input-shape", "1,1", "--json", str(tmp_path / "t.json"))
+    assert proc.returncode == 0, proc.stderr
+    calls = json.loads((tmp_path / "t.json").read_text())["calls"]
+    assert len(calls) == 12 and {c["module_type"] for c in calls} == {"MultiheadAttention"}
+
+
+def test_unknown_library_model_names(tmp_path: Path) -> None:
+    for library in ("timm", "torchvision"):
+        if _importable(library) is None:
+            proc = qkv("trace", f"{library}:no_such_model_xyz")
+            one_line_error(proc, "no_such_model_xyz")
+
+
+def test_load_target_errors_are_target_errors() -> None:
+    with pytest.raises(TargetError, match="names no model"):
+        load_target("timm:")
