@@ -228,3 +228,18 @@ def test_ranks_on_different_pytorch_versions(agreeing: Path, capsys: pytest.Capt
     assert code == 1
     assert f"torch_version differs: rank 0: {mine} · rank 1: 0.0.0+other" in out
     assert rows(out) == []  # the calls themselves agree
+
+
+def test_merged_file_is_checked_against_its_schema(agreeing: Path, tmp_path: Path) -> None:
+    """qkvtrace.merge/1 is a registered format: `validate` knows it, and each rank's embedded trace is checked too."""
+    merged = merge_traces(load_rank_traces([agreeing]))
+    good = tmp_path / "merged.json"
+    good.write_text(json.dumps(merged))
+    bad = tmp_path / "bad.json"
+    merged["ranks"][1]["trace"]["calls"][0]["path"] = "warp"
+    bad.write_text(json.dumps(merged))
+    proc = subprocess.run([sys.executable, "-m", "qkvtrace", "validate", str(good), str(bad)], capture_output=True,
+                          text=True, env=ENV, timeout=120)  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stdout == f"{good}: ok (qkvtrace.merge/1)\n"
+    assert proc.stderr.startswith(f"qkvtrace validate: error: {bad}: /ranks/1/trace/calls/0/path: expected ")

@@ -475,3 +475,23 @@ def test_format_calls_shows_the_encoder_layers_reason() -> None:
         assert row.endswith(f"{call.why_not_fast_path} (layer: {call.why_not_fused_layer})")
     else:
         assert row.endswith(f"(layer: {call.why_not_fused_layer})")
+
+
+@pytest.mark.slow  # a new interpreter imports torch (~5-10 s); the in-process runs above load the same entry point
+def test_a_fresh_pytest_process_finds_the_plugin(suite: pytest.Pytester) -> None:
+    """As in a user's CI: a new interpreter, no conftest, the plugin found through its entry point."""
+    suite.makepyfile(
+        test_user="""
+        import torch
+        from models import mha
+
+        def test_fast(qkvtrace):
+            m = mha().eval()
+            x = torch.randn(2, 5, 16)
+            with torch.no_grad(), qkvtrace(m) as t:
+                m(x, x, x, need_weights=False)
+            qkvtrace.assert_paths(t, "fast")
+        """
+    )
+    result = suite.runpytest_subprocess("-q", "-p", "no:cacheprovider", timeout=300)
+    result.assert_outcomes(passed=1)
