@@ -93,6 +93,10 @@ def calls_of(t: Any) -> list[dict[str, Any]]:
 
 
 def _unobserved_of(t: Any) -> list[dict[str, Any]]:
+    if isinstance(t, (str, Path)):
+        from qkvtrace.validation import load_json
+
+        t = load_json(t, "qkvtrace.trace/1")
     result = getattr(t, "result", t)
     if isinstance(result, Mapping):
         return [dict(u) for u in result.get("unobserved", [])]
@@ -103,14 +107,10 @@ def _cell(call: Mapping[str, Any], column: str) -> str:
     if column == "why":
         why = call.get("why_not_fast_path")
         layer = call.get("why_not_fused_layer")
-        if layer:  # the encoder layer's own reason for not taking its fused path
-            why = (
-                f"(layer: {layer})"
-                if not why
-                else f"{why} (layer: same)"
-                if why == layer
-                else f"{why} (layer: {layer})"
-            )
+        if layer and not why:  # the encoder layer's own reason for not taking its fused path
+            why = f"(layer: {layer})"
+        elif layer:
+            why = f"{why} (layer: same)" if why == layer else f"{why} (layer: {layer})"
         if call.get("error"):
             return f"{why}; raised {call['error']}" if why else f"raised {call['error']}"
         if why is None:

@@ -495,3 +495,24 @@ def test_a_fresh_pytest_process_finds_the_plugin(suite: pytest.Pytester) -> None
     )
     result = suite.runpytest_subprocess("-q", "-p", "no:cacheprovider", timeout=300)
     result.assert_outcomes(passed=1)
+
+
+def test_empty_trace_file_names_what_it_could_not_see(tmp_path: Path) -> None:
+    class HandWritten(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = nn.Linear(16, 48)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q, k, v = self.attn(x).chunk(3, -1)
+            return torch.softmax(q @ k.transpose(-2, -1), -1) @ v
+
+    m = HandWritten()
+    with qkvtrace.trace(m) as t:
+        m(torch.randn(2, 5, 16))
+    assert t.result.unobserved, "the hand-written attention was meant to be listed as unobserved"
+    t.save(tmp_path / "t.json")
+    with pytest.raises(AssertionError, match="the trace recorded no attention call") as info:
+        assert_backend(tmp_path / "t.json", "MATH")
+    for u in t.result.unobserved:
+        assert f"{u.module or '(root)'} ({u.module_type}): {u.reason}" in str(info.value)
