@@ -63,6 +63,8 @@ class Core:
     sources: list[Source] = field(default_factory=list)
     #: why no route gradient can be read although the call has a backward graph
     route_reason: str | None = None
+    #: nodes that name the kernel without being sources (the softmax of a chain)
+    checks: list[Any] = field(default_factory=list)
 
 
 def _tensors(values: Sequence[Any]) -> list[torch.Tensor]:
@@ -80,19 +82,119 @@ def no_graph_reason(out: Any) -> str | None:
     return None
 
 
-def find_core(out: Any, inputs: Sequence[Any], *, heads: int | None = None) -> Core:
+#: a way through a graph: (edge index, name of the node it leads to) per step
+Steps = tuple[tuple[int, str], ...]
+#: a node of a recipe: reached from an earlier node of the recipe (-1: the output node) by some steps
+Hop = tuple[int, Steps]
+
+
+@dataclass(frozen=True, slots=True)
+class Recipe:
+    """What a search found, as ways from the output node, to be followed (and checked) on later calls."""
+
+    kernel: str
+    route_reason: str | None
+    #: the nodes to reach, in order, each from an earlier one (shared prefixes are walked once)
+    hops: tuple[Hop, ...]
+    #: per source: (part, layout, position of its node in ``hops``, input index)
+    sources: tuple[tuple[str, Layout, int, int], ...]
+
+
+_RECIPES: dict[Any, Recipe] = {}
+_MAX_RECIPES = 256
+
+
+def find_core(out: Any, inputs: Sequence[Any], *, heads: int | None = None, key: Any = None) -> Core:
     """The backward core of a call whose output is ``out`` and whose attention inputs are ``inputs``.
 
     The search walks the output's graph breadth-first and stops at the
     inputs' own nodes, so it stays inside this call. ``heads``: the number
     of heads folded into dimension 0 of an explicit-softmax chain (MHA's
-    ``need_weights=True`` path).
+    ``need_weights=True`` path); ``None`` when unknown (then no per-head norms).
+
+    ``key``: the call's signature. Calls of one signature build graphs of one
+    shape, so the way to the core found for the first is tried first on the
+    next; every node on it is checked by name on this call's own graph, and
+    any difference falls back to the search.
     """
     reason = no_graph_reason(out)
     if reason is not None:
         return Core(None, reason)
-    stops = {id(t.grad_fn) for t in _tensors(inputs) if t.grad_fn is not None}
     start = out.grad_fn
+    cache_key = None if key is None else (key, start.name(), heads)
+    if cache_key is not None:
+        recipe = _RECIPES.get(cache_key)
+        if recipe is not None:
+            core = _replay(start, recipe)
+            if core is not None:
+                return core
+    core = _search(start, inputs, heads)
+    if cache_key is not None and core.kernel is not None and len(_RECIPES) < _MAX_RECIPES:
+        recipe = _recipe(start, core)
+        if recipe is not None:
+            _RECIPES[cache_key] = recipe
+    return core
+
+
+def _follow(node: Any, steps: Steps) -> Any:
+    for index, name in steps:
+        edges = node.next_functions
+        if index >= len(edges):
+            return None
+        node = edges[index][0]
+        if node is None or node.name() != name:
+            return None
+    return node
+
+
+def _replay(start: Any, recipe: Recipe) -> Core | None:
+    reached: list[Any] = []
+    for base, steps in recipe.hops:
+        node = _follow(start if base < 0 else reached[base], steps)
+        if node is None:
+            return None
+        reached.append(node)
+    found = [Source(part, layout, node=reached[at], index=index) for part, layout, at, index in recipe.sources]
+    return Core(recipe.kernel, sources=found, route_reason=recipe.route_reason)
+
+
+def _ways(start: Any, targets: list[Any]) -> dict[int, Steps] | None:
+    """The breadth-first way from ``start`` to each of ``targets``."""
+    wanted = {id(t) for t in targets}
+    way: dict[int, Steps] = {id(start): ()}
+    queue: deque[Any] = deque([start])
+    while queue and len(way) < 4 * _MAX_NODES and not wanted <= way.keys():
+        node = queue.popleft()
+        for i, (child, _) in enumerate(node.next_functions):
+            if child is not None and id(child) not in way:
+                way[id(child)] = (*way[id(node)], (i, child.name()))
+                queue.append(child)
+    return way if wanted <= way.keys() else None
+
+
+def _recipe(start: Any, core: Core) -> Recipe | None:
+    nodes = [s.node for s in core.sources if s.node is not None]
+    if len(nodes) != len(core.sources) or core.kernel is None:
+        return None
+    targets = list({id(n): n for n in [*core.checks, *nodes]}.values())
+    way = _ways(start, targets)
+    if way is None:
+        return None
+    targets.sort(key=lambda n: len(way[id(n)]))
+    hops: list[Hop] = []
+    for i, node in enumerate(targets):
+        steps = way[id(node)]
+        # start from the earlier target whose way is the longest prefix of this one
+        base = max((j for j in range(i) if steps[: len(way[id(targets[j])])] == way[id(targets[j])]),
+                   key=lambda j: len(way[id(targets[j])]), default=-1)  # fmt: skip
+        hops.append((base, steps[len(way[id(targets[base])]) :] if base >= 0 else steps))
+    at = {id(n): i for i, n in enumerate(targets)}
+    sources = tuple((s.part, s.layout, at[id(s.node)], s.index) for s in core.sources)
+    return Recipe(core.kernel, core.route_reason, tuple(hops), sources)
+
+
+def _search(start: Any, inputs: Sequence[Any], heads: int | None) -> Core:
+    stops = {id(t.grad_fn) for t in _tensors(inputs) if t.grad_fn is not None}
     parent: dict[int, Any] = {id(start): None}
     queue: deque[Any] = deque([start])
     seen = 0
@@ -159,12 +261,12 @@ def _chain(softmax: Any, consumer: Any, heads: int | None) -> Core:
         else:
             sources.append(Source("q", layout, node=scores, index=n - 2))
         sources.append(Source("k", layout, node=scores, index=n - 1))  # of K transposed: the same numbers
-    return Core(kernel, sources=sorted(sources, key=lambda s: "qkv".index(s.part)))
+    return Core(kernel, sources=sorted(sources, key=lambda s: "qkv".index(s.part)), checks=[softmax])
 
 
-def sdpa_core(out: Any, q: Any, k: Any, v: Any) -> Core:
+def sdpa_core(out: Any, q: Any, k: Any, v: Any, key: Any = None) -> Core:
     """The backward core of an SDPA call; routes from the fused node, else from the q/k/v tensors."""
-    core = find_core(out, (q, k, v))
+    core = find_core(out, (q, k, v), key=key)
     if core.kernel is not None and not _FUSED.search(core.kernel):
         # a decomposed SDPA scales q and k inside the chain: read the routes at the tensors it received
         core.sources, core.route_reason = tensor_sources(q, k, v)
