@@ -8,7 +8,10 @@ Workloads
 W1  ``nn.TransformerEncoder`` of six ``TransformerEncoderLayer(d_model=256,
     nhead=8, dim_feedforward=1024, dropout=0.0, batch_first=True)``, input
     ``(8, 128, 256)``: one training step (zero grads, forward, backward).
-    Traced with ``gradients=True``.
+    Traced with the defaults: slice gradients, and the gradient routes into
+    each call's Q, K, V (hooks on its backward kernel).
+W1s The same step traced with ``routes=False`` (slice gradients only): the
+    difference to W1 is what the routes cost.
 W2  The same model (a copy with the same weights) in ``eval()`` under
     ``torch.inference_mode()``: one forward, on PyTorch's fused encoder path.
 W3  1000 calls of ``nn.MultiheadAttention(64, 8)`` (default training mode,
@@ -100,6 +103,8 @@ class Workload:
     run: Callable[[], Outputs]
     target: float
     gradients: bool = True
+    #: record per-call gradient routes into Q, K, V (with ``gradients``)
+    routes: bool = True
 
 
 def make_encoder(seed: int) -> nn.TransformerEncoder:
@@ -108,7 +113,7 @@ def make_encoder(seed: int) -> nn.TransformerEncoder:
     return nn.TransformerEncoder(layer, num_layers=6)
 
 
-def train_step_workload(model: nn.TransformerEncoder, x: torch.Tensor) -> Workload:
+def train_step_workload(model: nn.TransformerEncoder, x: torch.Tensor, routes: bool = True) -> Workload:
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
 
@@ -118,7 +123,9 @@ def train_step_workload(model: nn.TransformerEncoder, x: torch.Tensor) -> Worklo
         out.square().mean().backward()
         return [out.detach(), *(p.grad for p in params if p.grad is not None)]
 
-    return Workload("W1", "encoder train step", model, run, target=1.05, gradients=True)
+    if not routes:
+        return Workload("W1s", "encoder train step, slices only", model, run, target=1.05, routes=False)
+    return Workload("W1", "encoder train step, routes on", model, run, target=1.10)
 
 
 def inference_workload(model: nn.TransformerEncoder, x: torch.Tensor) -> Workload:
@@ -154,6 +161,7 @@ def build_workloads() -> list[Workload]:
     x = torch.randn(8, 128, 256)
     return [
         train_step_workload(train_model, x),
+        train_step_workload(train_model, x, routes=False),
         inference_workload(infer_model, x),
         small_mha_workload(),
     ]
@@ -178,7 +186,7 @@ class TracedSample:
 
 
 def time_traced(w: Workload) -> TracedSample:
-    t = qkv_trace(w.model, gradients=w.gradients)
+    t = qkv_trace(w.model, gradients=w.gradients, routes=w.routes)
     gc.collect()
     t0 = time.perf_counter()
     with t:
@@ -261,7 +269,7 @@ def all_equal(a: Outputs, b: Outputs) -> bool:
 
 def check_identity(w: Workload) -> Identity:
     plain = w.run()
-    with qkv_trace(w.model, gradients=w.gradients) as t:
+    with qkv_trace(w.model, gradients=w.gradients, routes=w.routes) as t:
         first = w.run()
         steady = w.run()
     return Identity(
