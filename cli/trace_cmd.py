@@ -16,7 +16,7 @@ from qkvtrace.cli._common import (
     load_with_inputs,
     progress,
 )
-from qkvtrace.errors import InputError
+from qkvtrace.errors import InputError, OutputError
 from qkvtrace.render.terminal import COLUMNS, blind_spots, summary_line, trace_table
 
 __all__ = ["register", "run"]
@@ -42,6 +42,7 @@ examples:
   qkvtrace trace demo:encoder
   qkvtrace trace demo:tiny-lm --train --backward --json trace.json
   qkvtrace trace my_pkg.model:build --input-shape 4,128
+  qkvtrace trace demo:tiny-lm --maps maps/ --show-maps   # attention maps, kernels unchanged
   qkvtrace trace hf:./tiny-bert --random-init --columns type,weights
   qkvtrace trace timm:vit_tiny_patch16_224 --input-shape 1,1
 """
@@ -75,8 +76,30 @@ def register(sub: Any) -> None:
     p.add_argument("--columns", metavar="LIST", type=_columns, default=None,
                    help=f"secondary columns, comma-separated: {', '.join(COLUMNS)} or all "
                         "(default: grads when --backward recorded gradients)")  # fmt: skip
+    _add_map_options(p)
     add_budget_options(p)
     p.set_defaults(run=run, mode="eval")
+
+
+def _add_map_options(p: Any) -> None:
+    from qkvtrace.maps import DEFAULT_MAX_MAP_TOKENS
+
+    g = p.add_argument_group("attention maps (computed on the side; the model keeps its path and kernel)")
+    g.add_argument("--maps", metavar="DIR", type=Path,
+                   help="write a heatmap per call and head and a grid per call (PNG and SVG) into DIR, and the "
+                        'maps into --json; needs pip install "qkvtrace[plot]"')  # fmt: skip
+    g.add_argument("--show-maps", action="store_true", help="print small maps (T <= 24) in the terminal")
+    g.add_argument("--map-heads", metavar="LIST", type=_indices, default=None, help="only these heads (e.g. 0,3)")
+    g.add_argument("--map-batch", metavar="N", type=int, default=0, help="batch item to map (default 0)")
+    g.add_argument("--max-map-tokens", metavar="N", type=int, default=DEFAULT_MAX_MAP_TOKENS,
+                   help=f"no map longer than N on a side (default {DEFAULT_MAX_MAP_TOKENS})")  # fmt: skip
+
+
+def _indices(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated head indices, got {text!r}") from None
 
 
 def _columns(text: str) -> list[str]:
@@ -94,6 +117,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
 
     if args.json is not None:
         check_output_file(args.json, "--json")
+    if args.maps is not None:
+        _check_maps_dir(args.maps)
     with progress(f"loading {args.target}") as status:
         loaded = load_with_inputs(args.target, args.input_shape, args.max_tokens, args.max_attention_mb,
                                   random_init=args.random_init)  # fmt: skip
@@ -105,10 +130,36 @@ def run(args: argparse.Namespace, console: Console) -> int:
     console.print(summary_line(result))
     for line in blind_spots(result):  # silence is not absence: say what the trace could not see
         console.print(line, style="yellow", markup=False, highlight=False, soft_wrap=True)
+    if args.show_maps or args.maps is not None:
+        _maps_out(args, result, loaded, console)
     if args.json is not None:
-        result.save(args.json)
+        result.save(args.json, maps=args.maps is not None)
         console.print(f"wrote {args.json}")
     return 0
+
+
+def _check_maps_dir(path: Path) -> None:
+    try:
+        import matplotlib  # noqa: F401  (refuse before the run, not after)
+    except ImportError:
+        raise OutputError(f"--maps {str(path)!r}: attention map pictures need matplotlib; "
+                          'install it with pip install "qkvtrace[plot]"') from None  # fmt: skip
+    if path.exists() and not path.is_dir():
+        raise OutputError(f"--maps {str(path)!r}: exists and is not a folder")
+
+
+def _maps_out(args: argparse.Namespace, result: Any, loaded: Any, console: Console) -> None:
+    from qkvtrace.render.maps_render import terminal_maps, token_labels, write_map_pictures
+
+    tokens = token_labels(loaded.model, loaded.args)
+    if tokens is not None and args.map_batch < len(tokens):
+        tokens = [tokens[args.map_batch]]
+    if args.show_maps:
+        for part in terminal_maps(result, tokens):
+            console.print(part)
+    if args.maps is not None:
+        files = write_map_pictures(result, args.maps, tokens)
+        console.print(f"wrote {len(files)} map pictures (PNG and SVG) into {args.maps}")
 
 
 def _run(args: argparse.Namespace, loaded: Any) -> Any:
@@ -119,7 +170,14 @@ def _run(args: argparse.Namespace, loaded: Any) -> Any:
 
     model, call_args, call_kwargs = loaded.model, loaded.args, loaded.kwargs
     model.train(args.mode == "train")
-    with qkvtrace.trace(model) as tr, torch.set_grad_enabled(args.backward):
+    maps = args.show_maps or args.maps is not None
+    options = {"attention_maps": True, "heads": args.map_heads, "batch_index": args.map_batch,
+               "max_map_tokens": args.max_map_tokens} if maps else {}  # fmt: skip
+    try:
+        tracer = qkvtrace.trace(model, **options)  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise InputError(f"attention map options: {exc}") from None
+    with tracer as tr, torch.set_grad_enabled(args.backward):
         try:
             out = model(*call_args, **call_kwargs)
         except Exception as exc:

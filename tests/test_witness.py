@@ -328,14 +328,17 @@ def untraced(name: str, cls: Any) -> tuple[Witness, dict[str, Any]]:
 # -- the tests --------------------------------------------------------------
 
 
+@pytest.mark.parametrize("maps", [False, True], ids=["plain", "maps"])
 @pytest.mark.parametrize("name", list(SCENARIOS))
-def test_traced_run_matches_the_witness(name: str, packed_attention_cls: Any, kernel_backend: dict[str, str]) -> None:
+def test_traced_run_matches_the_witness(
+    name: str, maps: bool, packed_attention_cls: Any, kernel_backend: dict[str, str]
+) -> None:
     _, modules, direct = SCENARIOS[name]
     n_calls = len(modules)
     witness, witness_grads = untraced(name, packed_attention_cls)
 
     run = build(name, packed_attention_cls)
-    with qkvtrace.trace(run.model) as t:
+    with qkvtrace.trace(run.model, attention_maps=maps) as t:
         out = run.forward()
         if run.backward is not None:
             run.backward(out)
@@ -381,6 +384,8 @@ def test_traced_run_matches_the_witness(name: str, packed_attention_cls: Any, ke
 
     if name == "sdpa_forced_math":
         assert calls[0].sdpa_backend == "MATH"
+    if maps:  # the maps were made on the side: every call has one (these scenarios have no refused input)
+        assert all(c.attention_map is not None for c in calls), [c.attention_map_reason for c in calls]
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
@@ -423,12 +428,13 @@ def test_why_not_fast_path_is_pytorchs_own(name: str, packed_attention_cls: Any)
         assert all(c.why_not_fused_layer is None for c in t.calls)
 
 
+@pytest.mark.parametrize("maps", [False, True], ids=["plain", "maps"])
 @pytest.mark.parametrize("name", list(SCENARIOS))
-def test_untraced_traced_untraced_run_the_same_kernels(name: str, packed_attention_cls: Any) -> None:
+def test_untraced_traced_untraced_run_the_same_kernels(name: str, maps: bool, packed_attention_cls: Any) -> None:
     first = profiled(build(name, packed_attention_cls).forward)
 
     run = build(name, packed_attention_cls)
-    with qkvtrace.trace(run.model) as t:
+    with qkvtrace.trace(run.model, attention_maps=maps) as t:
         second = profiled(run.forward)
 
     third = profiled(build(name, packed_attention_cls).forward)

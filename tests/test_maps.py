@@ -1,0 +1,456 @@
+"""Attention maps on the side: ``qkvtrace.trace(model, attention_maps=True)``.
+
+Every map is checked against PyTorch itself: ``nn.MultiheadAttention``'s own
+``need_weights=True, average_attn_weights=False`` weights, the MATH SDPA
+backend's weights (``aten::_scaled_dot_product_attention_math``, which
+returns them), and a float64 softmax written here. The maps-on witness checks
+(outputs and kernels unchanged) are in test_witness.py.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import subprocess
+import sys
+import weakref
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import qkvtrace
+from qkvtrace.records import TraceResult
+from qkvtrace.validation import load_json
+
+B, L, E, H = 2, 5, 32, 4
+TOL = 1e-5  # float32, as the issue asks
+
+
+def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max())
+
+
+class SDPAModule(nn.Module):
+    """A user's attention that calls SDPA with whatever it is given (q/k/v already split)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+
+
+def _math_weights(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+                  **kwargs: Any) -> torch.Tensor:  # fmt: skip
+    """The MATH backend's own weights (SDPA's entry turns a boolean mask into -inf first; so do we)."""
+    if mask is not None and mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
+    _, w = torch.ops.aten._scaled_dot_product_attention_math(q, k, v, mask, 0.0, **kwargs)
+    return w
+
+
+def _float64_weights(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None = None, *, causal: bool = False,
+                     scale: float | None = None) -> torch.Tensor:  # fmt: skip
+    """softmax(QKᵀ·scale + mask) in float64, written out here; fully-masked rows come out NaN."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if k.shape[-3] != q.shape[-3]:  # grouped-query attention: each key head serves a group of query heads
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+    s = (q.double() @ k.double().transpose(-2, -1)) * scale
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).tril().logical_not(), -math.inf)
+    if mask is not None:
+        s = s.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else s + mask.double()
+    return torch.softmax(s, dim=-1)
+
+
+def _check_rows(c: Any) -> None:
+    """Rows sum to 1 and fully-masked rows are all 0 (never NaN)."""
+    w, full = c.attention_map, c.attention_map_fully_masked
+    assert w.device.type == "cpu" and w.dtype == torch.float32
+    assert not torch.isnan(w).any()
+    sums = w.sum(-1)
+    assert torch.allclose(sums[~full], torch.ones_like(sums[~full]), atol=1e-5)
+    assert (w[full] == 0).all()
+
+
+# -- MultiheadAttention against its own returned weights ------------------------------
+
+
+MHA_CASES = {
+    "batch_first": {},
+    "seq_first": {"batch_first": False},
+    "kdim_vdim": {"kdim": 24, "vdim": 20},
+    "bias_kv": {"add_bias_kv": True},
+    "add_zero_attn": {"add_zero_attn": True},
+    "no_bias": {"bias": False},
+}
+
+
+@pytest.mark.parametrize("masks", ["none", "bool", "float"])
+@pytest.mark.parametrize("case", list(MHA_CASES))
+def test_mha_maps_equal_pytorchs_weights(case: str, masks: str) -> None:
+    opts = {"batch_first": True, **MHA_CASES[case]}
+    mha = nn.MultiheadAttention(E, H, **opts).eval()
+    bf = opts["batch_first"]
+    x = torch.randn(B, L, E) if bf else torch.randn(L, B, E)
+    kdim, vdim = opts.get("kdim"), opts.get("vdim")
+    k = (torch.randn(B, L + 1, kdim) if bf else torch.randn(L + 1, B, kdim)) if kdim else x
+    v = (torch.randn(B, L + 1, vdim) if bf else torch.randn(L + 1, B, vdim)) if vdim else x
+    s = L + 1 if kdim else L
+    kwargs: dict[str, Any] = {}
+    if masks == "bool":  # True = blocked for MultiheadAttention
+        kpm = torch.zeros(B, s, dtype=torch.bool)
+        kpm[1, -2:] = True
+        kwargs = {"key_padding_mask": kpm, "attn_mask": torch.ones(L, s, dtype=torch.bool).triu(1)}
+    elif masks == "float":
+        kwargs = {"attn_mask": torch.randn(L, s).masked_fill(torch.ones(L, s, dtype=torch.bool).triu(2), -math.inf)}
+    with qkvtrace.trace(mha, attention_maps=True) as t, torch.no_grad():
+        _, w = mha(x, k, v, need_weights=True, average_attn_weights=False, **kwargs)
+    (c,) = t.calls
+    assert c.attention_map is not None, c.attention_map_reason
+    assert c.attention_map.shape == w.shape
+    err = _max_err(c.attention_map, w)
+    print(f"MHA {case}/{masks}: max abs error {err:.2e}")
+    assert err <= TOL, err
+    assert c.attention_map_heads == list(range(H)) and c.attention_map_batch == list(range(B))
+    _check_rows(c)
+    if masks == "bool":  # masked positions are exactly 0
+        assert (c.attention_map[1, :, :, s - 2 : s] == 0).all()  # (bias_k / zero keys come after the s keys)
+        assert (c.attention_map[:, :, 0, 1:s] == 0).all()
+
+
+def test_fast_path_map_equals_the_weights_pytorch_returns_on_its_fallback() -> None:
+    mha = nn.MultiheadAttention(E, H, batch_first=True).eval()
+    x = torch.randn(B, L, E)
+    kpm = torch.zeros(B, L, dtype=torch.bool)
+    kpm[0, -1] = True
+    with qkvtrace.trace(mha, attention_maps=True) as t, torch.no_grad():
+        mha(x, x, x, key_padding_mask=kpm, need_weights=False)
+    (c,) = t.calls
+    assert c.path == "fast"
+    with torch.no_grad():
+        _, w = mha(x, x, x, key_padding_mask=kpm, need_weights=True, average_attn_weights=False)
+    err = _max_err(c.attention_map, w)
+    print(f"MHA fast path: max abs error {err:.2e}")
+    assert err <= TOL
+    assert (c.attention_map[0, :, :, -1] == 0).all()
+
+
+def test_is_causal_fallback_uses_the_causal_mask_pytorch_uses() -> None:
+    mha = nn.MultiheadAttention(E, H, batch_first=True).train()
+    x = torch.randn(B, L, E)
+    causal = nn.Transformer.generate_square_subsequent_mask(L)
+    with qkvtrace.trace(mha, attention_maps=True) as t:
+        mha(x, x, x, attn_mask=causal, is_causal=True, need_weights=False)
+    (c,) = t.calls
+    assert c.path == "fallback"
+    q = F.linear(x, mha.in_proj_weight[:E], mha.in_proj_bias[:E]).reshape(B, L, H, E // H).transpose(1, 2)
+    k = F.linear(x, mha.in_proj_weight[E : 2 * E], mha.in_proj_bias[E : 2 * E])
+    k = k.reshape(B, L, H, E // H).transpose(1, 2)
+    ref = _float64_weights(q.detach(), k.detach(), causal=True)
+    assert _max_err(c.attention_map, ref) <= TOL
+    assert (c.attention_map.triu(1) == 0).all()
+
+
+def test_unbatched_mha_call() -> None:
+    mha = nn.MultiheadAttention(E, H).eval()
+    x = torch.randn(L, E)
+    with qkvtrace.trace(mha, attention_maps=True) as t, torch.no_grad():
+        _, w = mha(x, x, x, need_weights=True, average_attn_weights=False)
+    (c,) = t.calls
+    assert c.attention_map.shape == (1, H, L, L)
+    assert _max_err(c.attention_map[0], w) <= TOL
+
+
+def test_direct_multi_head_attention_forward_call() -> None:
+    class Direct(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.in_proj_weight = nn.Parameter(torch.randn(3 * E, E) / math.sqrt(E))
+            self.in_proj_bias = nn.Parameter(torch.randn(3 * E))
+            self.out = nn.Linear(E, E)
+
+        def forward(self, x: torch.Tensor) -> Any:
+            return F.multi_head_attention_forward(
+                x, x, x, E, H, self.in_proj_weight, self.in_proj_bias, None, None, False, 0.0,
+                self.out.weight, self.out.bias, need_weights=True, average_attn_weights=False,
+            )  # fmt: skip
+
+    model = Direct()
+    x = torch.randn(L, B, E)
+    with qkvtrace.trace(model, attention_maps=True) as t, torch.no_grad():
+        _, w = model(x)
+    (c,) = t.calls
+    assert c.path == "fallback"
+    assert _max_err(c.attention_map, w) <= TOL
+
+
+def test_a_fully_masked_row_is_reported_not_nan() -> None:
+    mha = nn.MultiheadAttention(E, H, batch_first=True).eval()
+    x = torch.randn(B, L, E)
+    attn = torch.zeros(L, L, dtype=torch.bool)
+    attn[2] = True  # query 2 may attend to nothing
+    with qkvtrace.trace(mha, attention_maps=True) as t, torch.no_grad():
+        _, w = mha(x, x, x, attn_mask=attn, need_weights=True, average_attn_weights=False)
+    (c,) = t.calls
+    assert torch.isnan(w[:, :, 2]).all()  # what PyTorch returns for that row
+    full = c.attention_map_fully_masked
+    assert full.shape == (B, H, L)
+    assert full[:, :, 2].all() and int(full.sum()) == B * H
+    assert (c.attention_map[:, :, 2] == 0).all()
+    others = [i for i in range(L) if i != 2]
+    assert _max_err(c.attention_map[:, :, others], w[:, :, others]) <= TOL
+    _check_rows(c)
+    assert c.output["fully_masked_rows"] == int(full.any(dim=1).sum())  # the tracer counts rows per (batch, query) here
+
+
+# -- direct SDPA against the MATH backend's weights -----------------------------------
+
+
+def _qkv(hq: int = H, hk: int = H, lq: int = L, lk: int = L, d: int = 8, lead: tuple[int, ...] = (B,)) -> Any:
+    q = torch.randn(*lead, hq, lq, d)
+    k = torch.randn(*lead, hk, lk, d)
+    v = torch.randn(*lead, hk, lk, d)
+    return q, k, v
+
+
+SDPA_CASES: dict[str, Any] = {
+    "plain": lambda: (_qkv(), {}),
+    "causal": lambda: (_qkv(), {"is_causal": True}),
+    "causal_rectangular": lambda: (_qkv(lq=3, lk=7), {"is_causal": True}),
+    "bool_mask": lambda: (_qkv(), {"attn_mask": torch.rand(B, 1, L, L) > 0.3}),
+    "float_mask": lambda: (_qkv(), {"attn_mask": torch.randn(L, L)}),
+    "scale": lambda: (_qkv(), {"scale": 0.05}),
+    "gqa": lambda: (_qkv(hq=4, hk=2), {"enable_gqa": True}),
+    "three_dims": lambda: (_qkv(lead=()), {}),
+}
+
+
+@pytest.mark.parametrize("case", list(SDPA_CASES))
+def test_sdpa_maps_equal_the_math_backends_weights(case: str) -> None:
+    (q, k, v), kwargs = SDPA_CASES[case]()
+    model = SDPAModule()
+    with qkvtrace.trace(model, attention_maps=True) as t, torch.no_grad():
+        model(q, k, v, **kwargs)
+    (c,) = t.calls
+    assert c.path == "sdpa" and c.attention_map is not None, c.attention_map_reason
+    mask = kwargs.get("attn_mask")
+    math_kwargs = {k: kwargs[k] for k in ("is_causal", "scale", "enable_gqa") if k in kwargs}
+    math_w = _math_weights(q, k, v, mask, **math_kwargs)
+    ours = _float64_weights(q, k, mask, causal=kwargs.get("is_causal", False), scale=kwargs.get("scale"))
+    if q.dim() == 3:
+        math_w, ours = math_w.unsqueeze(0), ours.unsqueeze(0)
+    full = c.attention_map_fully_masked
+    err_math = _max_err(c.attention_map, math_w)
+    err_ref = _max_err(c.attention_map[~full], ours[~full])
+    print(f"SDPA {case}: max abs error {err_math:.2e} vs MATH, {err_ref:.2e} vs float64")
+    assert err_math <= TOL and err_ref <= TOL
+    _check_rows(c)
+
+
+def test_sdpa_fully_masked_row_and_masked_positions() -> None:
+    q, k, v = _qkv()
+    mask = torch.ones(L, L, dtype=torch.bool).tril()  # True = attend for SDPA
+    mask[3] = False
+    model = SDPAModule()
+    with qkvtrace.trace(model, attention_maps=True) as t, torch.no_grad():
+        model(q, k, v, attn_mask=mask)
+    (c,) = t.calls
+    full = c.attention_map_fully_masked
+    assert full[:, :, 3].all() and int(full.sum()) == B * H
+    assert (c.attention_map[..., ~mask] == 0).all()
+    assert _max_err(c.attention_map, _math_weights(q, k, v, mask)) <= TOL  # MATH returns 0 there too
+    _check_rows(c)
+
+
+# -- the fused encoder layer -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+@pytest.mark.parametrize("padding", [False, True])
+def test_fused_encoder_layer_maps(norm_first: bool, padding: bool) -> None:
+    layer = nn.TransformerEncoderLayer(E, H, 64, dropout=0.0, batch_first=True, norm_first=norm_first)
+    enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=padding and not norm_first).eval()
+    x = torch.randn(B, 6, E)
+    kpm = torch.zeros(B, 6, dtype=torch.bool)
+    kpm[1, 4:] = True
+    kwargs = {"src_key_padding_mask": kpm} if padding else {}
+    with qkvtrace.trace(enc, attention_maps=True) as t, torch.inference_mode():
+        enc(x, **kwargs)
+    assert [c.path for c in t.calls] == ["fused_encoder_layer"] * 2
+    # reference: each layer's own self_attn with need_weights on the input the layer saw (after norm1 if norm_first)
+    h = x
+    with torch.no_grad():
+        for c, lay in zip(t.calls, enc.layers, strict=True):
+            a = lay.norm1(h) if norm_first else h
+            _, w = lay.self_attn(a, a, a, key_padding_mask=kpm if padding else None, need_weights=True,
+                                 average_attn_weights=False)  # fmt: skip
+            if padding and enc.use_nested_tensor:  # PyTorch dropped the padded queries: rows 0 and flagged
+                assert (c.attention_map[1, :, 4:] == 0).all() and c.attention_map_fully_masked[1, :, 4:].all()
+                assert c.attention_map_notes and "nested" in c.attention_map_notes[0]
+                err = max(_max_err(c.attention_map[0], w[0]), _max_err(c.attention_map[1, :, :4], w[1, :, :4]))
+            else:
+                err = _max_err(c.attention_map, w)
+            print(f"fused layer norm_first={norm_first} padding={padding}: max abs error {err:.2e}")
+            assert err <= TOL
+            h = lay(h, src_key_padding_mask=kpm if padding else None)
+
+
+# -- what is asked for, and the bound ----------------------------------------------------------
+
+
+def test_heads_and_batch_index_select_parts_of_the_full_map() -> None:
+    q, k, v = _qkv()
+    model = SDPAModule()
+    with qkvtrace.trace(model, attention_maps=True) as full, torch.no_grad():
+        model(q, k, v)
+    with qkvtrace.trace(model, attention_maps=True, heads=[3, 1], batch_index=1) as part, torch.no_grad():
+        model(q, k, v)
+    (c,) = part.calls
+    assert c.attention_map.shape == (1, 2, L, L)
+    assert c.attention_map_heads == [3, 1] and c.attention_map_batch == [1]
+    assert torch.equal(c.attention_map[0], full.calls[0].attention_map[1, [3, 1]])
+
+
+def test_asking_for_a_head_the_call_lacks_says_so() -> None:
+    with qkvtrace.trace(SDPAModule(), attention_maps=True, heads=[7]) as t, torch.no_grad():
+        SDPAModule()(*_qkv())
+    assert not t.calls  # a fresh module instance: not the traced one
+    model = SDPAModule()
+    with qkvtrace.trace(model, attention_maps=True, heads=[7]) as t, torch.no_grad():
+        model(*_qkv())
+    (c,) = t.calls
+    assert c.attention_map is None
+    assert "heads [7]" in c.attention_map_reason and f"has {H} heads" in c.attention_map_reason
+
+
+def test_maps_over_the_bounds_are_refused_with_a_clear_message() -> None:
+    model = SDPAModule()
+    q, k, v = _qkv(lq=40, lk=40)
+    with qkvtrace.trace(model, attention_maps=True, max_map_tokens=32) as t, torch.no_grad():
+        out = model(q, k, v)
+    (c,) = t.calls
+    assert c.attention_map is None
+    assert "T_query=40, T_key=40 is over max_map_tokens=32" in c.attention_map_reason
+    assert f"{B}x{H}x40x40 = {B * H * 1600:,} floats" in c.attention_map_reason
+    assert any("max_map_tokens" in w for w in t.result.warnings)
+    with torch.no_grad():
+        assert torch.equal(out, model(q, k, v))  # the call itself ran as always
+    # the trace's memory budget: the first map fits, the second would go over
+    one_mb = B * H * 40 * 40 * 4 / 2**20
+    with qkvtrace.trace(model, attention_maps=True, max_map_mb=1.5 * one_mb) as t, torch.no_grad():
+        model(q, k, v)
+        model(q, k, v)
+    first, second = t.calls
+    assert first.attention_map is not None and second.attention_map is None
+    assert "over max_map_mb=" in second.attention_map_reason
+
+
+@pytest.mark.parametrize("bad", [{"heads": [-1]}, {"batch_index": "0"}, {"max_map_tokens": 0}, {"max_map_mb": -1.0}])
+def test_bad_options_are_refused(bad: dict[str, Any]) -> None:
+    with pytest.raises(ValueError):
+        qkvtrace.trace(nn.Linear(2, 2), attention_maps=True, **bad)
+
+
+# -- lifetime, other traces, JSON -----------------------------------------------------------------
+
+
+def test_maps_live_in_the_result_only_and_go_with_it() -> None:
+    mha = nn.MultiheadAttention(E, H, batch_first=True).eval()
+    before = {id(v) for v in vars(mha).values()}
+    x = torch.randn(B, L, E)
+    t = qkvtrace.trace(mha, attention_maps=True)
+    with t, torch.no_grad():
+        mha(x, x, x)
+    ref = weakref.ref(t.calls[0].attention_map)
+    assert {id(v) for v in vars(mha).values()} == before  # nothing new on the module
+    del t
+    gc.collect()
+    assert ref() is None
+
+
+def test_a_trace_without_maps_gets_none_beside_one_with_maps() -> None:
+    q, k, v = _qkv()
+    model = SDPAModule()
+    with qkvtrace.trace(model) as plain, qkvtrace.trace(model, attention_maps=True) as mapped, torch.no_grad():
+        model(q, k, v)
+    assert mapped.calls[0].attention_map is not None
+    assert plain.calls[0].attention_map is None and plain.calls[0].attention_map_reason is None
+
+
+def test_maps_draw_no_random_numbers_and_note_dropout() -> None:
+    mha = nn.MultiheadAttention(E, H, dropout=0.5, batch_first=True).train()
+    x = torch.randn(B, L, E)
+    runs = []
+    for maps in (False, True):
+        with qkvtrace.trace(mha, attention_maps=maps) as t:
+            torch.manual_seed(7)  # seeded inside the block: the comparison is about the maps alone
+            out = mha(x, x, x)[0]
+            runs.append((out, torch.rand(3)))
+    (plain, after_plain), (mapped, after_mapped) = runs
+    assert torch.equal(plain, mapped) and torch.equal(after_plain, after_mapped)
+    assert any("dropout_p=0.5" in n for n in t.calls[0].attention_map_notes)
+
+
+def test_json_has_maps_only_when_asked(tmp_path: Path) -> None:
+    mha = nn.MultiheadAttention(E, H, batch_first=True).eval()
+    x = torch.randn(B, L, E)
+    attn = torch.zeros(L, L, dtype=torch.bool)
+    attn[1] = True
+    with qkvtrace.trace(mha, attention_maps=True) as t, torch.no_grad():
+        mha(x, x, x, attn_mask=attn)
+    plain = t.to_dict()["calls"][0]
+    assert "attention_map" not in plain and plain["attention_map_heads"] == list(range(H))
+    path = t.save(tmp_path / "t.json", maps=True)
+    data = load_json(path, "qkvtrace.trace/1")  # validates against trace-1.json
+    written = data["calls"][0]["attention_map"]
+    assert written["shape"] == [B, H, L, L]
+    assert sorted(written["fully_masked"]) == sorted([b, h, 1] for b in range(B) for h in range(H))
+    back = TraceResult.from_dict(json.loads(path.read_text()))
+    assert torch.equal(back.calls[0].attention_map, t.calls[0].attention_map)
+    assert torch.equal(back.calls[0].attention_map_fully_masked, t.calls[0].attention_map_fully_masked)
+    # a trace without maps writes none of the map keys
+    with qkvtrace.trace(mha) as t2, torch.no_grad():
+        mha(x, x, x)
+    assert not [key for key in t2.to_dict()["calls"][0] if key.startswith("attention_map")]
+
+
+# -- the CLI ------------------------------------------------------------------------------------
+
+
+def _cli(*args: str, pre: str = "") -> subprocess.CompletedProcess[str]:
+    code = f"{pre}import sys; from qkvtrace.cli.main import main; sys.exit(main({list(args)!r}))"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+
+
+def test_cli_maps_writes_pictures_per_call_and_head_and_a_grid(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "maps"
+    r = _cli("trace", "demo:tiny-lm", "--maps", str(out), "--json", str(tmp_path / "t.json"))
+    assert r.returncode == 0, r.stderr
+    names = sorted(p.name for p in out.iterdir())
+    for call in range(2):
+        for head in range(4):
+            for ext in ("png", "svg"):
+                assert any(n.startswith(f"call{call:03d}_") and n.endswith(f"_head{head}.{ext}") for n in names), names
+        for ext in ("png", "svg"):
+            assert any(n.startswith(f"call{call:03d}_") and n.endswith(f"_grid.{ext}") for n in names), names
+    svg = next(p for p in out.iterdir() if p.name.endswith("_head0.svg")).read_text()
+    assert "<svg" in svg
+    data = load_json(tmp_path / "t.json", "qkvtrace.trace/1")
+    assert data["calls"][0]["attention_map"]["shape"] == [1, 4, 16, 16]  # batch item 0, every head
+
+
+def test_cli_maps_without_matplotlib_says_how_to_get_it(tmp_path: Path) -> None:
+    r = _cli("trace", "demo:mha", "--maps", str(tmp_path / "m"), pre="import sys; sys.modules['matplotlib'] = None; ")
+    assert r.returncode == 2
+    assert 'pip install "qkvtrace[plot]"' in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_cli_show_maps_prints_small_maps_in_the_terminal() -> None:
+    r = _cli("trace", "demo:mha", "--show-maps", "--map-heads", "0")
+    assert r.returncode == 0, r.stderr
+    assert "attention map" in r.stdout and "head 0" in r.stdout
