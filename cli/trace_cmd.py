@@ -127,7 +127,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     mode = args.mode + (", backward" if args.backward else "")
     title = f"qkvtrace trace {args.target}  (torch {torch.__version__}, {mode})"
     console.print(trace_table(result, title=title, width=console.width, columns=args.columns), crop=False)
-    console.print(summary_line(result))
+    console.print(summary_line(result, width=console.width), soft_wrap=True)
     for line in blind_spots(result):  # silence is not absence: say what the trace could not see
         console.print(line, style="yellow", markup=False, highlight=False, soft_wrap=True)
     if args.show_maps or args.maps is not None:

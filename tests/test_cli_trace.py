@@ -198,3 +198,44 @@ def test_help_teaches() -> None:
     assert proc.returncode == 0
     for needle in ("TARGET", "demo:encoder", "--backward", "reason", "fast path"):
         assert needle in proc.stdout
+
+
+def _readme_output(command: str) -> list[str]:
+    """The lines the README shows under ``$ {command}``, up to the end of its code block."""
+    lines = (Path(__file__).resolve().parent.parent / "README.md").read_text().splitlines()
+    start = lines.index(f"$ {command}") + 1
+    end = lines.index("```", start)
+    return [line.rstrip() for line in lines[start:end]]
+
+
+def _printed(proc: subprocess.CompletedProcess[str]) -> list[str]:
+    assert proc.returncode == 0, proc.stderr
+    return [line.rstrip() for line in proc.stdout.splitlines()]
+
+
+def test_readme_trace_samples_are_what_trace_prints() -> None:
+    for command in ("qkvtrace trace demo:encoder --columns weights",
+                    "qkvtrace trace demo:mha --train --backward --columns weights,grads"):  # fmt: skip
+        proc = subprocess.run([sys.executable, "-m", "qkvtrace", *command.split()[1:]], capture_output=True,
+                              text=True, env={**ENV, "COLUMNS": "100"}, timeout=300)  # fmt: skip
+        assert _printed(proc) == _readme_output(command)
+
+
+def test_readme_library_model_sample_is_what_trace_prints(tmp_path: Path) -> None:
+    """The README's tiny BERT, made from its config alone as the README says, traced by name."""
+    transformers = pytest.importorskip("transformers")
+    transformers.BertConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            intermediate_size=128).save_pretrained(tmp_path / "tiny-bert")  # fmt: skip
+    env = {**ENV, "HF_HUB_OFFLINE": "1"}
+    for command, columns in (("qkvtrace trace hf:./tiny-bert --random-init --columns type", "100"),
+                             ("qkvtrace trace hf:./tiny-bert --random-init --train", "60")):  # fmt: skip
+        proc = subprocess.run([sys.executable, "-m", "qkvtrace", *command.split()[1:]], capture_output=True,
+                              text=True, env={**env, "COLUMNS": columns}, cwd=tmp_path, timeout=300)  # fmt: skip
+        shown = command if columns == "100" else f"COLUMNS={columns} {command}"
+        assert _printed(proc) == _readme_output(shown)
+
+
+def test_help_names_the_library_targets() -> None:
+    out = qkv("trace", "--help").stdout
+    for needle in ("hf:NAME_OR_PATH", "timm:NAME", "torchvision:NAME", "--random-init", "--columns"):
+        assert needle in out, needle

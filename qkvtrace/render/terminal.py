@@ -211,15 +211,27 @@ def trace_table(
     return records_view(title, cols, rows, width=width, title_cols=2)
 
 
-def summary_line(result: TraceResult) -> str:
-    """``"4 calls · paths: fallback 2, fast 2 · backends: FLASH_ATTENTION 2, none 2"``."""
+def summary_line(result: TraceResult, *, width: int | None = None) -> str:
+    """``"4 calls · paths: fallback 2, fast 2 · backends: FLASH_ATTENTION 2, none 2"``.
+
+    With ``width``, lines break only between the ``·``-separated parts.
+    """
     s = result.summary()
     n = len(result.calls)
     paths = ", ".join(f"{k} {v}" for k, v in s["paths"].items()) or "none"
     backends = ", ".join(f"{k} {v}" for k, v in s["backends"].items()) or "none"
     grads = len({g.backward_index for g in result.gradients})
-    tail = f" · backward passes recorded: {grads}" if grads else ""
-    return f"{n} attention call{'s' if n != 1 else ''} · paths: {paths} · backends: {backends}{tail}"
+    parts = [f"{n} attention call{'s' if n != 1 else ''}", f"paths: {paths}", f"backends: {backends}"]
+    parts += [f"backward passes recorded: {grads}"] if grads else []
+    if width is None:
+        return " · ".join(parts)
+    lines = [parts[0]]
+    for part in parts[1:]:
+        if len(lines[-1]) + 3 + len(part) <= width:
+            lines[-1] += " · " + part
+        else:
+            lines.append("· " + part)
+    return "\n".join(lines)
 
 
 def blind_spots(result: TraceResult) -> list[str]:
@@ -266,6 +278,8 @@ def calls_table(calls: dict[str, list[dict[str, Any]]], title: str, *, width: in
             rows.append([mode, c["module"] or "(root)", _path(c["path"]), _backend(c["sdpa_backend"]),
                          str(c["fully_masked_rows"]), str(c["nan_count"]),
                          " ".join((c["why_not_fast_path"] or "-").split())])  # fmt: skip
+    if not rows:  # say so rather than draw an empty table
+        return Text(f"{title}: none recorded (attention written by hand makes no call the tracer sees)")
     return records_view(title, cols, rows, width=width, title_cols=2)
 
 
