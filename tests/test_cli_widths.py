@@ -278,3 +278,42 @@ def test_diff_renderable_tints_changed_lines_on_rich_terminals() -> None:
         renders[system] = buf.getvalue()
     assert "48;2;" in renders["truecolor"]  # a background tint on + / - lines
     assert "48;2;" not in renders["standard"]  # not where it could make text unreadable
+
+
+@pytest.fixture(scope="module")
+def scenarios() -> list[dict[str, Any]]:
+    from qkvtrace.probes import run_scenarios
+
+    return run_scenarios()[0]
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_probe_scenarios_keep_paths_and_reasons_whole(scenarios: list[dict[str, Any]], width: int) -> None:
+    """probe's first table, from the scenarios measured here, at each width."""
+    from qkvtrace.render.terminal import scenarios_table
+
+    buf = io.StringIO()
+    Console(file=buf, width=width, color_system=None).print(scenarios_table(scenarios, width=width), crop=False)
+    out = buf.getvalue()
+    lines = out.splitlines()
+    assert "…" not in out and all(len(line) <= width for line in lines), out
+    calls = [c for s in scenarios for c in s.get("calls") or []]
+    assert {"fast", "fallback", "fused_encoder_layer", "sdpa"} <= {c["path"] for c in calls}
+    for c in calls:
+        for fact in (c["path"], c["sdpa_backend"] or "none"):
+            assert any(fact in line for line in lines), (width, fact)
+        if c["why_not_fast_path"]:  # wrapped between words at most, never cut
+            assert all(word in _why_cells(out).split() for word in c["why_not_fast_path"].split()), c
+            if "│" not in out:
+                assert _flat(c["why_not_fast_path"]) in _flat(out)
+
+
+@pytest.mark.slow
+def test_compare_progress_on_stderr_only(tmp_path: Path) -> None:
+    """compare collects twice (tens of seconds): a spinner on stderr on a terminal, nothing in stdout."""
+    proc = qkv("compare", "--python", sys.executable, "--python", sys.executable, "--out", str(tmp_path),
+               "--json", str(tmp_path / "d.json"), columns=100, FORCE_COLOR="1")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "collecting under" in proc.stderr and "(2 of 2)" in proc.stderr
+    assert "collecting under" not in proc.stdout
+    assert json.loads((tmp_path / "d.json").read_text())["schema"] == "qkvtrace.diff/1"
