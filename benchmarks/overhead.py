@@ -16,6 +16,9 @@ W2  The same model (a copy with the same weights) in ``eval()`` under
     ``torch.inference_mode()``: one forward, on PyTorch's fused encoder path.
 W3  1000 calls of ``nn.MultiheadAttention(64, 8)`` (default training mode,
     ``batch_first=False``) on a ``(2, 10, 64)`` input, read as ``(L, N, E)``.
+W2m, W3m  W2 and W3 traced with ``attention_maps=True``: every call's
+    ``[B, H, T, T]`` weights recomputed on the side (:mod:`qkvtrace.maps`);
+    the memory the maps hold per call is printed below the table.
 
 Method
 ------
@@ -68,7 +71,7 @@ import sys
 import time
 import tracemalloc
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -105,6 +108,8 @@ class Workload:
     gradients: bool = True
     #: record per-call gradient routes into Q, K, V (with ``gradients``)
     routes: bool = True
+    #: compute each call's attention map on the side (``attention_maps=True``)
+    maps: bool = False
 
 
 def make_encoder(seed: int) -> nn.TransformerEncoder:
@@ -164,6 +169,10 @@ def build_workloads() -> list[Workload]:
         train_step_workload(train_model, x, routes=False),
         inference_workload(infer_model, x),
         small_mha_workload(),
+        replace(
+            inference_workload(infer_model, x), key="W2m", title="encoder inference, maps on", target=1.5, maps=True
+        ),
+        replace(small_mha_workload(), key="W3m", title="1000 small MHA calls, maps on", target=1.5, maps=True),
     ]
 
 
@@ -183,10 +192,12 @@ class TracedSample:
     first_unit_s: float
     enter_exit_s: float
     calls_per_unit: int
+    #: bytes of the attention maps the trace holds, per recorded call (``maps`` workloads)
+    map_bytes_per_call: float = 0.0
 
 
 def time_traced(w: Workload) -> TracedSample:
-    t = qkv_trace(w.model, gradients=w.gradients, routes=w.routes)
+    t = qkv_trace(w.model, gradients=w.gradients, routes=w.routes, attention_maps=w.maps)
     gc.collect()
     t0 = time.perf_counter()
     with t:
@@ -204,6 +215,8 @@ def time_traced(w: Workload) -> TracedSample:
         first_unit_s=t2 - t1,
         enter_exit_s=(t1 - t0) + (t5 - t4),
         calls_per_unit=len(t.calls) - first_calls,
+        map_bytes_per_call=sum(c.attention_map.nbytes for c in t.calls if c.attention_map is not None)
+        / max(len(t.calls), 1),
     )
 
 
@@ -269,7 +282,7 @@ def all_equal(a: Outputs, b: Outputs) -> bool:
 
 def check_identity(w: Workload) -> Identity:
     plain = w.run()
-    with qkv_trace(w.model, gradients=w.gradients, routes=w.routes) as t:
+    with qkv_trace(w.model, gradients=w.gradients, routes=w.routes, attention_maps=w.maps) as t:
         first = w.run()
         steady = w.run()
     return Identity(
@@ -447,6 +460,10 @@ def print_table(workloads: Sequence[Workload], samples: dict[str, Samples]) -> N
             f"(baseline {statistics.median(s.baseline) * 1e3:.1f} ms); "
             f"trace enter+exit {enter_exit:.2f} ms; {calls} calls recorded per unit of work"
         )
+    for w in workloads:
+        if w.maps:
+            per_call = samples[w.key].traced[0].map_bytes_per_call
+            print(f"  {w.key}: attention maps held by the trace, {per_call / 2**20:.3f} MB per call (CPU float32)")
     print("  Profiler arm includes profiler start, stop and prof.key_averages().")
     print()
 

@@ -447,7 +447,7 @@ class LayerSource:
             )  # fmt: skip
             result = source._compute(x, x, budget, name)
             if lengths is not None and result.weights is not None and result.fully_masked is not None:
-                rows = (torch.arange(x.shape[1])[None, :] >= torch.tensor(lengths)[:, None])  # [B, L] padding rows
+                rows = torch.arange(x.shape[1])[None, :] >= torch.tensor(lengths)[:, None]  # [B, L] padding rows
                 rows = rows.index_select(0, torch.tensor(result.batch)).unsqueeze(1)  # [b, 1, L]
                 result.weights = result.weights.masked_fill(rows.unsqueeze(-1), 0.0)
                 result.fully_masked = result.fully_masked | rows

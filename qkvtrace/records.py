@@ -163,7 +163,6 @@ class AttentionCall:
     #: Where the map is not exactly what the kernel used (dropout, precision, padding).
     attention_map_notes: list[str] | None = None
 
-
     @property
     def attention_map(self) -> Any:
         """The call's attention weights: a CPU float32 tensor ``[B, H, T_query, T_key]``.
@@ -197,7 +196,11 @@ class MapTensors:
 
 #: the ``AttentionCall`` fields of attention maps (left out of the JSON while ``None``)
 MAP_FIELDS = (
-    "map_tensors", "attention_map_heads", "attention_map_batch", "attention_map_reason", "attention_map_notes",
+    "map_tensors",
+    "attention_map_heads",
+    "attention_map_batch",
+    "attention_map_reason",
+    "attention_map_notes",
 )
 
 

@@ -94,12 +94,9 @@ def observe_layer(original: Callable[..., Any], args: tuple[Any, ...], kwargs: d
     )
     source = None
     if wants_maps(targets):  # from the builtin's own arguments: src, its first norm, qkv weights, merged mask
-        def get(name: str) -> Any:
-            return arg(args, kwargs, _LAYER_FWD_ARGS, name)
-
-        source = maps.LayerSource(src, int(get("num_heads")), get("qkv_weight"), get("qkv_bias"),
-                                  bool(get("norm_first")), float(get("eps")), get("norm_weight_1"),
-                                  get("norm_bias_1"), mask, mask_type)  # fmt: skip
+        a = {n: arg(args, kwargs, _LAYER_FWD_ARGS, n) for n in _LAYER_FWD_ARGS}
+        source = maps.LayerSource(src, int(a["num_heads"]), a["qkv_weight"], a["qkv_bias"], bool(a["norm_first"]),
+                                  float(a["eps"]), a["norm_weight_1"], a["norm_bias_1"], mask, mask_type)  # fmt: skip
     deliver(call, targets, mha, projection, routes.Core(None, _no_backward(out)), source)
     return out
 
