@@ -313,3 +313,17 @@ def test_mask_ignored_by_the_model_is_not_confirmed() -> None:
 def test_cli_mask_true_means_choices() -> None:
     bad = _cli("check", "demo:tiny-lm", "--padding", "--mask-true-means", "padding")
     assert bad.returncode == 2 and "--mask-true-means" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_check_a_library_model_by_name(tmp_path: Path) -> None:
+    """hf:FOLDER --random-init: a BERT from its config alone, checked with its own mask convention."""
+    transformers = pytest.importorskip("transformers")
+    transformers.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                            intermediate_size=64).save_pretrained(tmp_path / "bert")  # fmt: skip
+    out = tmp_path / "c.json"
+    proc = _cli("check", f"hf:{tmp_path / 'bert'}", "--random-init", "--padding", "--mask-arg", "attention_mask",
+                "--mode", "inference", "--input-shape", "2,8", "--json", str(out))  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(out.read_text())
+    assert data["padding_convention"]["true_means"] == "attend" and data["padding_convention"]["confirmed"] is True
+    assert [c["module"] for c in data["calls"]["inference"]] == ["encoder.layer.0.attention.self"]
