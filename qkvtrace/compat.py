@@ -223,3 +223,13 @@ def distributed_rank() -> tuple[int | None, int | None]:
     if dist is None or not dist.is_available() or not dist.is_initialized():
         return None, None
     return int(dist.get_rank()), int(dist.get_world_size())
+
+
+def is_dtensor(t: Any) -> bool:
+    """A ``DTensor`` (a parameter sharded by FSDP's ``fully_shard``, or a gradient of one)."""
+    return hasattr(t, "full_tensor") and hasattr(t, "placements")
+
+
+def whole(t: Any) -> Any:
+    """``t`` itself, or for a ``DTensor`` the whole tensor (a collective: every rank must call it, in order)."""
+    return t.full_tensor() if is_dtensor(t) else t

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from qkvtrace import compat
 from qkvtrace.records import QKVInfo, SliceGrad, SliceInfo
 
 __all__ = [
@@ -153,6 +154,20 @@ def find_projection(module: nn.Module, parents: Sequence[nn.Module] = ()) -> Pro
     )
 
 
+def param_of(module: nn.Module, name: str) -> torch.Tensor:
+    """The tensor ``module`` holds under the dotted ``name``.
+
+    Usually an ``nn.Parameter``; inside a forward of FSDP (``use_orig_params``)
+    a plain tensor view of its flat parameter, which ``get_parameter`` refuses.
+    """
+    owner_name, _, leaf = name.rpartition(".")
+    owner = module.get_submodule(owner_name) if owner_name else module
+    value = getattr(owner, leaf, None)
+    if not isinstance(value, torch.Tensor):
+        raise AttributeError(f"{type(module).__name__} has no tensor {name!r}")
+    return value
+
+
 def _rows(t: torch.Tensor, rows: Rows, dim: int = 0) -> torch.Tensor:
     return t if rows is None else t.narrow(dim, rows[0], rows[1] - rows[0])
 
@@ -160,6 +175,9 @@ def _rows(t: torch.Tensor, rows: Rows, dim: int = 0) -> torch.Tensor:
 def _norm(t: torch.Tensor) -> torch.Tensor:
     """A 0-dim float tensor on ``t``'s device (no host read)."""
     return torch.linalg.vector_norm(t.detach().float())
+
+
+_MAX_CACHED = 4096
 
 
 class NormCache:
@@ -171,8 +189,8 @@ class NormCache:
 
     def __init__(self) -> None:
         self._cache: dict[tuple[int, int, Rows, int], torch.Tensor] = {}
-        self._qkv: dict[tuple[int, tuple[int, ...]], QKVInfo] = {}
-        self._params: dict[int, list[torch.Tensor]] = {}
+        self._qkv: dict[tuple[int, tuple[tuple[int, int], ...]], QKVInfo] = {}
+        self._params: dict[int, list[str]] = {}
 
     def norm(self, param: torch.Tensor, rows: Rows, dim: int = 0) -> torch.Tensor:
         key = (id(param), param._version, rows, dim)
@@ -188,21 +206,23 @@ class NormCache:
         if isinstance(projection, str):
             return QKVInfo(layout=None, q=None, k=None, v=None, reason=projection)
         module, spec = projection.holder, projection.spec
-        params = self._params.get(id(module))
-        if params is None:
-            names = {n for _, ps in spec.parts() for n in (ps.param, ps.bias_param) if n is not None}
-            params = self._params[id(module)] = [module.get_parameter(n) for n in sorted(names)]
-        key = (id(module), tuple(p._version for p in params))
+        names = self._params.get(id(module))
+        if names is None:
+            names = self._params[id(module)] = sorted(
+                {n for _, ps in spec.parts() for n in (ps.param, ps.bias_param) if n is not None}
+            )
+        # looked up on every call: FSDP swaps the tensors behind these names between sharded and whole
+        key = (id(module), tuple((id(p), p._version) for p in (param_of(module, n) for n in names)))
         cached = self._qkv.get(key)
         if cached is not None:
             return cached
         infos = {}
         for part, ps in spec.parts():
-            weight = module.get_parameter(ps.param)
+            weight = param_of(module, ps.param)
             w = _rows(weight, ps.rows, ps.dim)
             bias_norm = None
             if ps.bias_param is not None:
-                bias_norm = self.norm(module.get_parameter(ps.bias_param), ps.bias_rows)
+                bias_norm = self.norm(param_of(module, ps.bias_param), ps.bias_rows)
             infos[part] = SliceInfo(
                 param=ps.param,
                 rows=list(ps.rows) if ps.rows else None,
@@ -213,6 +233,9 @@ class NormCache:
                 dim=ps.dim,
             )
         info = QKVInfo(spec.layout, infos["q"], infos["k"], infos["v"])
+        if len(self._qkv) >= _MAX_CACHED:  # tensors swapped on every forward (FSDP) would grow it without end
+            self._qkv.clear()
+            self._cache.clear()
         self._qkv[key] = info
         return info
 
@@ -227,8 +250,8 @@ def grad_slices(
     def real(name: str | None, rows: Rows, dim: int = 0) -> torch.Tensor | None:
         if name is None:
             return None
-        grad = module.get_parameter(name).grad
-        return None if grad is None else _norm(_rows(grad, rows, dim))
+        grad = param_of(module, name).grad
+        return None if grad is None else _norm(_rows(compat.whole(grad), rows, dim))
 
     return {
         part: SliceGrad(

@@ -20,7 +20,7 @@ from torch import nn
 
 from qkvtrace import compat
 from qkvtrace.records import GradientRecord, RouteGrad, RouteRecord
-from qkvtrace.slices import Projection, Rows, grad_slices, slice_norms_of
+from qkvtrace.slices import Projection, Rows, grad_slices, param_of, slice_norms_of
 from qkvtrace.tracer import routes
 
 if TYPE_CHECKING:
@@ -40,6 +40,8 @@ class GradientRecorder:
         #: this pass's route gradients: call index -> (module name, part -> (norm, per-head norms))
         self._pending_routes: dict[int, tuple[str, dict[str, tuple[torch.Tensor, torch.Tensor | None]]]] = {}
         self.routes: list[RouteRecord] = []
+        #: modules whose parameters are sharded (FSDP): their slices are read at the end of every pass
+        self._sharded: set[int] = set()
         self._queued = False
         self._backward_index = 0
         self._open = True
@@ -56,8 +58,11 @@ class GradientRecorder:
             if ps.bias_param is not None:
                 by_param.setdefault(ps.bias_param, []).append((ps.bias_rows, 0))
         for pname, rows_list in by_param.items():
-            param = projection.holder.get_parameter(pname)
-            if param.requires_grad:
+            param = param_of(projection.holder, pname)
+            if compat.is_dtensor(param):
+                # FSDP's sharded parameter: its .grad is set by FSDP after the reduction, no hook runs for it
+                self._sharded.add(id(owner))
+            elif param.requires_grad:
                 self._handles.append(param.register_hook(self._hook(id(owner), pname, rows_list)))
 
     def watch_routes(self, index: int, module: str, core: routes.Core) -> None:
@@ -112,6 +117,8 @@ class GradientRecorder:
                                  q=got.get("q"), k=got.get("k"), v=got.get("v"))  # fmt: skip
             self.routes.append(record)
         self._pending_routes = {}
+        for mid in self._sharded:
+            self._pending.setdefault(mid, {})
         with torch.no_grad():
             for mid, pass_norms in self._pending.items():
                 owner, projection = self._watched[mid]

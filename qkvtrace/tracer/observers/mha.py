@@ -365,8 +365,8 @@ def _finish(ctx: OpenMHA, out: Any) -> None:
     if core is None and ctx.error is None:
         result = out[0] if isinstance(out, tuple) else out
         heads = getattr(module, "num_heads", None) or inputs.get("num_heads")
-        masks_given = (inputs.get("key_padding_mask") is None, inputs.get("attn_mask") is None)
-        key = ("mha", path, inputs.get("need_weights"), inputs.get("self_attention"), inputs.get("training"), masks_given)
+        given = (inputs.get("key_padding_mask") is None, inputs.get("attn_mask") is None, inputs.get("training"))
+        key = ("mha", path, inputs.get("need_weights"), inputs.get("self_attention"), given)
         core = routes.find_core(result, (query,), heads=int(heads) if heads else None, key=key)
     source = _map_source(ctx, kpm_c, attn_c) if ctx.map_args is not None else None
     ctx.query = ctx.kpm = ctx.attn_mask = ctx.map_args = None
