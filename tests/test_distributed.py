@@ -101,6 +101,15 @@ def _slice_norms(model: nn.Module, full: bool = False) -> dict[str, dict[str, di
     return out
 
 
+def _weight_norms(model: nn.Module) -> dict[str, dict[str, float]]:
+    """``{module: {"q": |W_q|, ...}}`` of the unwrapped model, by hand."""
+    return {
+        module: {p: float(model.get_submodule(module).get_parameter(w).detach()[i * E : (i + 1) * E].norm())
+                 for i, p in enumerate("qkv")}
+        for module, (w, _) in PACKED.items()
+    }  # fmt: skip
+
+
 def _recorded(t: Any) -> dict[str, Any]:
     data: dict[str, Any] = t.to_dict()
     return data
@@ -164,6 +173,8 @@ def worker(out: Path) -> None:
     found: dict[str, Any] = {"rank": rank, "world_size": dist.get_world_size()}
     x = _batch(rank)
 
+    # the Q/K/V weight norms of the model before any wrapper touched (or sharded) it
+    found["weights"] = _weight_norms(_net())
     # what this rank's gradient is before any reduction: the same step without DDP
     local = _net().train()
     local(x).sum().backward()
@@ -341,6 +352,27 @@ def test_sharded_names_and_ranks(job: dict[int, dict[str, Any]], kind: str) -> N
         trace = found[kind]["trace"]
         assert sorted(c["module"] for c in trace["calls"]) == sorted(PACKED), rank
         assert {(r.get("rank"), r.get("world_size")) for r in _records(trace)} == {(rank, WORLD)}
+
+
+@pytest.mark.parametrize("kind", list(SHARDED))
+def test_sharded_weights_are_read_whole(job: dict[int, dict[str, Any]], kind: str) -> None:
+    """Each rank holds a shard of every weight; the records hold the norms of the whole Q/K/V slices."""
+    _sharded(job, kind)
+    for rank, found in job.items():
+        assert _call_weights(found[kind]["trace"]) == pytest.approx(_flat_weights(found["weights"]), rel=1e-5), rank
+
+
+def _call_weights(trace: dict[str, Any]) -> dict[str, float]:
+    return {f"{c['module']}.{p}": c["qkv"][p]["weight_norm"] for c in trace["calls"] for p in "qkv"}
+
+
+def _flat_weights(weights: dict[str, dict[str, float]]) -> dict[str, float]:
+    return {f"{m}.{p}": v for m, parts in weights.items() for p, v in parts.items()}
+
+
+def test_ddp_weights_are_the_models(job: dict[int, dict[str, Any]]) -> None:
+    for rank, found in job.items():
+        assert _call_weights(found["ddp"]["trace"]) == pytest.approx(_flat_weights(found["weights"]), rel=1e-5), rank
 
 
 @pytest.mark.parametrize("kind", list(SHARDED))
