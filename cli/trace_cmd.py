@@ -151,9 +151,7 @@ def _check_maps_dir(path: Path) -> None:
 def _maps_out(args: argparse.Namespace, result: Any, loaded: Any, console: Console) -> None:
     from qkvtrace.render.maps_render import terminal_maps, token_labels, write_map_pictures
 
-    tokens = token_labels(loaded.model, loaded.args)
-    if tokens is not None and args.map_batch < len(tokens):
-        tokens = [tokens[args.map_batch]]
+    tokens = token_labels(loaded.model, loaded.args)  # per batch item; each map names the items it holds
     if args.show_maps:
         for part in terminal_maps(result, tokens):
             console.print(part)

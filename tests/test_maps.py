@@ -454,3 +454,46 @@ def test_cli_show_maps_prints_small_maps_in_the_terminal() -> None:
     r = _cli("trace", "demo:mha", "--show-maps", "--map-heads", "0")
     assert r.returncode == 0, r.stderr
     assert "attention map" in r.stdout and "head 0" in r.stdout
+
+
+def test_pictures_name_fully_masked_rows_and_use_the_vocabulary(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from qkvtrace.render.maps_render import call_labels, terminal_maps, token_labels, write_map_pictures
+
+    class Tagged(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.vocabulary = ["<pad>", "the", "cat", "sat", "down"]
+            self.emb = nn.Embedding(5, E)
+            self.mha = nn.MultiheadAttention(E, H, batch_first=True)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            x = self.emb(ids)
+            return self.mha(x, x, x, key_padding_mask=ids == 0, need_weights=False)[0]
+
+    model = Tagged().eval()
+    ids = torch.tensor([[1, 2, 3, 4], [0, 0, 0, 0]])  # the second item is all padding: every row fully masked
+    with qkvtrace.trace(model, attention_maps=True) as t, torch.no_grad():
+        model(ids)
+    (c,) = t.calls
+    assert c.attention_map_fully_masked[1].all() and not c.attention_map_fully_masked[0].any()
+    tokens = token_labels(model, (ids,))
+    assert tokens == [["the", "cat", "sat", "down"], ["<pad>"] * 4]
+    assert call_labels(c, 0, tokens) == (tokens[0], tokens[0])
+    files = write_map_pictures(t.result, tmp_path, tokens)
+    assert len(files) == 2 * (H + 1) and all(f.stat().st_size > 0 for f in files)
+    rendered = terminal_maps(t.result, tokens)
+    from rich.console import Console
+
+    console = Console(width=200, record=True)
+    for part in rendered:
+        console.print(part)
+    text = console.export_text()
+    assert "cat" in text and "head 0" in text
+    # a map of the all-padding item reads "fully masked", not NaN
+    with qkvtrace.trace(model, attention_maps=True, batch_index=1) as t2, torch.no_grad():
+        model(ids)
+    console = Console(width=200, record=True)
+    for part in terminal_maps(t2.result, tokens):
+        console.print(part)
+    assert "fully masked" in console.export_text() and "nan" not in console.export_text().lower()

@@ -153,8 +153,8 @@ def terminal_maps(result: TraceResult, tokens: list[list[str]] | None = None,
                   max_tokens: int = TERMINAL_MAX_TOKENS) -> list[RenderableType]:  # fmt: skip
     """A compact rendering per call and head (first batch item): one shaded cell per weight.
 
-    Shades ``" ·░▒▓█"`` stand for weights 0, up to 0.2, 0.4, 0.6, 0.8 and 1;
-    a fully masked row reads ``fully masked``. Maps longer than
+    Shades ``" ·░▒▓█"`` stand for 0 and up to 1/5 … 5/5 of the head's largest
+    weight (printed beside its name); a fully masked row reads ``fully masked``. Maps longer than
     ``max_tokens`` on a side are named, not drawn.
     """
     out: list[RenderableType] = []
@@ -173,12 +173,17 @@ def terminal_maps(result: TraceResult, tokens: list[list[str]] | None = None,
         queries, keys = call_labels(call, batch, tokens)
         tables = []
         for hp, head in enumerate(heads):
-            table = Table(title=f"head {head}", box=None, pad_edge=False, show_header=False, padding=(0, 1))
+            top = float(w[0, hp].max())
+            scale = top if top > 0 else 1.0
+            title = f"head {head} (max {top:.2f})"
+            table = Table(title=title, box=None, pad_edge=False, show_header=False, padding=(0, 1),
+                          min_width=len(title))  # fmt: skip
             table.add_column(justify="right", style="dim", no_wrap=True)
             table.add_column(no_wrap=True)
             full = call.attention_map_fully_masked[0, hp].tolist()
             for q, row in enumerate(w[0, hp].tolist()):
-                cells = "fully masked" if full[q] else "".join(_SHADES[min(5, int(x * 5 + 0.9999))] for x in row)
+                shades = "".join(_SHADES[min(5, int(x / scale * 5 + 0.9999))] for x in row)
+                cells = "fully masked" if full[q] else shades
                 table.add_row(queries[q][:10], cells)
             tables.append(table)
         grid = Table.grid(padding=(0, 3))
@@ -192,6 +197,7 @@ def terminal_maps(result: TraceResult, tokens: list[list[str]] | None = None,
         out.append(Group(Text(f"attention map of {_title(call)}, batch item {batch}", style="bold"),
                          Text(f"keys (columns, in order): {key_line}", style="dim"), grid))  # fmt: skip
     if out:
-        out.append(Text("shades: ' ' 0, '·' ≤0.2, '░' ≤0.4, '▒' ≤0.6, '▓' ≤0.8, '█' ≤1. A map is one layer's and "
-                        "one head's weighting, not an explanation of the model's decision.", style="dim"))  # fmt: skip
+        out.append(Text("shades, as parts of the head's max: ' ' 0, '·' ≤1/5, '░' ≤2/5, '▒' ≤3/5, '▓' ≤4/5, "
+                        "'█' ≤1. A map is one layer's and one head's weighting, not an explanation of the "
+                        "model's decision.", style="dim"))  # fmt: skip
     return out
