@@ -177,12 +177,17 @@ def _weights(
             "ask for heads= or batch_index=, or raise max_map_mb"))  # fmt: skip
     budget.used_bytes += size
     group = h // hk
-    bi = torch.tensor(batch, device=q.device)
-    qi = torch.tensor(heads, device=q.device)
-    ki = torch.tensor([i // group for i in heads], device=q.device)
-    qs = q.index_select(0, bi).index_select(1, qi).float()
-    ks = k.index_select(0, bi).index_select(1, ki).float()
-    scores = torch.matmul(qs * scale, ks.transpose(-2, -1))  # [b, h, L, S]
+    every_item, every_head = len(batch) == b, heads == list(range(h))
+    bi = None if every_item else torch.tensor(batch, device=q.device)
+    qi = None if every_head else torch.tensor(heads, device=q.device)
+    qs, ks = q, k
+    if bi is not None:
+        qs, ks = qs.index_select(0, bi), ks.index_select(0, bi)
+    if qi is not None:
+        qs = qs.index_select(1, qi)
+    if group > 1 or qi is not None:  # grouped-query attention: key head h // group serves query head h
+        ks = ks.index_select(1, torch.tensor([i // group for i in heads], device=q.device))
+    scores = torch.matmul(qs.float() * scale, ks.float().transpose(-2, -1))  # [b, h, L, S]
     shape = (b, h, length, s)
     if additive is not None:
         scores = scores + _pick(additive, shape, bi, qi).float()
@@ -192,18 +197,29 @@ def _weights(
         block = upper if block is None else block | upper
     if block is not None:
         scores = scores.masked_fill(block, float("-inf"))
-    full = torch.isneginf(scores).all(dim=-1)  # every key removed: softmax would be 0/0
-    weights = torch.softmax(scores, dim=-1).masked_fill(full.unsqueeze(-1), 0.0)
+    weights = torch.softmax(scores, dim=-1)
+    if additive is None and block is None:  # nothing masked: no row can be empty
+        full = torch.zeros(weights.shape[:-1], dtype=torch.bool)
+    else:
+        full = torch.isneginf(scores).all(dim=-1)  # every key removed: softmax would be 0/0
+        weights = weights.masked_fill(full.unsqueeze(-1), 0.0)
     return MapResult(weights=weights.cpu(), fully_masked=full.cpu(), heads=heads, batch=batch)
 
 
-def _pick(mask: torch.Tensor, shape: tuple[int, int, int, int], bi: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+def _pick(mask: torch.Tensor, shape: tuple[int, int, int, int], bi: torch.Tensor | None,
+          hi: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
     """The asked batch items and heads of ``mask`` broadcast to ``shape`` (no full-size copy)."""
     m = mask
     while m.dim() < 4:
         m = m.unsqueeze(0)
+    if bi is None and hi is None:
+        return m  # broadcasts as it is
     m = m.expand(shape)
-    return m.index_select(0, bi.to(m.device)).index_select(1, hi.to(m.device))
+    if bi is not None:
+        m = m.index_select(0, bi.to(m.device))
+    if hi is not None:
+        m = m.index_select(1, hi.to(m.device))
+    return m
 
 
 def _float_note(dtype: torch.dtype) -> list[str]:
