@@ -20,7 +20,7 @@ same order with the same optimizer and steps, and compare held-out accuracy:
   full          learned W_Q, W_K, W_V
   identity_qkv  Q = K = V = X, no projections             (seed 4.1)
   shared_qk     W_Q = W_K, W_V kept                       (seed 4.2)
-  uniform       QK^T = 0: every weight row is 1/T          (seed 4.3)
+  uniform       QK^T = 0: every weight row is 1/T         (seed 4.3)
   identity_v    learned W_Q, W_K; V = X                   (seed 4.4)
   no_attention  LayerNorm + FFN + residual only           (seed 4.5)
 
@@ -28,6 +28,9 @@ Tasks:
   lookup     (default) 9 random tokens then an index token @i; answer: the
              token at position i, read from the last position. The answer
              must be routed there, so uniform and no_attention cannot learn it.
+  marker     11 random tokens with one marker M, then a query; answer: the
+             token right after M. Needs two layers; 1000 steps by default,
+             10-14 s a run, and not every seed learns it (see README).
   sentiment  the seed's 8 sentences (section 11); train on 6, evaluate on the
              held-out 2. A sanity task: 2 sentences say little about
              generalisation, and train accuracy 1.0 is memorisation.
@@ -42,7 +45,7 @@ Exit 0 done; 1 a claim of the seed did not hold on this PyTorch; 2 bad input.
 
 _EPILOG = """\
 examples:
-  qkvtrace ablate                                # lookup, 5 seeds, 400 steps (about a minute on 2 cores)
+  qkvtrace ablate                                # lookup, 5 seeds, 400 steps (about 40 s of CPU time)
   qkvtrace ablate --seeds 3 --steps 100          # quicker, noisier
   qkvtrace ablate --task sentiment --md ablate.md
   qkvtrace ablate --json ablate.json --plot ablate.svg   # chart needs: pip install "qkvtrace[plot]"
@@ -60,7 +63,7 @@ def register(sub: Any) -> None:
                    help="optimizer steps per run (default: the task's, " +
                         ", ".join(f"{t.name} {t.default_steps}" for t in TASKS.values()) + ")")  # fmt: skip
     p.add_argument("--task", default="lookup", metavar="NAME",
-                   help=f"{' or '.join(TASKS)} (default lookup)")  # fmt: skip
+                   help=f"{', '.join(TASKS)} (default lookup)")  # fmt: skip
     p.add_argument("--json", metavar="FILE", type=Path, help="write the study as JSON (qkvtrace.ablate/1)")
     p.add_argument("--md", metavar="FILE", type=Path, help="write the tables as Markdown")
     p.add_argument("--plot", metavar="FILE", type=Path, help="chart of mean ± std per mode (.svg, .png, .pdf)")

@@ -13,8 +13,9 @@ several runs. So:
 * one tiny model (:class:`TinyModel`) around it, the same for every mode;
 * tasks (:data:`TASKS`) with held-out evaluation data never seen in
   training: ``lookup``, where the answer sits at another position that the
-  last token names, so routing matters; and ``sentiment``, the seed's eight
-  sentences (section 11) as a sanity task;
+  last token names, so routing matters; ``marker``, copy the token after a
+  marker (two layers; slow, and learned by some seeds only); and
+  ``sentiment``, the seed's eight sentences (section 11) as a sanity task;
 * for each seed, every mode gets the same training data in the same order,
   the same optimizer settings and the same number of steps; the run seed also
   seeds the model's initialisation (which differs between modes only in the
@@ -265,6 +266,48 @@ def _lookup_split(seed: int) -> Split:
     return tokens[:n], answers[:n], tokens[n:], answers[n:]
 
 
+_MARKER_LEN = 12  # 11 positions of values and one marker, then the query token
+_MARKER, _QUERY = _LOOKUP_VALUES, _LOOKUP_VALUES + 1
+
+
+def _unique_rows(make: Callable[[torch.Generator], torch.Tensor], n: int, seed: int) -> torch.Tensor:
+    """``n`` distinct rows from ``make``; distinct, so none can land on both sides of a split."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    seen: set[tuple[int, ...]] = set()
+    rows: list[torch.Tensor] = []
+    while len(rows) < n:
+        row = make(g)
+        key = tuple(row.tolist())
+        if key not in seen:
+            seen.add(key)
+            rows.append(row)
+    return torch.stack(rows)
+
+
+def _marker_split(seed: int) -> Split:
+    """``v v M a v ... v ?``: one marker M at a random place; the answer is the token ``a`` right after it."""
+    import torch
+
+    del seed  # as for lookup: fixed data, the run seed orders the batches
+
+    def make(g: torch.Generator) -> torch.Tensor:
+        row = torch.randint(0, _LOOKUP_VALUES, (_MARKER_LEN,), generator=g)
+        row[int(torch.randint(0, _MARKER_LEN - 2, (1,), generator=g))] = _MARKER
+        row[-1] = _QUERY
+        return row
+
+    tokens = _unique_rows(make, _LOOKUP_TRAIN + _LOOKUP_EVAL, _LOOKUP_DATA_SEED)
+    answers = tokens[torch.arange(tokens.size(0)), _marker_answer_position(tokens)]
+    n = _LOOKUP_TRAIN
+    return tokens[:n], answers[:n], tokens[n:], answers[n:]
+
+
+def _marker_answer_position(tokens: torch.Tensor) -> torch.Tensor:
+    return (tokens == _MARKER).int().argmax(dim=1) + 1
+
+
 # The eight sentences of seed section 11, 1 = positive, 0 = negative.
 _SENTENCES = (
     ("我 喜欢 机器人", 1), ("我 喜欢 编程", 1), ("学习 人工 智能", 1), ("模型 很 有趣", 1),
@@ -305,6 +348,16 @@ TASKS: dict[str, TaskSpec] = {
         chance_accuracy=1 / _LOOKUP_VALUES, pool="last", d_model=32, n_layers=1, lr=3e-3, batch_size=64,
         default_steps=400, routing=True, split=_lookup_split,
         answer_position=lambda tokens: tokens[:, -1] - _LOOKUP_VALUES,
+    ),
+    "marker": TaskSpec(
+        name="marker",
+        description="11 random tokens (16 values) with one marker M among them, then a query token; answer: the "
+        "token right after M. Two layers: one to mark the token after M, one to fetch it into the last position.",
+        vocab_size=_LOOKUP_VALUES + 2, seq_len=_MARKER_LEN, n_classes=_LOOKUP_VALUES,
+        chance_accuracy=1 / _LOOKUP_VALUES, pool="last", d_model=32, n_layers=2, lr=1e-2, batch_size=64,
+        default_steps=1000, routing=True, split=_marker_split,
+        # no answer_position: with two layers the answer can travel through another position (M reads the
+        # token after it, the last position reads M), so the last layer's weight on it says little
     ),
     "sentiment": TaskSpec(
         name="sentiment",

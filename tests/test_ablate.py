@@ -135,6 +135,16 @@ def test_lookup_eval_data_are_held_out_and_answers_are_right() -> None:
         assert torch.equal(y, x[torch.arange(x.size(0)), index])
 
 
+def test_marker_answer_is_the_token_after_the_one_marker() -> None:
+    x_tr, y_tr, x_ev, y_ev = TASKS["marker"].split(0)
+    assert not {tuple(r) for r in x_tr.tolist()} & {tuple(r) for r in x_ev.tolist()}
+    for x, y in ((x_tr, y_tr), (x_ev, y_ev)):
+        assert ((x == 16).sum(dim=1) == 1).all() and (x[:, -1] == 17).all()
+        after = (x == 16).int().argmax(dim=1) + 1
+        assert (after < x.size(1) - 1).all() and torch.equal(y, x[torch.arange(x.size(0)), after])
+    assert train_run(TASKS["marker"], "full", seed=0, steps=1).answer_weight is None
+
+
 def test_sentiment_holds_out_one_positive_and_one_negative_per_seed() -> None:
     held = set()
     for seed in range(4):
