@@ -497,3 +497,17 @@ def test_pictures_name_fully_masked_rows_and_use_the_vocabulary(tmp_path: Path) 
     for part in terminal_maps(t2.result, tokens):
         console.print(part)
     assert "fully masked" in console.export_text() and "nan" not in console.export_text().lower()
+
+
+def test_readme_maps_sample_is_what_trace_prints() -> None:
+    import os
+
+    command = "qkvtrace trace demo:mha --show-maps --map-heads 0,1"
+    lines = (Path(__file__).resolve().parent.parent / "README.md").read_text().splitlines()
+    start = lines.index(f"$ {command}") + 1
+    shown = [line.rstrip() for line in lines[start : lines.index("```", start)]]
+    env = {**os.environ, "COLUMNS": "100", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, "-m", "qkvtrace", *command.split()[1:]], capture_output=True, text=True,
+                          env=env, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert [line.rstrip() for line in proc.stdout.splitlines()] == shown
