@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -173,3 +174,57 @@ def test_unknown_library_model_names(tmp_path: Path) -> None:
 def test_load_target_errors_are_target_errors() -> None:
     with pytest.raises(TargetError, match="names no model"):
         load_target("timm:")
+
+
+class _Patches(torch.nn.Module):
+    """A small image model: 4x4 patches, one self-attention over them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Conv2d(3, 16, 4, stride=4)
+        self.attn = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = self.embed(x).flatten(2).transpose(1, 2)  # (B, patches, 16)
+        return self.attn(tokens, tokens, tokens)[0]
+
+
+def test_library_glue_with_stand_in_libraries(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What qkvtrace itself does for timm:/torchvision: — the arguments it passes (random weights), the input
+    size it reads, its message for an unknown name — checked with stand-ins where the libraries cannot be
+    imported beside this torch. The real libraries are traced above when they can be."""
+    import types
+
+    asked: list[tuple[str, object]] = []
+
+    def create_model(name: str, pretrained: bool) -> torch.nn.Module:
+        asked.append((name, pretrained))
+        if name != "patches":
+            raise RuntimeError(f"Unknown model ({name})")
+        model = _Patches()
+        model.pretrained_cfg = {"input_size": (3, 20, 12)}  # type: ignore[assignment]
+        return model
+
+    def get_model(name: str, weights: object) -> torch.nn.Module:
+        asked.append((name, weights))
+        if name != "patches":
+            raise ValueError(f"Unknown model {name}")
+        return _Patches()
+
+    monkeypatch.setitem(sys.modules, "timm", types.SimpleNamespace(create_model=create_model))
+    monkeypatch.setitem(sys.modules, "torchvision", types.SimpleNamespace(models=types.SimpleNamespace(
+        get_model=get_model)))  # fmt: skip
+    state = torch.random.get_rng_state()
+    timm_model = load_target("timm:patches")
+    (pixels,), kwargs = timm_model.make_inputs(2, 99)
+    assert pixels.shape == (2, 3, 20, 12) and kwargs == {}  # the model's input_size; the length is not used
+    vision = load_target("torchvision:patches")
+    assert vision.make_inputs(1, 1)[0][0].shape == (1, 3, 224, 224)  # torchvision's default image size
+    assert asked == [("patches", False), ("patches", None)]  # random weights: nothing to download
+    assert torch.equal(torch.random.get_rng_state(), state)
+    again = load_target("timm:patches").model
+    assert torch.equal(again.attn.in_proj_weight, timm_model.model.attn.in_proj_weight)  # seeded
+    with pytest.raises(TargetError, match=re.escape("Unknown model (nope); list names with timm.list_models()")):
+        load_target("timm:nope")
+    with pytest.raises(TargetError, match=re.escape("Unknown model nope; list names with torchvision.models.list_models()")):
+        load_target("torchvision:nope")
