@@ -226,5 +226,6 @@ def test_library_glue_with_stand_in_libraries(monkeypatch: pytest.MonkeyPatch) -
     assert torch.equal(again.attn.in_proj_weight, timm_model.model.attn.in_proj_weight)  # seeded
     with pytest.raises(TargetError, match=re.escape("Unknown model (nope); list names with timm.list_models()")):
         load_target("timm:nope")
-    with pytest.raises(TargetError, match=re.escape("Unknown model nope; list names with torchvision.models.list_models()")):
+    unknown = re.escape("Unknown model nope; list names with torchvision.models.list_models()")
+    with pytest.raises(TargetError, match=unknown):
         load_target("torchvision:nope")
