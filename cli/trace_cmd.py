@@ -82,7 +82,7 @@ def register(sub: Any) -> None:
 
 
 def _add_map_options(p: Any) -> None:
-    from qkvtrace.maps import DEFAULT_MAX_MAP_TOKENS
+    from qkvtrace.maps import DEFAULT_MAX_MAP_MB, DEFAULT_MAX_MAP_TOKENS
 
     g = p.add_argument_group("attention maps (computed on the side; the model keeps its path and kernel)")
     g.add_argument("--maps", metavar="DIR", type=Path,
@@ -93,6 +93,8 @@ def _add_map_options(p: Any) -> None:
     g.add_argument("--map-batch", metavar="N", type=int, default=0, help="batch item to map (default 0)")
     g.add_argument("--max-map-tokens", metavar="N", type=int, default=DEFAULT_MAX_MAP_TOKENS,
                    help=f"no map longer than N on a side (default {DEFAULT_MAX_MAP_TOKENS})")  # fmt: skip
+    g.add_argument("--max-map-mb", metavar="MB", type=float, default=DEFAULT_MAX_MAP_MB,
+                   help=f"memory all maps of the run may hold (default {DEFAULT_MAX_MAP_MB:g})")  # fmt: skip
 
 
 def _indices(text: str) -> list[int]:
@@ -170,7 +172,7 @@ def _run(args: argparse.Namespace, loaded: Any) -> Any:
     model.train(args.mode == "train")
     maps = args.show_maps or args.maps is not None
     options = {"attention_maps": True, "heads": args.map_heads, "batch_index": args.map_batch,
-               "max_map_tokens": args.max_map_tokens} if maps else {}  # fmt: skip
+               "max_map_tokens": args.max_map_tokens, "max_map_mb": args.max_map_mb} if maps else {}  # fmt: skip
     try:
         tracer = qkvtrace.trace(model, **options)  # type: ignore[arg-type]
     except ValueError as exc:

@@ -164,7 +164,7 @@ def _weights(
     if isinstance(batch, str) or isinstance(heads, str):
         return MapResult(reason=batch if isinstance(batch, str) else heads)  # type: ignore[arg-type]
     size = map_bytes(len(batch), len(heads), length, s)
-    floats = f"{len(batch)}x{len(heads)}x{length}x{s} = {size // _FLOAT:,} floats, {size / 2**20:.1f} MB"
+    floats = f"{len(batch)}x{len(heads)}x{length}x{s} = {size // _FLOAT:,} floats, {_size(size)}"
     if max(length, s) > opts.max_map_tokens:
         return MapResult(reason=(
             f"not computed: T_query={length}, T_key={s} is over max_map_tokens={opts.max_map_tokens} "
@@ -173,7 +173,7 @@ def _weights(
     if budget.used_bytes + size > opts.max_map_mb * 2**20:
         return MapResult(reason=(
             f"not computed: this map ({floats}) would bring the trace's maps to "
-            f"{(budget.used_bytes + size) / 2**20:.1f} MB, over max_map_mb={opts.max_map_mb:g}; "
+            f"{_size(budget.used_bytes + size)}, over max_map_mb={opts.max_map_mb:g}; "
             "ask for heads= or batch_index=, or raise max_map_mb"))  # fmt: skip
     budget.used_bytes += size
     group = h // hk
@@ -204,6 +204,10 @@ def _weights(
         full = torch.isneginf(scores).all(dim=-1)  # every key removed: softmax would be 0/0
         weights = weights.masked_fill(full.unsqueeze(-1), 0.0)
     return MapResult(weights=weights.cpu(), fully_masked=full.cpu(), heads=heads, batch=batch)
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.1f} MB" if n >= 2**20 / 10 else f"{n / 2**10:.1f} KB"
 
 
 def _pick(mask: torch.Tensor, shape: tuple[int, int, int, int], bi: torch.Tensor | None,

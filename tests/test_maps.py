@@ -511,3 +511,16 @@ def test_readme_maps_sample_is_what_trace_prints() -> None:
                           env=env, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert [line.rstrip() for line in proc.stdout.splitlines()] == shown
+
+
+def test_causal_bias_override_mask_is_materialised() -> None:
+    from torch.nn.attention.bias import causal_lower_right
+
+    q, k, v = _qkv(lq=3, lk=6)
+    model = SDPAModule()
+    with qkvtrace.trace(model, attention_maps=True) as t, torch.no_grad():
+        model(q, k, v, attn_mask=causal_lower_right(3, 6))
+    (c,) = t.calls
+    attend = torch.ones(3, 6, dtype=torch.bool).tril(diagonal=6 - 3)  # lower-right aligned, written out here
+    assert _max_err(c.attention_map, _float64_weights(q, k, attend)) <= TOL
+    assert (c.attention_map[..., ~attend] == 0).all()
