@@ -524,3 +524,26 @@ def test_causal_bias_override_mask_is_materialised() -> None:
     attend = torch.ones(3, 6, dtype=torch.bool).tril(diagonal=6 - 3)  # lower-right aligned, written out here
     assert _max_err(c.attention_map, _float64_weights(q, k, attend)) <= TOL
     assert (c.attention_map[..., ~attend] == 0).all()
+
+
+def test_a_flex_attention_call_says_why_it_has_no_map() -> None:
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+
+    class Flex(nn.Module):
+        def forward(self, q: torch.Tensor) -> torch.Tensor:
+            return flex.flex_attention(q, q, q)
+
+    model = Flex()
+    with qkvtrace.trace(model, attention_maps=True) as t, torch.no_grad(), pytest.warns(UserWarning):
+        model(torch.randn(1, 2, 8, 8))
+    (c,) = t.calls
+    assert c.path == "flex" and c.attention_map is None
+    assert "not 'flex'" in c.attention_map_reason and "score_mod" in c.attention_map_reason
+
+
+def test_a_call_that_raises_has_no_map_and_says_so() -> None:
+    mha = nn.MultiheadAttention(E, H, batch_first=True).eval()
+    with qkvtrace.trace(mha, attention_maps=True) as t, torch.no_grad(), pytest.raises(AssertionError):
+        mha(torch.randn(B, L, E), torch.randn(B, L + 1, E), torch.randn(B, L + 2, E))
+    (c,) = t.calls
+    assert c.error and c.attention_map is None and c.attention_map_reason == "not computed: the call raised"

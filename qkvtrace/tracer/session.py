@@ -215,7 +215,10 @@ class Trace:
                 call.attention_map_heads = call.attention_map_batch = None
             return
         if source is None:
-            why = "the call raised" if call.error else f"maps are not computed for path {call.path!r}"
+            why = "not computed: the call raised" if call.error else (
+                f"not computed: maps are made for the fast, fallback, fused_encoder_layer and sdpa paths, not "
+                f"{call.path!r}" + (" (its score_mod and block_mask are the user's functions)" if call.path == "flex"
+                                    else ""))  # fmt: skip
             call.attention_map_reason = why
             return
         if isinstance(source, str):
@@ -276,6 +279,12 @@ class Trace:
                 regions.append((name, "torch.compile"))
             elif scripted_types and isinstance(m, scripted_types):
                 regions.append((name, "TorchScript"))
+        fsdp1 = compat.fsdp1_types()
+        if self.record_gradients and fsdp1 and any(isinstance(m, fsdp1) for _, m in self._names.values()):
+            self._result.warnings.append(
+                "the model is wrapped in FullyShardedDataParallel (FSDP1): each rank holds only its shard of a "
+                "parameter's .grad, so slice gradients are not read (null); fully_shard (FSDP2) is read whole"
+            )
         for name, kind in regions:
             self._result.warnings.append(
                 f"{name or '(root)'} runs through {kind}: attention calls inside it are not observed "
