@@ -233,3 +233,12 @@ def is_dtensor(t: Any) -> bool:
 def whole(t: Any) -> Any:
     """``t`` itself, or for a ``DTensor`` the whole tensor (a collective: every rank must call it, in order)."""
     return t.full_tensor() if is_dtensor(t) else t
+
+
+def fsdp1_types() -> tuple[type, ...]:
+    """``FullyShardedDataParallel`` (FSDP1), when the user's program has imported it."""
+    import sys
+
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    found = getattr(fsdp, "FullyShardedDataParallel", None) if fsdp is not None else None
+    return (found,) if isinstance(found, type) else ()
