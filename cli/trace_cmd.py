@@ -82,7 +82,7 @@ def register(sub: Any) -> None:
 
 
 def _add_map_options(p: Any) -> None:
-    from qkvtrace.maps import DEFAULT_MAX_MAP_MB, DEFAULT_MAX_MAP_TOKENS
+    from qkvtrace.limits import DEFAULT_MAX_MAP_MB, DEFAULT_MAX_MAP_TOKENS
 
     g = p.add_argument_group("attention maps (computed on the side; the model keeps its path and kernel)")
     g.add_argument("--maps", metavar="DIR", type=Path,

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from qkvtrace import masks
+from qkvtrace.limits import DEFAULT_MAX_MAP_MB, DEFAULT_MAX_MAP_TOKENS
 
 __all__ = [
     "DEFAULT_MAX_MAP_MB",
@@ -55,10 +56,6 @@ __all__ = [
     "mha_source",
 ]
 
-#: Longest query or key side of a map computed by default.
-DEFAULT_MAX_MAP_TOKENS = 1024
-#: Memory all the maps of one trace may hold by default (MB, float32 on the CPU).
-DEFAULT_MAX_MAP_MB = 256.0
 
 _FLOAT = 4  # bytes of one float32 weight
 
