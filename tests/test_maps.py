@@ -428,19 +428,23 @@ def _cli(*args: str, pre: str = "") -> subprocess.CompletedProcess[str]:
 def test_cli_maps_writes_pictures_per_call_and_head_and_a_grid(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     out = tmp_path / "maps"
-    r = _cli("trace", "demo:tiny-lm", "--maps", str(out), "--json", str(tmp_path / "t.json"))
+    r = _cli("trace", "demo:tiny-lm", "--maps", str(out), "--map-heads", "0,3", "--json", str(tmp_path / "t.json"))
     assert r.returncode == 0, r.stderr
     names = sorted(p.name for p in out.iterdir())
+    assert len(names) == 2 * (2 + 1) * 2  # calls x (heads + grid) x formats
     for call in range(2):
-        for head in range(4):
+        for head in (0, 3):
             for ext in ("png", "svg"):
                 assert any(n.startswith(f"call{call:03d}_") and n.endswith(f"_head{head}.{ext}") for n in names), names
         for ext in ("png", "svg"):
             assert any(n.startswith(f"call{call:03d}_") and n.endswith(f"_grid.{ext}") for n in names), names
     svg = next(p for p in out.iterdir() if p.name.endswith("_head0.svg")).read_text()
-    assert "<svg" in svg
+    from qkvtrace.demos import demo_tiny_lm
+
+    first_token = int(demo_tiny_lm()[1][0][0, 0])
+    assert "<svg" in svg and f"#{first_token}<" in svg  # the token ids label the axes
     data = load_json(tmp_path / "t.json", "qkvtrace.trace/1")
-    assert data["calls"][0]["attention_map"]["shape"] == [1, 4, 16, 16]  # batch item 0, every head
+    assert data["calls"][0]["attention_map"]["shape"] == [1, 2, 16, 16]  # batch item 0, heads 0 and 3
 
 
 def test_cli_maps_without_matplotlib_says_how_to_get_it(tmp_path: Path) -> None:

@@ -118,7 +118,8 @@ def write_map_pictures(result: TraceResult, directory: Path, tokens: list[list[s
     def save(fig: Any, stem: str) -> None:
         for ext in ("png", "svg"):
             path = directory / f"{stem}.{ext}"
-            fig.savefig(path, dpi=110, bbox_inches="tight", metadata={"Date": None} if ext == "svg" else None)
+            with matplotlib.rc_context({"svg.fonttype": "none"}):  # SVG text stays text: tokens can be searched
+                fig.savefig(path, dpi=110, bbox_inches="tight", metadata={"Date": None} if ext == "svg" else None)
             written.append(path)
         plt.close(fig)
 
