@@ -551,3 +551,26 @@ def test_a_call_that_raises_has_no_map_and_says_so() -> None:
         mha(torch.randn(B, L, E), torch.randn(B, L + 1, E), torch.randn(B, L + 2, E))
     (c,) = t.calls
     assert c.error and c.attention_map is None and c.attention_map_reason == "not computed: the call raised"
+
+
+@pytest.mark.parametrize("padding", [False, True])
+def test_fused_encoder_layer_merged_causal_mask(padding: bool) -> None:
+    """A src_mask (and a padding mask) reach the fused builtin merged (mask_type 2): the map reads that mask."""
+    layer = nn.TransformerEncoderLayer(E, H, 64, dropout=0.0, batch_first=True)
+    enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+    x = torch.randn(B, 6, E)
+    causal = nn.Transformer.generate_square_subsequent_mask(6)
+    kpm = torch.zeros(B, 6)
+    kpm[1, 4:] = -math.inf  # float, like the causal mask
+    kwargs = {"mask": causal, **({"src_key_padding_mask": kpm} if padding else {"is_causal": True})}
+    with qkvtrace.trace(enc, attention_maps=True) as t, torch.inference_mode():
+        enc(x, **kwargs)
+    h = x
+    with torch.no_grad():
+        for c, lay in zip(t.calls, enc.layers, strict=True):
+            assert c.path == "fused_encoder_layer" and c.inputs["mask_type"] == 2
+            _, w = lay.self_attn(h, h, h, attn_mask=causal, key_padding_mask=kpm if padding else None,
+                                 need_weights=True, average_attn_weights=False)  # fmt: skip
+            assert _max_err(c.attention_map, w) <= TOL
+            assert (c.attention_map.triu(1) == 0).all()
+            h = lay(h, src_mask=causal, src_key_padding_mask=kpm if padding else None)
