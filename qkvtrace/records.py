@@ -207,7 +207,7 @@ MAP_FIELDS = (
 def _call_dict(call: AttentionCall, maps: bool) -> dict[str, Any]:
     """One call as JSON; its map tensor as nested lists only when ``maps``."""
     weights, full = call.attention_map, call.attention_map_fully_masked
-    out = asdict(replace(call, map_tensors=None))
+    out = asdict(call if call.map_tensors is None else replace(call, map_tensors=None))
     for name in MAP_FIELDS:
         if out.get(name) is None:
             out.pop(name, None)
