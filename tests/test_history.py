@@ -1,0 +1,301 @@
+"""``qkvtrace history``: the timeline across releases, and the committed one.
+
+* three small synthetic reports whose history is known by construction;
+* the committed reports/history.json is what the tool builds from the
+  committed reports now, and agrees with the pairwise ``diff`` of every
+  consecutive pair; HISTORY.md is what the renderer writes from it;
+* a report that fails validation is refused with exit 2, naming its file;
+* the old-release reports say what their PyTorch lacks instead of failing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from qkvtrace.diff import diff_reports
+from qkvtrace.history import HISTORY_SCHEMA, build_history, find_reports, source_change, version_key
+from qkvtrace.validation import check_document
+
+ROOT = Path(__file__).resolve().parents[1]
+REPORTS = ROOT / "reports"
+
+# -- three synthetic releases ----------------------------------------------------
+
+_FWD = '''def forward(self, x):
+    """Run the layer."""
+    if self.training:
+        why_not_fast_path = "training is enabled"
+    return self.attn(x)
+'''
+_HELPER = '''def helper(x):
+    """Old words."""
+    return x + 1
+'''
+_GONE = """def gone(x):
+    return x
+"""
+
+
+def _source(name: str, text: str) -> dict[str, Any]:
+    return {"name": name, "kind": "python", "file": "nn/x.py", "lineno": 1,
+            "sha256": hashlib.sha256(text.encode()).hexdigest(), "text": text}  # fmt: skip
+
+
+def _report(version: str, sources: dict[str, str], conditions: list[tuple[str, str]],
+            edges: list[tuple[str, str]], fully_masked: str) -> dict[str, Any]:  # fmt: skip
+    return {
+        "schema": "qkvtrace.report/1",
+        "environment": {
+            "torch_version": version,
+            "torch_git_version": "abc",
+            "python_version": "3.11.0",
+            "platform": "Linux-x86_64",
+            "cuda_available": False,
+            "sdp_enabled": {},
+            "mha_fastpath_enabled": None,
+        },
+        "sources": [_source(n, t) for n, t in sorted(sources.items())],
+        "missing": [],
+        "fast_path_conditions": [
+            {
+                "function": "Layer.forward",
+                "missing": False,
+                "conditions": [{"reason": r, "condition": c} for r, c in conditions],
+            }
+        ],
+        "callgraph": {
+            "nodes": [{"name": n, "kind": "python", "file": None} for n in sorted({x for e in edges for x in e})],
+            "edges": [{"caller": a, "callee": b, "kind": ["static"], "paths": [], "scenarios": []} for a, b in edges],
+        },
+        "probes": {
+            "scenarios": [],
+            "mask_semantics": [{"api": "sdpa", "true_means": "attend"}],
+            "fully_masked_rows": [{"api": "sdpa (bool mask)", "backend": "MATH", "result": fully_masked}],
+        },
+    }
+
+
+def _three() -> list[dict[str, Any]]:
+    """9.2.0 -> 9.10.0 -> 9.11.0, with these changes (and so this answer):
+
+    9.10.0: forward's code changes; helper's docstring only; a condition added;
+            an edge added; fully-masked rows nan -> zero.
+    9.11.0: forward gains a comment (layout); gone() removed; the condition
+            reworded (same test, new words); an edge removed.
+    """
+    base = {"Layer.forward": _FWD, "helper": _HELPER, "gone": _GONE}
+    r1 = _report("9.2.0", base, [("training is enabled", "self.training")],
+                 [("Layer.forward", "helper")], "nan")  # fmt: skip
+    code = _FWD.replace("return self.attn(x)", "return self.attn(x) * 1")
+    r2 = _report("9.10.0", {**base, "Layer.forward": code, "helper": _HELPER.replace("Old", "New")},
+                 [("training is enabled", "self.training"), ("hooks are attached", "self._forward_hooks")],
+                 [("Layer.forward", "helper"), ("Layer.forward", "gone")], "zero")  # fmt: skip
+    layout = code.replace("    return", "    # a comment\n    return")
+    r3 = _report("9.11.0", {"Layer.forward": layout, "helper": _HELPER.replace("Old", "New")},
+                 [("training is enabled", "self.training"), ("forward hooks are attached", "self._forward_hooks")],
+                 [("Layer.forward", "helper")], "zero")  # fmt: skip
+    return [r1, r2, r3]
+
+
+def _run(*args: str, code: str | None = None) -> subprocess.CompletedProcess[str]:
+    """``python -m qkvtrace ARGS`` (or ``python -c CODE ARGS``), wide enough that lines do not wrap."""
+    head = ["-c", code] if code else ["-m", "qkvtrace"]
+    env = {**os.environ, "COLUMNS": "250"}
+    return subprocess.run([sys.executable, *head, *args], capture_output=True, text=True, timeout=120, env=env)
+
+
+def _write(reports: list[dict[str, Any]], root: Path) -> Path:
+    for r in reports:
+        folder = root / f"torch-{r['environment']['torch_version']}"
+        folder.mkdir(parents=True)
+        (folder / "report.json").write_text(json.dumps(r), encoding="utf-8")
+    return root
+
+
+def test_three_synthetic_reports_give_the_known_history() -> None:
+    r1, r2, r3 = _three()
+    h = build_history([r3, r1, r2])  # any order: releases sort by version number
+    check_document(h, name="history", expected=HISTORY_SCHEMA)
+    assert h["releases"] == ["9.2.0", "9.10.0", "9.11.0"]
+    changes = {s["name"]: [(c["release"], c["change"]) for c in s["changes"]] for s in h["sources"]}
+    assert changes == {
+        "Layer.forward": [("9.10.0", "code"), ("9.11.0", "layout")],
+        "helper": [("9.10.0", "docstring")],
+        "gone": [("9.11.0", "removed")],
+    }
+    assert [(c["release"], c["change"], c["reason"], c.get("was")) for c in h["fast_path_conditions"]] == [
+        ("9.10.0", "added", "hooks are attached", None),
+        ("9.11.0", "reworded", "forward hooks are attached", "hooks are attached"),
+    ]
+    assert [(p["kind"], p["key"], [(c["release"], c["was"], c["became"]) for c in p["changes"]])
+            for p in h["probes"]] == [
+        ("fully_masked_rows", "sdpa (bool mask) / MATH",
+         [("9.10.0", {"result": "nan", "grad_finite": None}, {"result": "zero", "grad_finite": None})]),
+    ]  # fmt: skip
+    assert [(g["release"], g["edges_added"], g["edges_removed"]) for g in h["callgraph"]] == [
+        ("9.10.0", [{"caller": "Layer.forward", "callee": "gone"}], []),
+        ("9.11.0", [], [{"caller": "Layer.forward", "callee": "gone"}]),
+    ]
+
+
+def test_history_command_writes_markdown_json_and_names_releases(tmp_path: Path) -> None:
+    folder = _write(_three(), tmp_path / "reports")
+    proc = _run("history", str(folder), "--no-chart")
+    assert proc.returncode == 0, proc.stderr
+    h = json.loads((folder / "history.json").read_text())
+    assert h["schema"] == HISTORY_SCHEMA and h["releases"] == ["9.2.0", "9.10.0", "9.11.0"]
+    md = (folder / "HISTORY.md").read_text()
+    assert "| 9.11.0 | `Layer.forward` | reworded | “forward hooks are attached” (was “hooks are attached”) |" in md
+    assert "| `helper` | python | 9.2.0 | 9.10.0 (docstring) |" in md
+    assert "9.10.0" in proc.stdout and "fully masked rows nan → zero: MATH" in proc.stdout
+
+
+def test_a_report_failing_validation_is_refused_naming_it(tmp_path: Path) -> None:
+    r1, r2, r3 = _three()
+    del r2["callgraph"]["edges"][0]["caller"]
+    folder = _write([r1, r2, r3], tmp_path / "reports")
+    proc = _run("history", str(folder), "--no-chart")
+    assert proc.returncode == 2
+    bad = folder / "torch-9.10.0" / "report.json"
+    assert str(bad) in proc.stderr and "/callgraph/edges/0" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+    assert not (folder / "history.json").exists()
+
+
+def test_one_release_or_a_duplicate_is_refused(tmp_path: Path) -> None:
+    r1, _, _ = _three()
+    folder = _write([r1], tmp_path / "one")
+    proc = _run("history", str(folder))
+    assert proc.returncode == 2 and "at least two releases" in proc.stderr
+    with pytest.raises(Exception, match=r"two reports of torch 9\.2\.0"):
+        build_history([("a", r1), ("b", r1)])
+
+
+def test_source_change_kinds() -> None:
+    def src(text: str, kind: str = "python") -> dict[str, Any]:
+        return {"kind": kind, "text": text}
+
+    assert source_change(src(_HELPER), src(_HELPER.replace("x + 1", "x + 2"))) == "code"
+    assert source_change(src(_HELPER), src(_HELPER.replace("Old", "New"))) == "docstring"
+    assert source_change(src(_HELPER), src(_HELPER.replace("    return", "    # why\n    return"))) == "layout"
+    assert source_change(src("f(a)", "builtin"), src("f(a, b)", "builtin")) == "docstring"
+    assert version_key("2.10.0+cu128") > version_key("2.9.1+cu128") > version_key("2.9.0")
+
+
+def test_chart_draws_a_png(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from qkvtrace.render.history_render import chart_rows, draw_history_chart
+
+    h = build_history(_three())
+    assert [label for label, _, _ in chart_rows(h)] == [
+        "source: Layer.forward", "source: gone", "source: helper",
+        "fast-path conditions: Layer.forward", "fully-masked rows: sdpa (bool mask) / MATH", "call graph edges",
+    ]  # fmt: skip
+    draw_history_chart(h, tmp_path / "h.png")
+    assert (tmp_path / "h.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_without_matplotlib_the_timeline_is_written_and_the_chart_names_the_extra(tmp_path: Path) -> None:
+    folder = _write(_three(), tmp_path / "reports")
+    block = "import sys; sys.modules['matplotlib'] = None; from qkvtrace.cli.main import main; sys.exit(main())"
+    proc = _run("history", str(folder), code=block)
+    assert proc.returncode == 0, proc.stderr
+    assert 'pip install "qkvtrace[plot]"' in proc.stdout and (folder / "HISTORY.md").exists()
+    proc = _run("history", str(folder), "--chart", str(tmp_path / "c.png"), code=block)
+    assert proc.returncode == 2 and 'pip install "qkvtrace[plot]"' in proc.stderr
+
+
+# -- the committed history ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def committed() -> dict[str, Any]:
+    path = REPORTS / "history.json"
+    if not path.exists():
+        pytest.fail("reports/history.json is not committed; run `qkvtrace history reports/`")
+    data: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+    return data
+
+
+def test_committed_history_is_what_the_tool_builds_from_the_committed_reports(committed: dict[str, Any]) -> None:
+    from qkvtrace.render.history_render import history_markdown
+
+    rebuilt = build_history(find_reports([REPORTS]))
+    assert rebuilt == committed, "reports/history.json is stale; run `qkvtrace history reports/`"
+    md = (REPORTS / "HISTORY.md").read_text(encoding="utf-8")
+    assert md == history_markdown(committed, chart_name="history.png")
+
+
+def test_committed_history_covers_every_minor_release_from_2_0(committed: dict[str, Any]) -> None:
+    minors = {tuple(version_key(v)[0][:2]) for v in committed["releases"]}
+    missing = [f"2.{m}" for m in range(15) if (2, m) not in minors]
+    assert not missing, f"no committed report for torch {', '.join(missing)}"
+
+
+def test_committed_history_agrees_with_pairwise_diff(committed: dict[str, Any]) -> None:
+    reports = {r["environment"]["torch_version"]: r for _, r in find_reports([REPORTS])}
+    releases = committed["releases"]
+    assert releases == sorted(reports, key=version_key)
+    for a, b in itertools.pairwise(releases):
+        d = diff_reports(reports[a], reports[b])
+        at_b = {s["name"]: [c["change"] for c in s["changes"] if c["release"] == b] for s in committed["sources"]}
+        assert sorted(n for n, c in at_b.items() if c and c[0] not in ("added", "removed")) == d["sources"]["changed"]
+        assert sorted(n for n, c in at_b.items() if c == ["added"]) == d["sources"]["added"]
+        assert sorted(n for n, c in at_b.items() if c == ["removed"]) == d["sources"]["removed"]
+        conds = [c for c in committed["fast_path_conditions"] if c["release"] == b]
+        fp = d["fast_path_conditions"]
+        assert sorted(c["reason"] for c in conds if c["change"] == "added") == sorted(c["reason"] for c in fp["added"])
+        assert sorted(c["reason"] for c in conds if c["change"] == "removed") == sorted(
+            c["reason"] for c in fp["removed"]
+        )
+        assert sorted(c["was"] for c in conds if c["change"] == "reworded") == sorted(c["was"] for c in fp["reworded"])
+        probes = sorted((p["kind"], p["key"], c["was"], c["became"]) for p in committed["probes"]
+                        for c in p["changes"] if c["release"] == b)  # fmt: skip
+        assert probes == sorted((c["kind"], c["key"], c["was"], c["became"]) for c in d["probes"]["changed"])
+        edges = [g for g in committed["callgraph"] if g["release"] == b]
+        g = d["callgraph"]
+        if g["edges_added"] or g["edges_removed"]:
+            assert edges == [{"release": b, "from": a, **g}]
+        else:
+            assert edges == []
+
+
+def test_old_releases_say_what_they_lack_instead_of_failing(committed: dict[str, Any]) -> None:
+    """Before torch.nn.attention (2.3) the report names it missing, and still measures behaviour."""
+    lacking = {m["name"]: m["releases"] for m in committed["missing"]}
+    olds = [v for v in committed["releases"] if version_key(v)[0][:2] < (2, 3)]
+    assert olds and set(olds) <= set(lacking.get("torch.nn.attention.sdpa_kernel", []))
+    for version in olds:
+        report = json.loads((REPORTS / f"torch-{version}" / "report.json").read_text())
+        rows = report["probes"]["fully_masked_rows"]
+        assert any(r["backend"] == "default" and r["result"] in ("nan", "zero", "other") for r in rows)
+        # a forced backend that this release did not select is recorded as such, not under a false label
+        for r in rows:
+            if r["result"] == "error" and "selected" in r.get("error", ""):
+                assert r["backend"] not in r["error"].split("selected", 1)[1]
+
+
+def test_compat_forces_backends_by_capability() -> None:
+    """The API used to force a backend is the one this PyTorch has; a name it cannot force is refused."""
+    import torch
+
+    from qkvtrace import compat
+
+    has_new = callable(getattr(getattr(torch.nn, "attention", None), "sdpa_kernel", None))
+    assert compat.backend_forcing_api() == (
+        "torch.nn.attention.sdpa_kernel" if has_new else "torch.backends.cuda.sdp_kernel"
+    )
+    with pytest.raises(compat.MissingCapability, match="NOT_A_BACKEND"), compat.forced_backend("NOT_A_BACKEND"):
+        pass
+    with compat.forced_backend("MATH"):
+        assert not torch.backends.cuda.flash_sdp_enabled()
+    assert torch.backends.cuda.flash_sdp_enabled()
