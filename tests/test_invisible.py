@@ -241,3 +241,33 @@ def test_compiled_module_is_named_in_the_warnings() -> None:
     assert any(w.startswith("body runs through torch.compile") for w in t.result.warnings), t.result.warnings
     assert [u.module for u in t.result.unobserved] == ["body.self_attn"]
     assert "torch.compile" in t.result.unobserved[0].reason
+
+
+_SEEDED_STEP = """
+import sys, torch, qkvtrace
+from torch import nn
+torch.manual_seed(0)
+model = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.5, batch_first=True)  # dropout draws random numbers
+x = torch.randn(2, 5, 16)
+torch.manual_seed(1)
+if sys.argv[1] == "traced":
+    with qkvtrace.trace(model):  # the first trace of the process: it calibrates the backends
+        out = model(x)
+else:
+    out = model(x)
+print(repr(out.sum().item()), repr(torch.rand(1).item()))
+"""
+
+
+def test_the_first_trace_of_a_process_leaves_the_random_state_alone() -> None:
+    """A seeded step draws the same dropout masks, and the same numbers after it, traced or not."""
+    import subprocess
+    import sys
+
+    runs = {
+        how: subprocess.run([sys.executable, "-c", _SEEDED_STEP, how], capture_output=True, text=True, timeout=120)
+        for how in ("plain", "traced")
+    }
+    for done in runs.values():
+        assert done.returncode == 0, done.stderr
+    assert runs["traced"].stdout == runs["plain"].stdout
