@@ -299,3 +299,22 @@ def test_compat_forces_backends_by_capability() -> None:
     with compat.forced_backend("MATH"):
         assert not torch.backends.cuda.flash_sdp_enabled()
     assert torch.backends.cuda.flash_sdp_enabled()
+
+
+def test_readme_headline_rows_are_what_the_committed_history_measured(committed: dict[str, Any]) -> None:
+    readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+    added = {
+        (c["release"].split("+")[0], c["reason"]) for c in committed["fast_path_conditions"] if c["change"] == "added"
+    }
+    for release, reason in [("2.5.1", "forward pre-/hooks are attached to the module"),
+                            ("2.3.1", "self_attn was passed bias=False"),
+                            ("2.10.0", "mask_check enabled with torch.compile or torch.export")]:  # fmt: skip
+        assert (release, reason) in added
+        assert f"| {release} |" in readme and f"“{reason}”" in readme
+    rows = {p["key"]: p["changes"] for p in committed["probes"] if p["kind"] == "fully_masked_rows"}
+    (change,) = rows["F.scaled_dot_product_attention (bool mask) / default"]
+    assert change["release"].startswith("2.5.1")
+    assert (change["was"]["result"], change["was"]["grad_finite"], change["became"]["result"]) == ("nan", False, "zero")
+    assert "SDPA's fully-masked rows stop returning NaN" in readme
+    first = {s["name"]: s["first_seen"] for s in committed["sources"]}
+    assert first["torch.nn.attention.sdpa_kernel"].startswith("2.3.1")
