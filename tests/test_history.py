@@ -318,3 +318,22 @@ def test_readme_headline_rows_are_what_the_committed_history_measured(committed:
     assert "SDPA's fully-masked rows stop returning NaN" in readme
     first = {s["name"]: s["first_seen"] for s in committed["sources"]}
     assert first["torch.nn.attention.sdpa_kernel"].startswith("2.3.1")
+
+
+def test_collect_refuses_a_path_that_is_not_a_python(tmp_path: Path) -> None:
+    proc = _run("history", "--python", str(tmp_path / "no-python"), "--out", str(tmp_path / "out"))
+    assert proc.returncode == 2 and "is not an executable file" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_collect_under_an_interpreter_writes_a_report_folder(tmp_path: Path) -> None:
+    """The collector shipped to another interpreter (here this one) writes what `inspect` writes."""
+    import torch
+
+    proc = _run("history", "--python", sys.executable, "--out", str(tmp_path), "--no-timeline")
+    assert proc.returncode == 0, proc.stderr
+    folder = tmp_path / f"torch-{torch.__version__}"
+    assert {p.name for p in folder.iterdir()} >= {"report.json", "report.md", "callgraph.dot"}
+    ((_, report),) = find_reports([folder])
+    assert report["environment"]["torch_version"] == torch.__version__
