@@ -95,11 +95,25 @@ class TinyTransformerLM(nn.Module):
         return self.lm_head(self.norm(x))  # [B,T,V]
 
 
+#: The demo language model's 100 tokens (id -> string), so pictures can label positions with words.
+VOCABULARY: list[str] = [
+    "<pad>", "<bos>", "<eos>", "<unk>", ".", ",", "the", "a", "an", "and", "or", "but", "of", "to", "in", "on",
+    "at", "by", "for", "with", "from", "is", "are", "was", "were", "be", "has", "have", "had", "it", "this",
+    "that", "he", "she", "they", "we", "you", "i", "not", "no", "yes", "cat", "dog", "bird", "fish", "robot",
+    "model", "token", "query", "key", "value", "head", "layer", "mask", "weight", "attention", "sees", "reads",
+    "writes", "finds", "keeps", "drops", "learns", "moves", "runs", "sleeps", "eats", "likes", "sat", "mat",
+    "tree", "house", "road", "river", "book", "word", "sentence", "story", "day", "night", "red", "blue",
+    "green", "small", "big", "old", "new", "fast", "slow", "first", "last", "next", "one", "two", "three",
+    "here", "there", "now", "then", "again",
+]  # fmt: skip
+
+
 def demo_tiny_lm() -> tuple[nn.Module, tuple[Any, ...]]:
-    """:class:`TinyTransformerLM` on token ids ``(2, 16)``."""
+    """:class:`TinyTransformerLM` on token ids ``(2, 16)``, with a vocabulary of words."""
     torch.manual_seed(0)
-    model = TinyTransformerLM()
-    tokens = torch.randint(0, 100, (2, 16))
+    model = TinyTransformerLM(vocab_size=len(VOCABULARY))
+    model.vocabulary = VOCABULARY  # read by the attention-map pictures for their axes
+    tokens = torch.randint(0, len(VOCABULARY), (2, 16))
     return model, (tokens,)
 
 

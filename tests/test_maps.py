@@ -574,3 +574,15 @@ def test_fused_encoder_layer_merged_causal_mask(padding: bool) -> None:
             assert _max_err(c.attention_map, w) <= TOL
             assert (c.attention_map.triu(1) == 0).all()
             h = lay(h, src_mask=causal, src_key_padding_mask=kpm if padding else None)
+
+
+def test_demo_tiny_lm_labels_its_maps_with_words() -> None:
+    """The demo language model carries a vocabulary, so its pictures show words, not ids."""
+    from qkvtrace.demos import VOCABULARY, demo_tiny_lm
+    from qkvtrace.render.maps_render import token_labels
+
+    model, (ids,) = demo_tiny_lm()
+    labels = token_labels(model, (ids,))
+    assert labels is not None
+    assert labels[0] == [VOCABULARY[i] for i in ids[0].tolist()]
+    assert not any(label.startswith("#") for row in labels for label in row)
