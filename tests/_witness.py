@@ -81,11 +81,12 @@ def learn_kernel_backends(batch: int, heads: int, length: int, head_dim: int) ->
 
 def graph_names(out: torch.Tensor) -> list[str]:
     """Every node name of ``out``'s autograd graph, breadth first (an un-instrumented run's backward)."""
-    names, queue, seen = [], deque([out.grad_fn]), set()
+    names, queue, seen, kept = [], deque([out.grad_fn]), set(), []
     while queue:
         node = queue.popleft()
         if node is None or id(node) in seen:
             continue
+        kept.append(node)  # ids are unique only while the nodes live (torch 2.4 frees them when unheld)
         seen.add(id(node))
         names.append(node.name())
         queue.extend(child for child, _ in node.next_functions)

@@ -163,12 +163,14 @@ def _ways(start: Any, targets: list[Any]) -> dict[int, Steps] | None:
     wanted = {id(t) for t in targets}
     way: dict[int, Steps] = {id(start): ()}
     queue: deque[Any] = deque([start])
+    kept = [start]  # ids are unique only while the nodes live (see _search)
     while queue and len(way) < 4 * _MAX_NODES and not wanted <= way.keys():
         node = queue.popleft()
         for i, (child, _) in enumerate(node.next_functions):
             if child is not None and id(child) not in way:
                 way[id(child)] = (*way[id(node)], (i, child.name()))
                 queue.append(child)
+                kept.append(child)
     return way if wanted <= way.keys() else None
 
 
@@ -194,9 +196,13 @@ def _recipe(start: Any, core: Core) -> Recipe | None:
 
 
 def _search(start: Any, inputs: Sequence[Any], heads: int | None) -> Core:
-    stops = {id(t.grad_fn) for t in _tensors(inputs) if t.grad_fn is not None}
+    # A node's Python object may live only while something holds it (seen on torch 2.4), and a
+    # freed one's id() can be reused by the next: every node the search looks at is kept until it ends.
+    kept = [t.grad_fn for t in _tensors(inputs) if t.grad_fn is not None]
+    stops = {id(n) for n in kept}
     parent: dict[int, Any] = {id(start): None}
     queue: deque[Any] = deque([start])
+    kept.append(start)
     seen = 0
     while queue and seen < _MAX_NODES:
         node = queue.popleft()
@@ -217,6 +223,7 @@ def _search(start: Any, inputs: Sequence[Any], heads: int | None) -> Core:
             if child is not None and id(child) not in parent and not _is_leaf(child):
                 parent[id(child)] = node
                 queue.append(child)
+                kept.append(child)
     return Core(None, "no attention node (fused attention or softmax) in the output's autograd graph")
 
 
