@@ -228,8 +228,10 @@ def test_compiled_outputs_bit_for_bit_and_no_recompiles(case: str, backend: str)
     assert torch.equal(after[0], plain[0])
     assert frames_first - frames_before <= 1  # at most the one recompile for the wrapped attribute
     assert compiled_frames == [0]  # and none after it
-    assert t.calls == []  # compiled graphs call attention without the tracer...
-    assert t.result.unobserved, "...and the trace says so"
+    if t.calls:  # this release's Dynamo ran the attention eagerly: real calls, recorded and not called unseen
+        assert {c.module for c in t.calls}.isdisjoint(u.module for u in t.result.unobserved)
+    else:  # compiled graphs call attention without the tracer...
+        assert t.result.unobserved, "...and the trace says so"
 
 
 def test_compiled_module_is_named_in_the_warnings() -> None:
@@ -239,6 +241,10 @@ def test_compiled_module_is_named_in_the_warnings() -> None:
     with qkvtrace.trace(model) as t, torch.no_grad():
         model(x)
     assert any(w.startswith("body runs through torch.compile") for w in t.result.warnings), t.result.warnings
+    if t.calls:  # torch 2.4's Dynamo runs this layer eagerly: the call is real, recorded, and said so
+        assert [c.module for c in t.calls] == ["body.self_attn"] and not t.result.unobserved
+        assert any("1 attention call(s) inside it ran outside compiled graphs" in w for w in t.result.warnings)
+        return
     assert [u.module for u in t.result.unobserved] == ["body.self_attn"]
     assert "torch.compile" in t.result.unobserved[0].reason
 

@@ -286,6 +286,13 @@ class Trace:
                 "parameter's .grad, so slice gradients are not read (null); fully_shard (FSDP2) is read whole"
             )
         for name, kind in regions:
+            inside = sum(1 for c in self._result.calls if not name or f"{c.module}.".startswith(f"{name}."))
+            if inside:  # Dynamo ran them eagerly (some releases fall back on attention): real calls, recorded
+                self._result.warnings.append(
+                    f"{name or '(root)'} runs through {kind}: {inside} attention call(s) inside it ran outside "
+                    "compiled graphs and were recorded; calls inside compiled graphs are not observed"
+                )
+                continue
             self._result.warnings.append(
                 f"{name or '(root)'} runs through {kind}: attention calls inside it are not observed "
                 "(its modules are listed as unobserved)"
