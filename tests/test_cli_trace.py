@@ -214,6 +214,8 @@ def _printed(proc: subprocess.CompletedProcess[str]) -> list[str]:
 
 
 def test_readme_trace_samples_are_what_trace_prints() -> None:
+    if not torch.__version__.startswith("2.13.0"):  # PyTorch's reasons and kernels differ by release
+        pytest.skip("the README's samples were printed by torch 2.13.0, the release its commands install")
     for command in ("qkvtrace trace demo:encoder --columns weights",
                     "qkvtrace trace demo:mha --train --backward --columns weights,grads"):  # fmt: skip
         proc = subprocess.run([sys.executable, "-m", "qkvtrace", *command.split()[1:]], capture_output=True,

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from jsonschema import Draft202012Validator
 
 from qkvtrace.cli.main import main
@@ -28,7 +29,8 @@ from qkvtrace.validation import MAX_JSON_BYTES, check_document, load_json, load_
 ROOT = Path(__file__).resolve().parents[1]
 REPORTS = ROOT / "reports"
 GOOD = REPORTS / "torch-2.13.0+cpu" / "report.json"
-OLD = REPORTS / "torch-2.4.1+cu121"
+# a committed report of another release than the one running (a history needs two)
+OLD = REPORTS / ("torch-2.4.1+cu121" if not torch.__version__.startswith("2.4.") else "torch-2.13.0+cpu")
 COMMITTED = sorted(REPORTS.glob("*/report.json")) + sorted((REPORTS / "diffs").glob("*.json"))
 SCHEMAS = ROOT / "qkvtrace" / "schemas"
 ENV = {**os.environ, "COLUMNS": "200", "PYTHONWARNINGS": "ignore"}
