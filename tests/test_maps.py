@@ -455,10 +455,12 @@ def test_cli_maps_writes_pictures_per_call_and_head_and_a_grid(tmp_path: Path) -
         for ext in ("png", "svg"):
             assert any(n.startswith(f"call{call:03d}_") and n.endswith(f"_grid.{ext}") for n in names), names
     svg = next(p for p in out.iterdir() if p.name.endswith("_head0.svg")).read_text()
+    import html
+
     from qkvtrace.demos import VOCABULARY, demo_tiny_lm
 
     first_token = int(demo_tiny_lm()[1][0][0, 0])
-    assert "<svg" in svg and f"<!-- {VOCABULARY[first_token]} -->" in svg  # the demo's words label the axes
+    assert "<svg" in svg and f">{html.escape(VOCABULARY[first_token])}</text>" in svg  # the demo's words label the axes
     data = load_json(tmp_path / "t.json", "qkvtrace.trace/1")
     assert data["calls"][0]["attention_map"]["shape"] == [1, 2, 16, 16]  # batch item 0, heads 0 and 3
 
@@ -596,6 +598,7 @@ def test_fused_encoder_layer_merged_causal_mask(padding: bool) -> None:
 
 def test_demo_tiny_lm_labels_its_maps_with_words() -> None:
     """The demo language model carries a vocabulary, so its pictures show words, not ids."""
+
     from qkvtrace.demos import VOCABULARY, demo_tiny_lm
     from qkvtrace.render.maps_render import token_labels
 
