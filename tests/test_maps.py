@@ -12,9 +12,9 @@ from __future__ import annotations
 import gc
 import json
 import math
-import warnings
 import subprocess
 import sys
+import warnings
 import weakref
 from pathlib import Path
 from typing import Any
