@@ -76,6 +76,8 @@ class TinyTransformerLM(nn.Module):
                  num_heads: int = 4, num_layers: int = 2) -> None:  # fmt: skip
         super().__init__()
         self.max_len = max_len
+        #: token strings by id, when known (pictures label their axes with them)
+        self.vocabulary: list[str] | None = None
         self.token_embedding = nn.Embedding(vocab_size, d_model)
         self.position_embedding = nn.Embedding(max_len, d_model)
         self.blocks = nn.ModuleList(_Block(d_model, num_heads) for _ in range(num_layers))
@@ -112,7 +114,7 @@ def demo_tiny_lm() -> tuple[nn.Module, tuple[Any, ...]]:
     """:class:`TinyTransformerLM` on token ids ``(2, 16)``, with a vocabulary of words."""
     torch.manual_seed(0)
     model = TinyTransformerLM(vocab_size=len(VOCABULARY))
-    model.vocabulary = VOCABULARY  # read by the attention-map pictures for their axes
+    model.vocabulary = list(VOCABULARY)  # read by the attention-map pictures for their axes
     tokens = torch.randint(0, len(VOCABULARY), (2, 16))
     return model, (tokens,)
 

@@ -250,7 +250,8 @@ def test_routes_off_records_none_and_json_round_trips(tmp_path: Any) -> None:
     x = _weights(6)
     with qkvtrace.trace(model, routes=False) as t:
         _loss(model(x)).backward()
-    assert t.routes == [] and t.calls[0].backward_kernel is not None
+    assert t.routes == [] and t.calls[0].backward_kernel is None  # not even looked for
+    assert "routes=False" in t.calls[0].backward_reason
     with qkvtrace.trace(model) as t:
         _loss(model(x)).backward()
     path = t.save(tmp_path / "t.json")

@@ -90,6 +90,11 @@ def wants_maps(targets: list[Target]) -> bool:
     return any(t.maps is not None for t, _, _ in targets)
 
 
+def wants_backward(targets: list[Target]) -> bool:
+    """Whether any trace recording this call wants its backward side (kernel and routes)."""
+    return any(t.record_routes for t, _, _ in targets)
+
+
 def deliver(
     call: AttentionCall,
     targets: list[Target],
@@ -107,7 +112,8 @@ def deliver(
     call.thread = threading.current_thread().name
     call.rank, call.world_size = compat.distributed_rank()
     if core is None:
-        core = routes.Core(None, "the call raised" if call.error else "no autograd graph was observed for this call")
+        why = "the call raised" if call.error else "not recorded: the trace was opened with routes=False"
+        core = routes.Core(None, why)
     call.backward_kernel, call.backward_reason = core.kernel, core.reason
     if core.kernel is not None and not core.sources:
         call.route_reason = core.route_reason

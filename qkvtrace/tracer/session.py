@@ -76,7 +76,7 @@ class Trace:
             raise ValueError(f"threads must be 'entering' or 'all', got {threads!r}")
         self._model: nn.Module | None = model
         self.record_gradients = gradients
-        self.record_routes = gradients and routes
+        self.record_routes = routes
         self.record_refusals = refusals
         self.threads = threads
         #: what maps this trace computes and the memory they hold so far (``None``: no maps)
@@ -387,9 +387,11 @@ def trace(
     >>> t.calls[0].path, t.calls[0].why_not_fast_path   # doctest: +SKIP
 
     ``gradients``: record Q/K/V slice gradients after each backward pass.
-    ``routes``: with ``gradients``, also record per call the gradients that
-    reached its Q, K and V (``result.routes``), read by hooks on the call's
-    backward core.
+    ``routes``: record per call its backward kernel (``backward_kernel``) and,
+    after each backward pass, the gradients that reached its Q, K and V
+    (``result.routes``), read by hooks on the call's backward core. Finding
+    the core walks a few autograd nodes per call; ``routes=False`` saves that
+    on many small calls.
     ``refusals``: on CUDA, record PyTorch's reasons for refusing each faster
     SDPA backend (costs a few checks per SDPA call).
     ``threads``: ``"entering"`` (default) records calls of the thread that

@@ -18,7 +18,7 @@ import torch
 from qkvtrace import paths
 from qkvtrace.records import AttentionCall
 from qkvtrace.tracer import registry, routes
-from qkvtrace.tracer.build import deliver, modes, nan_count, shape
+from qkvtrace.tracer.build import deliver, modes, nan_count, shape, wants_backward
 from qkvtrace.tracer.observers.mha import arg
 
 __all__ = ["observe_flex"]
@@ -84,6 +84,6 @@ def observe_flex(original: Callable[..., Any], args: tuple[Any, ...], kwargs: di
             error=error,
             evidence=evidence,
         )
-        core = routes.find_core(result, (q, k, v)) if error is None else None
+        core = routes.find_core(result, (q, k, v)) if error is None and wants_backward(targets) else None
         deliver(call, targets, owner, projection, core)
     return out

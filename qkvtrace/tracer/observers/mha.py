@@ -40,6 +40,7 @@ from qkvtrace.tracer.build import (
     nan_count,
     nested_lengths,
     shape,
+    wants_backward,
     wants_maps,
 )
 
@@ -362,7 +363,7 @@ def _finish(ctx: OpenMHA, out: Any) -> None:
         evidence=ctx.evidence,
     )
     core = ctx.core
-    if core is None and ctx.error is None:
+    if core is None and ctx.error is None and wants_backward(ctx.targets):
         result = out[0] if isinstance(out, tuple) else out
         heads = getattr(module, "num_heads", None) or inputs.get("num_heads")
         given = (inputs.get("key_padding_mask") is None, inputs.get("attn_mask") is None, inputs.get("training"))

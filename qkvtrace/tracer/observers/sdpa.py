@@ -32,7 +32,7 @@ from torch import nn
 from qkvtrace import maps, masks, paths
 from qkvtrace.records import AttentionCall, QKVInfo, SliceInfo
 from qkvtrace.tracer import registry, routes
-from qkvtrace.tracer.build import Target, deliver, modes, nan_count, shape, wants_maps
+from qkvtrace.tracer.build import Target, deliver, modes, nan_count, shape, wants_backward, wants_maps
 from qkvtrace.tracer.install import redispatch_sdpa, relevant_overrides
 from qkvtrace.tracer.observers.mha import OpenMHA, arg
 
@@ -125,7 +125,7 @@ def observe_sdpa(original: Callable[..., Any], args: tuple[Any, ...], kwargs: di
         _deliver(call, owner, targets)
         raise
     _learn(a, backend, ops)
-    core = routes.sdpa_core(out, a.q, a.k, a.v, key=sig)
+    core = routes.sdpa_core(out, a.q, a.k, a.v, key=sig) if wants_backward(targets) else None
     record = _record(owner, targets, a, backend, ops, evidence, out, refusals)
     _deliver(record, owner, targets, core, a.map_source(targets))
     return out
@@ -149,7 +149,7 @@ def _kernel_of_mha(ctx: OpenMHA, original: Callable[..., Any], args: tuple[Any, 
     _learn(a, backend, ops)
     ctx.ops = list(ops) if ops is not None else None
     ctx.evidence = evidence
-    ctx.core = routes.sdpa_core(out, a.q, a.k, a.v, key=sig)
+    ctx.core = routes.sdpa_core(out, a.q, a.k, a.v, key=sig) if wants_backward(ctx.targets) else None
     return out
 
 
@@ -180,7 +180,7 @@ def _observe_override(
     backend = ctx.backend
     if backend is None and ops is not None:
         backend = _EVIDENCE.backend_of(a.q.device.type, ops)
-    core = routes.sdpa_core(out, a.q, a.k, a.v, key=sig)
+    core = routes.sdpa_core(out, a.q, a.k, a.v, key=sig) if wants_backward(targets) else None
     record = _record(owner, targets, a, backend, ops, evidence, out, ctx.refusals)
     _deliver(record, owner, targets, core, a.map_source(targets, override=_overrides(a.mask)))
     return out
