@@ -8,7 +8,14 @@ from typing import Any
 
 from rich.console import Console
 
-from qkvtrace.cli._common import add_budget_options, check_output_file, load_with_inputs
+from qkvtrace.cli._common import (
+    TARGET_HELP,
+    add_budget_options,
+    add_target_options,
+    check_output_file,
+    load_with_inputs,
+    progress,
+)
 from qkvtrace.errors import InputError, OutputError
 
 __all__ = ["register", "run"]
@@ -28,10 +35,11 @@ route usually carries most of it.
 
 The loss is next-token cross-entropy for a language model (token ids in,
 one score per vocabulary entry out), else <output, R> with a fixed random R
-(a plain sum would give zero gradient through a final LayerNorm). TARGET and
-its inputs work as in `qkvtrace trace`. Attention written by hand (a softmax
-of QK^T in the model's own module with q/k/v projections) is included.
+(a plain sum would give zero gradient through a final LayerNorm). Attention
+written by hand (a softmax of QK^T in the model's own module with q/k/v
+projections) is included.
 
+{TARGET_HELP}
 With --svg, a graphviz picture of the same numbers: one node per attention
 module, its backward kernel, the V route (solid blue) and the Q/K routes
 (dashed orange) down to the weight slices.
@@ -52,11 +60,11 @@ def register(sub: Any) -> None:
     p = sub.add_parser(
         "grads",
         help="one forward + backward: the gradient routes into Q, K, V and W_Q, W_K, W_V, drawn",
-        description=_HELP,
+        description=_HELP.replace("{TARGET_HELP}", TARGET_HELP),
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("target", metavar="TARGET", help="package.module:callable, file.py:callable or demo:NAME")
+    add_target_options(p)
     p.add_argument("--call", type=int, metavar="N", help="only call N (its index in `qkvtrace trace`)")
     p.add_argument("--svg", metavar="FILE", type=Path, help="draw the routes with graphviz into this SVG")
     p.add_argument("--json", metavar="FILE", type=Path, help="write the qkvtrace.grads/1 JSON here")
@@ -74,11 +82,13 @@ def run(args: argparse.Namespace, console: Console) -> int:
     for path, flag in ((args.svg, "--svg"), (args.json, "--json")):
         if path is not None:
             check_output_file(path, flag)
-    loaded = load_with_inputs(args.target, args.input_shape, args.max_tokens, args.max_attention_mb)
+    loaded = load_with_inputs(args.target, args.input_shape, args.max_tokens, args.max_attention_mb,
+                              random_init=args.random_init)  # fmt: skip
     model = loaded.model
     model.train(not args.eval)
     try:
-        result = measure(model, tuple(loaded.args), dict(loaded.kwargs), target=args.target)
+        with progress(f"running {args.target} forward and backward"):
+            result = measure(model, tuple(loaded.args), dict(loaded.kwargs), target=args.target)
     except NoBackward as exc:
         raise InputError(f"{args.target}: {exc}") from None
     except Exception as exc:

@@ -119,3 +119,21 @@ def test_cli_says_why_when_there_is_nothing_to_draw(tmp_path: Path) -> None:
     assert done.returncode == 2, done.stdout + done.stderr
     assert "no autograd graph" in done.stderr
     assert not svg.exists()
+
+
+def test_cli_library_model_by_name_with_separate_projections(tmp_path: Path) -> None:
+    """A Hugging Face BERT (q/k/v as separate Linear layers) by name, built from its config alone."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=64, attn_implementation="sdpa")  # fmt: skip
+    config.save_pretrained(tmp_path / "bert")
+    out_json = tmp_path / "g.json"
+    done = _cli("grads", f"hf:{tmp_path / 'bert'}", "--random-init", "--json", out_json, "--input-shape", "2,8")
+    assert done.returncode == 0, done.stderr
+    routes = json.loads(out_json.read_text())["routes"]
+    assert len(routes) == 2 and all(r["path"] == "sdpa" for r in routes)
+    for r in routes:
+        assert "ScaledDotProduct" in r["backward_kernel"] or "Softmax" in r["backward_kernel"]  # fused or MATH
+        params = {part: r["slices"][part]["param"] for part in "qkv"}
+        assert params["q"].endswith("query.weight") and params["v"].endswith("value.weight")
+        assert all(r[part]["norm"] > 0 for part in "qkv")
