@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from qkvtrace.records import AttentionCall, GradientRecord, TraceResult, atomic_write_text
+from qkvtrace.records import AttentionCall, GradientRecord, TraceResult, atomic_write_text, squared_shares
 
 PARTS_ORDER = ("q", "k", "v")
 
@@ -219,13 +219,8 @@ class _HandWritten:
         got: dict[str, Any] = {}
 
         def on_grad(part: str, layout: routes.Layout, grad: torch.Tensor) -> None:
-            with torch.no_grad():
-                per_head = routes.head_norms(grad, layout)
-                got[part] = {
-                    "norm": float(torch.linalg.vector_norm(grad.float())),
-                    "per_head": per_head.tolist() if per_head is not None else None,
-                    "share": None,
-                }
+            norm, per_head = routes.grad_norms(grad, layout)
+            got[part] = {"norm": float(norm), "per_head": per_head.tolist() if per_head is not None else None}
 
         routes.register(core, on_grad)
         self._seen.append((name, core.kernel, {"reason": core.reason or core.route_reason, "got": got,
@@ -236,10 +231,9 @@ class _HandWritten:
         for name, kernel, extra in self._seen:
             got = extra["got"]
             route = Route(None, name, HAND_WRITTEN, kernel, extra["reason"] if not got else None)
-            total = sum(v["norm"] ** 2 for v in got.values())
-            for part, value in got.items():
-                value["share"] = value["norm"] ** 2 / total if total > 0 else None
-                setattr(route, part, value)
+            parts = list(got)
+            for part, share in zip(parts, squared_shares([got[p]["norm"] for p in parts]), strict=True):
+                setattr(route, part, {**got[part], "share": share})
             route.slices = _real_slices(name, extra["module"], extra["projection"])
             out.append(route)
         return out
@@ -254,20 +248,10 @@ def _real_slices(name: str, module: nn.Module, projection: Any) -> dict[str, Sli
     for p in PARTS_ORDER:
         value: Any = parts[p].grad_norm
         norms[p] = float(value) if value is not None else None
-    total = sum(v * v for v in norms.values() if v is not None)
+    shares = dict(zip(PARTS_ORDER, squared_shares([norms[p] for p in PARTS_ORDER]), strict=True))
     out = {}
     for part, ps in projection.spec.parts():
         param = f"{name}.{ps.param}" if name else ps.param
         rows = list(ps.rows) if ps.rows is not None else None
-        n = norms[part]
-        out[part] = SliceGradient(param, rows, ps.dim, n, n * n / total if n is not None and total > 0 else None)
-    return out
-
-
-def routes_from_dict(data: dict[str, Any]) -> list[Route]:
-    """The routes of a ``qkvtrace.grads/1`` object."""
-    out = []
-    for r in data["routes"]:
-        slices = {p: SliceGradient(**s) for p, s in r.get("slices", {}).items()}
-        out.append(Route(**{**r, "slices": slices}))
+        out[part] = SliceGradient(param, rows, ps.dim, norms[part], shares[part])
     return out

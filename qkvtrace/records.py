@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ __all__ = [
     "TraceResult",
     "Unobserved",
     "atomic_write_text",
+    "squared_shares",
 ]
 
 TRACE_SCHEMA = "qkvtrace.trace/1"
@@ -405,6 +407,12 @@ class TraceResult:
 def _slice(data: dict[str, Any]) -> SliceInfo:
     known = {f.name for f in fields(SliceInfo)}
     return SliceInfo(**{k: v for k, v in data.items() if k in known})
+
+
+def squared_shares(norms: Sequence[float | None]) -> list[float | None]:
+    """Each norm's share of the sum of the squared norms (``None`` for a missing norm or a zero sum)."""
+    total = sum(n * n for n in norms if n is not None)
+    return [n * n / total if n is not None and total > 0 else None for n in norms]
 
 
 def atomic_write_text(path: Path, text: str) -> Path:

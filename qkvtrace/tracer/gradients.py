@@ -73,10 +73,7 @@ class GradientRecorder:
         def on_grad(part: str, layout: routes.Layout, grad: torch.Tensor) -> None:
             if not self._open:
                 return
-            with torch.no_grad():
-                heads = routes.head_norms(grad, layout)
-                norm = heads.square().sum().sqrt() if heads is not None else torch.linalg.vector_norm(grad.float())
-            self._pending_routes.setdefault(index, (module, {}))[1][part] = (norm, heads)
+            self._pending_routes.setdefault(index, (module, {}))[1][part] = routes.grad_norms(grad, layout)
             self._queue()
 
         routes.register(core, on_grad)

@@ -26,7 +26,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["Core", "Source", "find_core", "head_norms", "no_graph_reason", "register", "sdpa_core", "tensor_sources"]
+__all__ = [
+    "Core", "Source", "find_core", "grad_norms", "head_norms", "no_graph_reason", "register", "sdpa_core",
+    "tensor_sources",
+]  # fmt: skip
 
 #: a fused attention backward node (SDPA's flash / efficient / cuDNN / math-for-MPS kernels, FlexAttention)
 _FUSED = re.compile(r"ScaledDotProduct|Attention")
@@ -320,6 +323,14 @@ def head_norms(grad: torch.Tensor, layout: Layout) -> torch.Tensor | None:
         return None
     dims = [d for d in range(g.dim()) if d != g.dim() - 3]
     return g.float().square().sum(dim=dims).sqrt()
+
+
+def grad_norms(grad: torch.Tensor, layout: Layout) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The norm of a route's gradient and its norms per head (``None`` when heads cannot be read), on its device."""
+    with torch.no_grad():
+        heads = head_norms(grad, layout)
+        norm = heads.square().sum().sqrt() if heads is not None else torch.linalg.vector_norm(grad.detach().float())
+    return norm, heads
 
 
 def register(core: Core, on_grad: Callable[[str, Layout, torch.Tensor], None]) -> None:

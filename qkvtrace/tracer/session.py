@@ -22,7 +22,15 @@ import torch
 from torch import nn
 
 from qkvtrace import compat, lazy, maps, masks, paths
-from qkvtrace.records import AttentionCall, GradientRecord, MapTensors, RouteRecord, TraceResult, Unobserved
+from qkvtrace.records import (
+    AttentionCall,
+    GradientRecord,
+    MapTensors,
+    RouteRecord,
+    TraceResult,
+    Unobserved,
+    squared_shares,
+)
 from qkvtrace.slices import NormCache, Projection, find_projection
 from qkvtrace.tracer import registry
 from qkvtrace.tracer.gradients import GradientRecorder
@@ -333,13 +341,11 @@ def _user_names(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
 
 
 def _shares(parts: list[Any], norm: str, share: str) -> None:
-    """Each part's share of the parts' squared norms (once every norm is a number)."""
-    values = [getattr(p, norm) if p is not None else None for p in parts]
-    numbers = [v for v in values if isinstance(v, float)]
-    total = sum(v * v for v in numbers)
-    for p, v in zip(parts, values, strict=True):
-        if p is not None and isinstance(v, float) and getattr(p, share) is None:
-            setattr(p, share, v * v / total if total > 0 else None)
+    """Set each part's share of the parts' squared norms (once every norm is a number)."""
+    present = [p for p in parts if p is not None and isinstance(getattr(p, norm), float)]
+    for p, value in zip(present, squared_shares([getattr(p, norm) for p in present]), strict=True):
+        if getattr(p, share) is None:
+            setattr(p, share, value)
 
 
 def _related(a: str, b: str) -> bool:
