@@ -25,7 +25,8 @@ if TYPE_CHECKING:
     from qkvtrace.tracer.session import Trace
 
 __all__ = [
-    "Target", "deliver", "dtype_name", "frame_of", "modes", "nan_count", "nested_lengths", "shape", "wants_maps",
+    "Target", "deliver", "dtype_name", "frame_of", "modes", "nan_count", "nested_lengths", "shape", "wants_backward",
+    "wants_maps",
 ]  # fmt: skip
 
 #: an open trace that records a call, its name for the module, and the call's index in it

@@ -294,7 +294,7 @@ class Trace:
                 "parameter's .grad, so slice gradients are not read (null); fully_shard (FSDP2) is read whole"
             )
         for name, kind in regions:
-            inside = sum(1 for c in self._result.calls if not name or f"{c.module}.".startswith(f"{name}."))
+            inside = sum(1 for c in self._result.calls if _within(c.module, name))
             if inside:  # Dynamo ran them eagerly (some releases fall back on attention): real calls, recorded
                 self._result.warnings.append(
                     f"{name or '(root)'} runs through {kind}: {inside} attention call(s) inside it ran outside "
@@ -311,7 +311,7 @@ class Trace:
                 continue
             if any(_related(name, s) for s in seen_names):
                 continue
-            region = next((r for r in regions if r[0] == "" or name == r[0] or name.startswith(r[0] + ".")), None)
+            region = next((r for r in regions if _within(name, r[0])), None)
             if region is not None:
                 where = region[0] or "the model"
                 reason = f"inside {where}, which runs through {region[1]}; the tracer does not see inside it"
@@ -346,6 +346,11 @@ def _shares(parts: list[Any], norm: str, share: str) -> None:
     for p, value in zip(present, squared_shares([getattr(p, norm) for p in present]), strict=True):
         if getattr(p, share) is None:
             setattr(p, share, value)
+
+
+def _within(name: str, region: str) -> bool:
+    """Module ``name`` is the module ``region`` or inside it (``""``, the root, holds every module)."""
+    return not region or f"{name}.".startswith(f"{region}.")
 
 
 def _related(a: str, b: str) -> bool:
