@@ -116,12 +116,12 @@ class GradientRecorder:
         self._pending_routes = {}
         for mid in self._sharded:
             self._pending.setdefault(mid, {})
+        rank, world = compat.distributed_rank()
         with torch.no_grad():
             for mid, pass_norms in self._pending.items():
                 owner, projection = self._watched[mid]
                 name = self._name_of(owner) or ""
                 parts = grad_slices(projection, pass_norms)
-                rank, world = compat.distributed_rank()
                 self.records.append(
                     GradientRecord(
                         module=name, backward_index=self._backward_index, rank=rank, world_size=world, **parts
