@@ -137,3 +137,18 @@ def test_cli_library_model_by_name_with_separate_projections(tmp_path: Path) -> 
         params = {part: r["slices"][part]["param"] for part in "qkv"}
         assert params["q"].endswith("query.weight") and params["v"].endswith("value.weight")
         assert all(r[part]["norm"] > 0 for part in "qkv")
+
+
+def test_readme_grads_sample_is_what_grads_prints(tmp_path: Path) -> None:
+    if not torch.__version__.startswith("2.13.0"):  # the numbers and kernels differ by release
+        pytest.skip("the README's samples were printed by torch 2.13.0, the release its commands install")
+    command = "qkvtrace grads demo:tiny-lm --svg docs/grads-tiny-lm.svg"
+    lines = (ROOT / "README.md").read_text().splitlines()
+    start = lines.index(f"$ {command}") + 1
+    shown = lines[start : lines.index("```", start)]
+    done = _cli("grads", "demo:tiny-lm", "--svg", tmp_path / "g.svg")
+    assert done.returncode == 0, done.stderr
+    printed = done.stdout.splitlines()
+    assert shown[-1].startswith("wrote docs/grads-tiny-lm.svg")  # the last line names the SVG written ...
+    assert printed[: len(shown) - 1] == shown[:-1]  # ... every line before it is printed as shown
+    assert (tmp_path / "g.svg").read_text().lstrip().startswith("<")
