@@ -22,12 +22,14 @@ valid: a graph compiled inside one trace is reused inside the next.
 
 Why the identity of PyTorch's functions survives (DESIGN.md, principle 8):
 
-* ``__torch_function__`` overrides such as ``torch.nn.attention.bias.CausalBias``
-  take their path only ``if func is torch.nn.functional.scaled_dot_product_attention``.
-  The SDPA wrapper dispatches such overrides itself, with ``func`` set to
-  what ``F.scaled_dot_product_attention`` is at that moment, so the check
-  holds while a trace is open as it does without one -- in eager mode and
-  inside ``torch.compile``.
+* ``__torch_function__`` overrides receive PyTorch's own builtin as
+  ``func`` whichever name the caller used -- the wrapper dispatches them as
+  PyTorch's C++ entry does -- and the few that compare ``func`` with the
+  attribute at call time (``torch.nn.attention.bias.CausalBias``:
+  ``func is torch.nn.functional.scaled_dot_product_attention``) are handed
+  the attribute instead (:mod:`qkvtrace.tracer.identity`). Both checks hold
+  while a trace is open as they do without one, for callers that bound the
+  function by name before the trace too.
 * TorchScript compiles a Python function from its source and resolves names
   in the function's globals. A wrapper of a Python function is built with
   the globals of the function it wraps (its own state lives in its closure,
@@ -40,6 +42,16 @@ Why the identity of PyTorch's functions survives (DESIGN.md, principle 8):
   wrapper does nothing but call what it wrapped -- no host reads, no thread
   ids, no caches, no profiler ranges -- so the graphs are the same as
   without the trace.
+
+Why a trace never raises into a call: an observer reads a great deal
+(frames, masks, shapes, norms) around the one call it must make. Each
+wrapper runs its observer through :func:`observed`, which hands it the
+wrapped function as a callable that remembers how its one call ended. If
+the observer fails anywhere, the caller gets exactly what the call gave --
+its result, or its own exception -- (the call is made then if the observer
+failed before making it), the thread's open calls are put back as they were,
+and every open trace of the thread says in ``warnings`` what could not be
+read.
 """
 
 from __future__ import annotations
@@ -57,12 +69,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from qkvtrace import compat
+from qkvtrace.tracer import identity, registry
 
-__all__ = ["Installation", "installation", "relevant_overrides"]
+__all__ = ["Installation", "installation", "observed", "relevant_overrides"]
 
 Observer = Callable[[Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]
 
 _SDPA_TENSORS = ("query", "key", "value", "attn_mask")
+#: what ``F.scaled_dot_product_attention`` is without qkvtrace: overrides are handed this, as PyTorch's C++ does
+_SDPA_BUILTIN = F.scaled_dot_product_attention
+_SHIMS = identity.Shims()
 
 
 def relevant_overrides(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
@@ -73,28 +89,70 @@ def relevant_overrides(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[A
     return tuple(found)
 
 
-def _sdpa_api() -> Any:
-    return F.scaled_dot_product_attention
-
-
 def redispatch_sdpa(original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Call SDPA as PyTorch would: ``__torch_function__`` overrides first, with ``func`` = the public name."""
+    """Call SDPA as PyTorch would: ``__torch_function__`` overrides first, with ``func`` = PyTorch's builtin."""
     relevant = relevant_overrides(args, kwargs)
     if torch.overrides.has_torch_function(relevant):
-        return torch.overrides.handle_torch_function(_sdpa_api(), relevant, *args, **kwargs)
+        _SHIMS.meet(relevant)
+        return torch.overrides.handle_torch_function(_SDPA_BUILTIN, relevant, *args, **kwargs)
+    return original(*args, **kwargs)
+
+
+class _Once:
+    """The wrapped function, handed to an observer: it remembers how its call ended."""
+
+    __slots__ = ("error", "fn", "ran", "result")
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        self.ran = False
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.ran = True
+        try:
+            self.result = self.fn(*args, **kwargs)
+        except BaseException as exc:
+            self.error = exc
+            raise
+        return self.result
+
+
+def observed(
+    label: str, observe: Observer, original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """``observe(original, args, kwargs)``, with the caller getting what ``original`` gives if observing fails."""
+    once = _Once(original)
+    stack = registry.open_calls()
+    depth = len(stack)
+    try:
+        return observe(once, args, kwargs)
+    except Exception as exc:
+        if exc is once.error:
+            raise  # the call's own exception, on its way to the caller
+        failure = exc
+    del stack[depth:]
+    registry.report_failure(label, failure)
+    if once.error is not None:
+        raise once.error
+    if once.ran:
+        return once.result
     return original(*args, **kwargs)
 
 
 def _make_wrapper(
-    original: Callable[..., Any], observe: Observer, compiled: Callable[..., Any] | None
+    label: str, original: Callable[..., Any], observe: Observer, compiled: Callable[..., Any] | None
 ) -> Callable[..., Any]:
     """A wrapper of ``original`` that hands eager calls to ``observe``.
 
     The closure names start with ``_qkv_`` so that they never shadow a name
     in PyTorch's source when TorchScript resolves it (see the module docstring).
     """
+    _qkv_label = label
     _qkv_original = original
     _qkv_observe = observe
+    _qkv_observed = observed
     _qkv_compiled = compiled
     _qkv_is_compiling = compat.is_compiling
     _qkv_is_jit_tracing = compat.is_jit_tracing
@@ -104,7 +162,7 @@ def _make_wrapper(
             if _qkv_compiled is not None:
                 return _qkv_compiled(_qkv_original, args, kwargs)
             return _qkv_original(*args, **kwargs)
-        return _qkv_observe(_qkv_original, args, kwargs)
+        return _qkv_observed(_qkv_label, _qkv_observe, _qkv_original, args, kwargs)
 
     globs = getattr(original, "__globals__", None)
     if globs is None:
@@ -167,7 +225,8 @@ class Installation:
             if owner is None:
                 continue
             original = _current(owner, attr)
-            targets.append(_Target(label, owner, attr, aten, original, _make_wrapper(original, observe, compiled)))
+            wrapper = _make_wrapper(label, original, observe, compiled)
+            targets.append(_Target(label, owner, attr, aten, original, wrapper))
         return targets
 
     def originals(self) -> dict[str, Any]:
@@ -201,6 +260,7 @@ class Installation:
         elif not any(t.label == "flex_attention" for t in self._targets) and _flex_module() is not None:
             self._targets += [t for t in self._make_targets() if t.label == "flex_attention"]
         table = compat.torchscript_builtins()  # built now, while it still sees PyTorch's own functions
+        identity.fill_torch_caches()  # likewise PyTorch's cached tables of functions
         done: list[_Target] = []
         try:
             for t in self._targets:
@@ -210,7 +270,11 @@ class Installation:
                 done.append(t)
                 if t.aten is not None and table is not None:
                     table[id(t.wrapper)] = t.aten
+            # overrides that compare ``func`` with a wrapped builtin's attribute (wrapped Python functions
+            # hand overrides their own global, which is the wrapper while it is installed)
+            _SHIMS.install((t.owner, t.attr, t.original) for t in done if t.aten is not None)
         except BaseException:
+            _SHIMS.remove()
             for t in done:
                 self._restore(t, table)
             raise
@@ -224,6 +288,7 @@ class Installation:
     def _remove(self) -> None:
         table = compat.torchscript_builtins()
         assert self._targets is not None
+        _SHIMS.remove()
         for t in self._targets:
             self._restore(t, table)
         for globs, name, original, wrapper, _ in self._bound.values():

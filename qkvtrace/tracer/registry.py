@@ -21,7 +21,7 @@ from torch import nn
 if TYPE_CHECKING:
     from qkvtrace.tracer.session import Trace
 
-__all__ = ["covering", "is_active", "open_calls", "owner_module", "register", "unregister"]
+__all__ = ["covering", "is_active", "open_calls", "owner_module", "register", "report_failure", "unregister"]
 
 _lock = threading.Lock()
 #: the open traces; replaced, never mutated, so readers need no lock
@@ -80,3 +80,15 @@ def owner_module(frame: types.FrameType | None) -> tuple[nn.Module, list[tuple[T
                     return obj, targets
         frame = frame.f_back
     return None
+
+
+def report_failure(entry_point: str, error: BaseException) -> None:
+    """Tell every open trace of this thread that a call of ``entry_point`` could not be read, and why."""
+    ident = threading.get_ident()
+    text = (
+        f"a call of {entry_point} could not be recorded ({type(error).__name__}: {error}); "
+        "it ran and returned to its caller as it would without a trace"
+    )
+    for t in _traces:
+        if t.thread is None or t.thread == ident:
+            t.note(text)

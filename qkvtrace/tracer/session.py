@@ -105,6 +105,8 @@ class Trace:
         self._ended = False
         self._unresolved = False
         self._seen: set[int] = set()
+        self._noted: set[str] = set()
+        self._note_lock = threading.Lock()
 
     # -- public face -------------------------------------------------------
 
@@ -190,6 +192,13 @@ class Trace:
     def name_of(self, module: nn.Module) -> str | None:
         entry = self._names.get(id(module))
         return entry[0] if entry is not None and entry[1] is module else None
+
+    def note(self, warning: str) -> None:
+        """Add ``warning`` to ``result.warnings`` once (an observer could not read a call)."""
+        with self._note_lock:
+            if warning not in self._noted:
+                self._noted.add(warning)
+                self._result.warnings.append(warning)
 
     def take_index(self) -> int:
         return next(self._counter)

@@ -66,8 +66,8 @@ def arg(args: tuple[Any, ...], kwargs: dict[str, Any], names: tuple[str, ...], n
 class OpenMHA:
     """A multi-head attention call that has started and not yet ended (on this thread)."""
 
-    __slots__ = ("attn_mask", "backend", "canonical", "core", "error", "evidence", "inputs", "kpm", "local",
-                 "map_args", "module", "ops", "path", "projection", "query", "refusals", "targets")  # fmt: skip
+    __slots__ = ("attn_mask", "backend", "canonical", "core", "error", "evidence", "inputs", "kernel_rows", "kpm",
+                 "local", "map_args", "module", "ops", "path", "projection", "query", "refusals", "targets")  # fmt: skip
 
     def __init__(self, module: nn.Module, targets: list[Target]) -> None:
         self.module = module
@@ -91,6 +91,8 @@ class OpenMHA:
         self.core: routes.Core | None = None
         #: the bound arguments an attention map is computed from (only when a trace asked for maps)
         self.map_args: dict[str, Any] | None = None
+        #: fully-masked query rows of a fallback whose SDPA kernel was given no mask (PyTorch dropped it)
+        self.kernel_rows: Any = None
 
 
 def _innermost() -> OpenMHA | None:
@@ -338,7 +340,9 @@ def _finish(ctx: OpenMHA, out: Any) -> None:
             kpm_c, attn_c = local.get("key_padding_mask"), local.get("attn_mask")
         inputs["key_padding_mask"] = _mask_info(ctx.kpm, kpm_c)
         inputs["attn_mask"] = _mask_info(ctx.attn_mask, attn_c)
-        if isinstance(query, torch.Tensor) and not query.is_nested:
+        if ctx.kernel_rows is not None:  # PyTorch may drop a mask (is_causal without padding or weights)
+            rows = ctx.kernel_rows
+        elif isinstance(query, torch.Tensor) and not query.is_nested:
             rows = _fully_masked(ctx, query, kpm_c, attn_c)
     first = ctx.targets[0][0]
     projection = ctx.projection if ctx.projection is not None else first.projection(module)

@@ -36,7 +36,7 @@ from qkvtrace.tracer.build import Target, deliver, modes, nan_count, shape, want
 from qkvtrace.tracer.install import redispatch_sdpa, relevant_overrides
 from qkvtrace.tracer.observers.mha import OpenMHA, arg
 
-__all__ = ["OpenOverride", "observe_sdpa"]
+__all__ = ["OpenOverride", "fully_masked_rows", "observe_sdpa"]
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
 _EVIDENCE = paths.shared_evidence()
@@ -143,6 +143,8 @@ def _kernel_of_mha(ctx: OpenMHA, original: Callable[..., Any], args: tuple[Any, 
     backend = a.backend()
     ctx.backend = backend
     ctx.refusals = a.refusals(ctx.targets[0][0])
+    if a.mask is None:  # PyTorch dropped the masks it was given (is_causal, no padding mask, no weights)
+        ctx.kernel_rows = fully_masked_rows(a.q, a.k, None, a.is_causal)
     sig = ("sdpa", a.q.device.type, a.q.dtype, backend, None if a.mask is None else a.mask.dtype,
            a.is_causal, a.dropout_p > 0, a.grad(), a.q.is_nested)  # fmt: skip
     out, ops, evidence = _EVIDENCE.run(sig, original, *args, **kwargs)
@@ -216,15 +218,37 @@ def _override_mask(mask: Any, device: torch.device) -> dict[str, Any]:
     return info
 
 
+def fully_masked_rows(q: Any, k: Any, mask: Any, is_causal: bool) -> Any:
+    """Query rows whose keys are all blocked by what SDPA received (a 0-dim tensor), ``None`` for nested inputs."""
+    if q.is_nested:
+        return None
+    with torch.no_grad():
+        blocked = None
+        if isinstance(mask, torch.Tensor):
+            if mask.dtype == torch.bool:
+                blocked = ~mask if masks.sdpa_bool_true_means() == "attend" else mask
+            else:
+                blocked = masks.blocked_by_additive(mask)
+        if is_causal:
+            causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril().logical_not()
+            blocked = causal if blocked is None else (blocked | causal)
+        if blocked is None:
+            return 0
+        lead = q.shape[:-2]
+        b = int(lead[0]) if len(lead) >= 1 else 1
+        h = int(lead[1]) if len(lead) >= 2 else 1
+        while blocked.dim() < 4:
+            blocked = blocked.unsqueeze(0)
+        return masks.count_fully_masked((b, h, q.shape[-2]), None, blocked)
+
+
 def _record(
     owner: nn.Module, targets: list[Target], a: _Args, backend: str | None, ops: list[str] | None,
     evidence: str, out: Any, refusals: dict[str, list[str]] | None,
 ) -> AttentionCall:  # fmt: skip
     q, k, v, mask = a.q, a.k, a.v, a.mask
     mask_record: dict[str, Any] | None = None
-    rows: Any = 0
     with torch.no_grad():
-        blocked = None
         if isinstance(mask, torch.Tensor) and _overrides(mask):
             mask_record = _override_mask(mask, q.device)
         elif isinstance(mask, torch.Tensor):
@@ -235,18 +259,7 @@ def _record(
                 true_means = None
                 blocked = masks.blocked_by_additive(mask)
             mask_record = asdict(masks.mask_info(mask, blocked, true_means))
-        if a.is_causal and not q.is_nested:
-            length, s = q.shape[-2], k.shape[-2]
-            causal = torch.ones(length, s, dtype=torch.bool, device=q.device).tril().logical_not()
-            blocked = causal if blocked is None else (blocked | causal)
-        if blocked is not None and not q.is_nested:
-            lead = q.shape[:-2]
-            b = int(lead[0]) if len(lead) >= 1 else 1
-            h = int(lead[1]) if len(lead) >= 2 else 1
-            attn = blocked
-            while attn.dim() < 4:
-                attn = attn.unsqueeze(0)
-            rows = masks.count_fully_masked((b, h, q.shape[-2]), None, attn)
+        rows = fully_masked_rows(q, k, None if _overrides(mask) else mask, a.is_causal)
         first = targets[0][0]
         projection = first.projection(owner)
         base = first.norms.qkv(projection)
