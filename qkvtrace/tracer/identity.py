@@ -49,7 +49,7 @@ def fill_torch_caches() -> None:
         if callable(fill):
             try:
                 fill()
-            except Exception:  # noqa: S112 -- a table PyTorch cannot build is one it will not use either
+            except Exception:  # a table PyTorch cannot build is one it will not use either
                 continue
 
 

@@ -66,8 +66,9 @@ def arg(args: tuple[Any, ...], kwargs: dict[str, Any], names: tuple[str, ...], n
 class OpenMHA:
     """A multi-head attention call that has started and not yet ended (on this thread)."""
 
-    __slots__ = ("attn_mask", "backend", "canonical", "core", "error", "evidence", "inputs", "kernel_rows", "kpm",
-                 "local", "map_args", "module", "ops", "path", "projection", "query", "refusals", "targets")  # fmt: skip
+    __slots__ = ("attn_mask", "backend", "canonical", "core", "error", "evidence", "inputs", "kernel_rows",
+                 "kpm", "local", "map_args", "module", "ops", "path", "projection", "query", "refusals",
+                 "targets")  # fmt: skip
 
     def __init__(self, module: nn.Module, targets: list[Target]) -> None:
         self.module = module
