@@ -73,7 +73,7 @@ def _subclasses(root: type) -> Iterator[type]:
     while todo:
         cls = todo.pop()
         try:
-            subs = type.__subclasses__(cls)
+            subs: list[type] = type.__subclasses__(cls)
         except TypeError:
             continue
         for sub in subs:
