@@ -200,7 +200,7 @@ def sdpa_cases(draw: Any) -> tuple[nn.Module, Callable[[], Any]]:
     kind = draw(st.sampled_from(["none", "bool", "float", "causal_upper_left", "causal_lower_right"]))
     attn_mask: Any = None
     if kind in ("bool", "float"):
-        shape = tuple(draw(st.sampled_from([full, 1])) for full in (b, hq, lq)) + (s,)
+        shape = (*(draw(st.sampled_from([full, 1])) for full in (b, hq, lq)), s)
         if draw(st.sampled_from([False, False, False, True])):  # a shape that does not broadcast
             shape = (*shape[:-1], s + 1)
         shape = shape[draw(st.integers(0, 2)) :]  # fewer leading dimensions
