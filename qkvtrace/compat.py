@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -193,9 +194,14 @@ def torchscript_builtins() -> dict[int, str] | None:
 
 
 def compiled_module_types() -> tuple[type, ...]:
-    """Wrapper types ``torch.compile`` returns for a module (``OptimizedModule``)."""
+    """Wrapper types ``torch.compile`` returns for a module (``OptimizedModule``).
+
+    Read from ``sys.modules`` only: where Dynamo was never imported no module
+    can be compiled, and ``torch._dynamo`` is imported lazily -- asking for the
+    attribute would import it (about ten seconds on a first trace).
+    """
     found: list[type] = []
-    eval_frame = getattr(getattr(torch, "_dynamo", None), "eval_frame", None)
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
     optimized = getattr(eval_frame, "OptimizedModule", None)
     if isinstance(optimized, type):
         found.append(optimized)
