@@ -39,6 +39,8 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from qkvtrace.records import kernel_refusal
+
 if TYPE_CHECKING:
     from torch import nn
 
@@ -116,6 +118,9 @@ def _cell(call: Mapping[str, Any], column: str) -> str:
         if why is None:
             return "-" if call.get("path") in ("sdpa", "flex") else "(fast path taken)"
         return str(why)
+    if column == "why_not_kernel":  # PyTorch's words refusing a backend it ranks above the one it chose
+        found = kernel_refusal(call.get("sdpa_refusals"))
+        return "-" if found is None else f"{found[0]}: {found[1]}"
     if column in ("nan_count", "fully_masked_rows"):
         value = (call.get("output") or {}).get(column)
         return "?" if value is None else str(value)
@@ -209,7 +214,7 @@ def assert_backend(t: Any, backend: str | Iterable[str | None] | None) -> None:
     if bad:
         raise AssertionError(
             f"{len(bad)} of {_plural(len(calls), 'attention call')} ran another SDPA backend than {shown} "
-            "(backend none: no SDPA kernel ran):\n" + format_calls(bad)
+            "(backend none: no SDPA kernel ran):\n" + format_calls(bad, extra=("why_not_kernel",))
         )
 
 

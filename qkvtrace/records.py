@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -33,6 +33,7 @@ __all__ = [
     "TraceResult",
     "Unobserved",
     "atomic_write_text",
+    "kernel_refusal",
     "squared_shares",
 ]
 
@@ -106,6 +107,22 @@ class QKVInfo:
     reason: str | None = None
 
 
+def kernel_refusal(refusals: Mapping[str, Sequence[str]] | None) -> tuple[str, str] | None:
+    """``(backend, reason)``: the best-ranked backend PyTorch refused with a reason of its own, or ``None``.
+
+    ``refusals`` is a call's ``sdpa_refusals`` (in PyTorch's order of
+    preference). PyTorch's lines that only introduce the reasons ("... not
+    used because:") or abort ("RuntimeError: No available kernel ...") are
+    left out; a backend whose only words are such an error (one this device
+    does not have) is skipped.
+    """
+    for backend, words in (refusals or {}).items():
+        reasons = [w for w in words if not w.rstrip().endswith(":") and not w.startswith("RuntimeError: No ")]
+        if reasons:
+            return backend, " ".join(" ".join(w.split()) for w in reasons)
+    return None
+
+
 @dataclass(slots=True)
 class AttentionCall:
     """One execution of an attention operation observed during a trace."""
@@ -132,8 +149,13 @@ class AttentionCall:
     qkv: QKVInfo
     #: ``nan_count`` and ``fully_masked_rows`` of the result.
     output: dict[str, Any]
-    #: On CUDA, PyTorch's reasons for refusing each faster SDPA backend.
+    #: For each SDPA backend PyTorch ranks above the one it chose, its own words refusing
+    #: this call, verbatim (``[]``: it would have run it); ``{}`` when none ranks higher;
+    #: ``None`` when not asked (``sdpa_refusals_source`` says why).
     sdpa_refusals: dict[str, list[str]] | None = None
+    #: Where ``sdpa_refusals`` come from (the backend forced on a stand-in of the call,
+    #: and on CUDA also ``can_use_*(debug=True)``), or why they were not asked.
+    sdpa_refusals_source: str | None = None
     #: The exception the call raised (the trace records it; it still propagates).
     error: str | None = None
     #: Where ``aten_ops`` come from: ``"witnessed"`` (qkvtrace's profiler saw this

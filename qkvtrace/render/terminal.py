@@ -20,7 +20,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from qkvtrace.records import AttentionCall, GradientRecord, SliceGrad, TraceResult
+from qkvtrace.records import AttentionCall, GradientRecord, SliceGrad, TraceResult, kernel_refusal
 
 __all__ = [
     "COLUMNS",
@@ -170,6 +170,14 @@ def _why(call: AttentionCall) -> Text:
     return text
 
 
+def _kernel_why(call: AttentionCall) -> Text:
+    found = kernel_refusal(call.sdpa_refusals)
+    if found is None:
+        return Text("-", style="dim")
+    backend, reason = found
+    return Text.assemble((f"{backend}: ", "dim"), reason)
+
+
 def _path(path: str) -> Text:
     return Text(path, style=_PATH_STYLE.get(path, ""))
 
@@ -198,6 +206,9 @@ def trace_table(
     cols = [Col("#", justify="right"), Col("module"), Col("path"), Col("backend")]
     cols += [Col(COLUMNS[c], justify="left" if c in ("type", "ops") else "right") for c in extra]
     cols.append(Col("why not fast", "text"))
+    kernel_why = any(kernel_refusal(c.sdpa_refusals) for c in result.calls)
+    if kernel_why:  # PyTorch refused a backend it ranks above the one it chose, in its own words
+        cols.append(Col("why not a faster kernel", "text"))
     rows: list[list[str | Text]] = []
     for call in result.calls:
         cells: dict[str, str | Text] = {
@@ -207,7 +218,8 @@ def trace_table(
             "ops": "\n".join(call.aten_ops) if call.aten_ops else Text(call.evidence or "-", style="dim"),
         }
         rows.append([Text(f"#{call.index}", style="dim"), call.module or "(root)", _path(call.path),
-                     _backend(call.sdpa_backend), *(cells[c] for c in extra), _why(call)])  # fmt: skip
+                     _backend(call.sdpa_backend), *(cells[c] for c in extra), _why(call),
+                     *([_kernel_why(call)] if kernel_why else [])])  # fmt: skip
     return records_view(title, cols, rows, width=width, title_cols=2)
 
 

@@ -68,7 +68,7 @@ class OpenMHA:
 
     __slots__ = ("attn_mask", "backend", "canonical", "core", "error", "evidence", "inputs", "kernel_rows",
                  "kpm", "local", "map_args", "module", "ops", "path", "projection", "query", "refusals",
-                 "targets")  # fmt: skip
+                 "refusals_source", "targets")  # fmt: skip
 
     def __init__(self, module: nn.Module, targets: list[Target]) -> None:
         self.module = module
@@ -86,6 +86,7 @@ class OpenMHA:
         #: masks as PyTorch's ``_canonical_mask`` makes them, for direct calls
         self.canonical: bool = False
         self.refusals: dict[str, list[str]] | None = None
+        self.refusals_source: str | None = None
         self.error: str | None = None
         self.projection: Projection | str | None = None
         #: the backward side of the call, from its SDPA kernel's output when one ran
@@ -364,6 +365,7 @@ def _finish(ctx: OpenMHA, out: Any) -> None:
             "fully_masked_rows": rows,
         },
         sdpa_refusals=ctx.refusals,
+        sdpa_refusals_source=ctx.refusals_source,
         error=ctx.error,
         evidence=ctx.evidence,
     )

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from qkvtrace import maps, masks, paths
+from qkvtrace import maps, masks, paths, refusals
 from qkvtrace.records import AttentionCall, QKVInfo, SliceInfo
 from qkvtrace.tracer import registry, routes
 from qkvtrace.tracer.build import Target, deliver, modes, nan_count, shape, wants_backward, wants_maps
@@ -40,16 +40,19 @@ __all__ = ["OpenOverride", "fully_masked_rows", "observe_sdpa"]
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
 _EVIDENCE = paths.shared_evidence()
+_REFUSALS = refusals.shared_cache()
 
 
 class OpenOverride:
     """An SDPA call dispatched to a ``__torch_function__`` override, not yet ended."""
 
-    __slots__ = ("backend", "refusals")
+    __slots__ = ("backend", "owner_trace", "refusals")
 
-    def __init__(self) -> None:
+    def __init__(self, owner_trace: Any) -> None:
         self.backend: str | None = None
-        self.refusals: dict[str, list[str]] | None = None
+        #: the first trace that records the call (whose options say whether refusals are asked)
+        self.owner_trace = owner_trace
+        self.refusals: tuple[dict[str, list[str]] | None, str | None] = (None, None)
 
 
 def _overrides(value: Any) -> bool:
@@ -75,10 +78,22 @@ class _Args:
         return paths.sdpa_backend(self.q, self.k, self.v, self.mask, self.dropout_p, self.is_causal, self.scale,
                                   self.gqa)  # fmt: skip
 
-    def refusals(self, owner: Any) -> dict[str, list[str]] | None:
-        if self.q.device.type != "cuda" or not owner.record_refusals:
-            return None
-        return paths.sdpa_refusals(self.q, self.k, self.v, self.mask, self.dropout_p, self.is_causal, self.gqa)
+    def refusals(self, owner: Any, backend: str | None) -> tuple[dict[str, list[str]] | None, str | None]:
+        """PyTorch's words refusing each backend it ranks above ``backend`` for this call (and their source)."""
+        if not owner.record_refusals:
+            return None, None
+        return _REFUSALS.get(self.q, self.k, self.v, self.mask, self.dropout_p, self.is_causal, self.scale, self.gqa,
+                             backend)  # fmt: skip
+
+    def decisive(self) -> dict[str, Any]:
+        """The arguments, beyond shapes and masks, that decide the backend."""
+        q, k, v = self.q, self.k, self.v
+        return {
+            "scale": None if self.scale is None else float(self.scale),
+            "head_dim": None if q.is_nested else int(q.shape[-1]),
+            "requires_grad": [bool(t.requires_grad) for t in (q, k, v)],
+            "last_dim_contiguous": None if q.is_nested else [t.stride(-1) == 1 for t in (q, k, v)],
+        }
 
     def map_source(self, targets: list[Target], override: bool = False) -> maps.SDPASource | None:
         """The q/k/mask handed to the kernel, for the traces that asked for attention maps."""
@@ -104,6 +119,7 @@ def observe_sdpa(original: Callable[..., Any], args: tuple[Any, ...], kwargs: di
     if isinstance(enclosing, OpenOverride):  # made on behalf of an override that is being recorded
         a = _Args(args, kwargs)
         enclosing.backend = a.backend()
+        enclosing.refusals = a.refusals(enclosing.owner_trace, enclosing.backend)
         return original(*args, **kwargs)
     if isinstance(enclosing, OpenMHA):  # the kernel of a MultiheadAttention fallback
         return _kernel_of_mha(enclosing, original, args, kwargs)
@@ -114,19 +130,19 @@ def observe_sdpa(original: Callable[..., Any], args: tuple[Any, ...], kwargs: di
     targets = [(t, name, t.take_index()) for t, name in covering]
     a = _Args(args, kwargs)
     backend = a.backend()
-    refusals = a.refusals(targets[0][0])
+    refused = a.refusals(targets[0][0], backend)
     sig = ("sdpa", a.q.device.type, a.q.dtype, backend, None if a.mask is None else a.mask.dtype,
            a.is_causal, a.dropout_p > 0, a.grad(), a.q.is_nested)  # fmt: skip
     try:
         out, ops, evidence = _EVIDENCE.run(sig, original, *args, **kwargs)
     except BaseException as exc:  # record the refused call, then let the error go on unchanged
-        call = _record(owner, targets, a, backend, None, "unavailable: the call raised", None, refusals)
+        call = _record(owner, targets, a, backend, None, "unavailable: the call raised", None, refused)
         call.error = f"{type(exc).__name__}: {exc}"
         _deliver(call, owner, targets)
         raise
     _learn(a, backend, ops)
     core = routes.sdpa_core(out, a.q, a.k, a.v, key=sig) if wants_backward(targets) else None
-    record = _record(owner, targets, a, backend, ops, evidence, out, refusals)
+    record = _record(owner, targets, a, backend, ops, evidence, out, refused)
     _deliver(record, owner, targets, core, a.map_source(targets))
     return out
 
@@ -142,7 +158,9 @@ def _kernel_of_mha(ctx: OpenMHA, original: Callable[..., Any], args: tuple[Any, 
     a = _Args(args, kwargs)
     backend = a.backend()
     ctx.backend = backend
-    ctx.refusals = a.refusals(ctx.targets[0][0])
+    ctx.refusals, ctx.refusals_source = a.refusals(ctx.targets[0][0], backend)
+    ctx.inputs["dropout_p"] = a.dropout_p  # what the fallback handed its kernel
+    ctx.inputs.update(a.decisive())
     if a.mask is None:  # PyTorch dropped the masks it was given (is_causal, no padding mask, no weights)
         ctx.kernel_rows = fully_masked_rows(a.q, a.k, None, a.is_causal)
     sig = ("sdpa", a.q.device.type, a.q.dtype, backend, None if a.mask is None else a.mask.dtype,
@@ -165,7 +183,7 @@ def _observe_override(
     owner, covering = found
     targets = [(t, name, t.take_index()) for t, name in covering]
     a = _Args(args, kwargs)
-    ctx = OpenOverride()
+    ctx = OpenOverride(targets[0][0])
     stack = registry.open_calls()
     stack.append(ctx)
     sig = ("sdpa-override", type(a.mask).__name__, str(getattr(a.mask, "variant", None)), a.q.device.type,
@@ -174,7 +192,7 @@ def _observe_override(
         out, ops, evidence = _EVIDENCE.run(sig, redispatch_sdpa, original, args, kwargs)
     except BaseException as exc:
         _pop(stack, ctx)
-        call = _record(owner, targets, a, ctx.backend, None, "unavailable: the call raised", None, None)
+        call = _record(owner, targets, a, ctx.backend, None, "unavailable: the call raised", None, (None, None))
         call.error = f"{type(exc).__name__}: {exc}"
         _deliver(call, owner, targets)
         raise
@@ -244,7 +262,7 @@ def fully_masked_rows(q: Any, k: Any, mask: Any, is_causal: bool) -> Any:
 
 def _record(
     owner: nn.Module, targets: list[Target], a: _Args, backend: str | None, ops: list[str] | None,
-    evidence: str, out: Any, refusals: dict[str, list[str]] | None,
+    evidence: str, out: Any, refused: tuple[dict[str, list[str]] | None, str | None],
 ) -> AttentionCall:  # fmt: skip
     q, k, v, mask = a.q, a.k, a.v, a.mask
     mask_record: dict[str, Any] | None = None
@@ -288,10 +306,12 @@ def _record(
             "is_causal": a.is_causal,
             "dropout_p": a.dropout_p,
             "enable_gqa": a.gqa,
+            **a.decisive(),
             **modes(owner),
         },
         qkv=qkv,
         output={"nan_count": nan_count(out), "fully_masked_rows": rows},
-        sdpa_refusals=refusals,
+        sdpa_refusals=refused[0],
+        sdpa_refusals_source=refused[1],
         evidence=evidence,
     )

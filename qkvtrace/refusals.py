@@ -1,0 +1,224 @@
+"""Why not a faster SDPA backend: PyTorch's own words, asked on a stand-in of the call.
+
+PyTorch says why it refuses a backend only when that backend is forced: with
+``sdpa_kernel(FLASH_ATTENTION)`` a CPU call with dropout warns "Flash
+attention kernel not used because: ... Both fused kernels do not support
+non-zero dropout." and raises "No available kernel". So for each backend
+that PyTorch ranks above the one it chose (``torch._C._get_sdp_priority_order``),
+qkvtrace forces it on a *stand-in* of the call: tensors of zeros with the
+call's device, dtype, rank, head counts and head sizes, the same kind, dtype
+and broadcast pattern of mask, the same ``is_causal``, dropout, scale,
+``enable_gqa``, ``requires_grad``, grad mode and last-dimension contiguity,
+and sequence lengths of at most 8 that keep the query/key order. What PyTorch
+warned and raised are its reasons, verbatim (only the "Triggered internally
+at file:line" suffix is dropped). On CUDA the ``can_use_*(debug=True)`` checks
+are asked as well, where PyTorch has them.
+
+The stand-in never touches the user's tensors; it runs under a forked random
+state (dropout draws nothing from the user's generator), outside any
+``__torch_function__`` mode, and not at all while a profiler or a dispatch mode
+of the user's is active (they would see it). Each call signature is asked
+once per process. Stand-ins are built from shapes alone: no value is read
+back from the device.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import warnings
+from collections.abc import Hashable
+from typing import Any
+
+import torch
+
+from qkvtrace import compat, paths
+
+__all__ = ["SOURCE_CAN_USE", "SOURCE_FORCED", "better_backends", "priority_order", "refusals", "signature"]
+
+SOURCE_FORCED = "forced on a stand-in of the call (torch.nn.attention.sdpa_kernel)"
+SOURCE_CAN_USE = "torch.backends.cuda.can_use_*(debug=True)"
+
+#: the run-time switch of each backend (``torch.backends.cuda.<name>()``)
+_SWITCHES = {
+    "FLASH_ATTENTION": "flash_sdp_enabled",
+    "EFFICIENT_ATTENTION": "mem_efficient_sdp_enabled",
+    "CUDNN_ATTENTION": "cudnn_sdp_enabled",
+    "MATH": "math_sdp_enabled",
+}
+_TRIGGERED = re.compile(r"\s*\(Triggered internally at [^)]*\)\s*$")
+_MAX_LEN = 8
+
+
+def priority_order() -> list[str]:
+    """PyTorch's own order of preference among SDPA backends (``SDPBackend`` names)."""
+    order = getattr(torch._C, "_get_sdp_priority_order", None)
+    if order is None:
+        return []
+    names = [compat.sdp_backend_name(int(v)) for v in order()]
+    return [n for n in names if n is not None]
+
+
+def better_backends(chosen: str | None) -> list[str]:
+    """The backends PyTorch ranks above ``chosen`` (none where it has no order or chose none)."""
+    order = priority_order()
+    if chosen is None or chosen not in order:
+        return []
+    return order[: order.index(chosen)]
+
+
+def _lengths(lq: int, lk: int) -> tuple[int, int]:
+    a, b = min(lq, _MAX_LEN), min(lk, _MAX_LEN)
+    if lq < lk and a >= b:
+        a = b - 1 if b > 1 else 1
+        b = a + 1
+    elif lq > lk and a <= b:
+        b = a - 1 if a > 1 else 1
+        a = b + 1
+    elif lq == lk:
+        b = a
+    return a, b
+
+
+def _zeros(like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    if like.dim() and like.stride(-1) != 1:  # keep a last dimension that is not contiguous
+        t = torch.zeros((*shape, 2), dtype=like.dtype, device=like.device)[..., 0]
+    else:
+        t = torch.zeros(shape, dtype=like.dtype, device=like.device)
+    return t.requires_grad_(like.requires_grad and torch.is_grad_enabled() and like.is_floating_point())
+
+
+def _stand_in(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any) -> tuple[Any, ...]:
+    lq, lk = _lengths(int(q.shape[-2]), int(k.shape[-2]))
+    lead_q = tuple(min(int(n), 1) if i == 0 else int(n) for i, n in enumerate(q.shape[:-2]))
+    lead_k = tuple(min(int(n), 1) if i == 0 else int(n) for i, n in enumerate(k.shape[:-2]))
+    sq = _zeros(q, (*lead_q, lq, int(q.shape[-1])))
+    sk = _zeros(k, (*lead_k, lk, int(k.shape[-1])))
+    sv = _zeros(v, (*lead_k, lk, int(v.shape[-1])))
+    sm = None
+    if isinstance(mask, torch.Tensor):
+        full = (*lead_q, lq, lk)
+        dims = tuple(1 if int(n) == 1 else full[len(full) - mask.dim() + i] for i, n in enumerate(mask.shape))
+        sm = _zeros(mask, dims) if mask.dtype != torch.bool else torch.ones(dims, dtype=torch.bool, device=mask.device)
+    return sq, sk, sv, sm
+
+
+def signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, dropout_p: float, is_causal: bool,
+              scale: Any, gqa: bool, chosen: str | None) -> Hashable:  # fmt: skip
+    """What decides the answer: everything the stand-in keeps of the call."""
+    mask_key = None
+    if isinstance(mask, torch.Tensor):
+        mask_key = (mask.dtype, tuple(int(n) == 1 for n in mask.shape), mask.stride(-1) == 1 if mask.dim() else True)
+    lq, lk = int(q.shape[-2]), int(k.shape[-2])
+    return (q.device.type, q.device.index, q.dtype, k.dtype, v.dtype, chosen, paths.sdp_flags(), q.dim(),
+            tuple(q.shape[1:-2]), tuple(k.shape[1:-2]), int(q.shape[-1]), int(k.shape[-1]), int(v.shape[-1]), (lq > lk) - (lq < lk),
+            mask_key, is_causal, dropout_p > 0, scale is not None, gqa, torch.is_grad_enabled(),
+            tuple(t.requires_grad for t in (q, k, v)), tuple(t.stride(-1) == 1 for t in (q, k, v)))  # fmt: skip
+
+
+def _words(caught: list[warnings.WarningMessage], error: BaseException | None) -> list[str]:
+    out = [_TRIGGERED.sub("", str(w.message)).strip() for w in caught]
+    if error is not None:
+        out.append(_TRIGGERED.sub("", f"{type(error).__name__}: {error}").strip())
+    return [w for w in out if w]
+
+
+def _switched_off(backend: str) -> list[str] | None:
+    """The switch that turns ``backend`` off at run time, where it is off (forcing it would turn it on)."""
+    name = _SWITCHES.get(backend)
+    switch = getattr(torch.backends.cuda, name, None) if name else None
+    if callable(switch) and switch() is False:
+        return [f"torch.backends.cuda.{name}() is False: the backend is switched off"]
+    return None
+
+
+def _force(backend: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:
+    """PyTorch's words when ``backend`` alone may run these arguments ([] when it runs them)."""
+    off = _switched_off(backend)
+    if off is not None:
+        return off
+    sdpa = compat.raw_sdpa()
+    error: BaseException | None = None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            with compat.forced_backend(backend), torch._C.DisableTorchFunction():
+                sdpa(*args, **kwargs)
+        except (RuntimeError, ValueError, TypeError, NotImplementedError) as exc:
+            error = exc
+    return _words(list(caught), error) if error is not None else []
+
+
+def _disturbs_the_user() -> str | None:
+    """Why a stand-in call would be seen by something of the user's, or ``None``."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        return "not asked: a profiler is active (it would record the stand-in call)"
+    if torch._C._len_torch_dispatch_stack() > 0:
+        return "not asked: a TorchDispatchMode is active (it would see the stand-in call)"
+    return None
+
+
+def refusals(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, dropout_p: float, is_causal: bool,
+             scale: Any, gqa: bool, chosen: str | None) -> tuple[dict[str, list[str]] | None, str]:  # fmt: skip
+    """For each backend PyTorch ranks above ``chosen``: its words refusing this call ([] = it would run).
+
+    Returns ``(refusals, source)``; ``refusals`` is ``None`` where nothing was
+    asked, and ``source`` then says why.
+    """
+    if any(t.is_nested for t in (q, k, v)):
+        return None, "not asked: nested inputs (no stand-in is built for them)"
+    if q.device.type not in ("cpu", "cuda"):
+        return None, f"not asked: no stand-in is built on {q.device.type}"
+    why_not = _disturbs_the_user()
+    if why_not is not None:
+        return None, why_not
+    better = better_backends(chosen)
+    if not better:
+        return {}, SOURCE_FORCED
+    sq, sk, sv, sm = _stand_in(q, k, v, mask)
+    kwargs: dict[str, Any] = {"attn_mask": sm, "dropout_p": dropout_p, "is_causal": is_causal}
+    if scale is not None:
+        kwargs["scale"] = scale
+    if gqa:
+        kwargs["enable_gqa"] = True
+    out: dict[str, list[str]] = {}
+    devices = [q.device] if q.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        for backend in better:
+            out[backend] = _force(backend, (sq, sk, sv), kwargs)
+    source = SOURCE_FORCED
+    if q.device.type == "cuda":
+        checked = paths.sdpa_refusals(sq, sk, sv, sm, dropout_p, is_causal, gqa)
+        if checked:
+            for backend, words in checked.items():
+                if backend in out:
+                    out[backend] += [w for w in words if w not in out[backend]]
+            source = f"{SOURCE_FORCED}; {SOURCE_CAN_USE}"
+    return out, source
+
+
+class RefusalCache:
+    """Answers by call signature, asked once per process (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._known: dict[Hashable, tuple[dict[str, list[str]] | None, str]] = {}
+
+    def get(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, dropout_p: float, is_causal: bool,
+            scale: Any, gqa: bool, chosen: str | None) -> tuple[dict[str, list[str]] | None, str]:  # fmt: skip
+        key = signature(q, k, v, mask, dropout_p, is_causal, scale, gqa, chosen)
+        found = self._known.get(key)
+        if found is None:
+            found = refusals(q, k, v, mask, dropout_p, is_causal, scale, gqa, chosen)
+            if found[0] is not None:  # "not asked" answers depend on the moment, not the signature
+                with self._lock:
+                    self._known[key] = found
+        return {b: list(w) for b, w in found[0].items()} if found[0] is not None else None, found[1]
+
+
+_CACHE = RefusalCache()
+
+
+def shared_cache() -> RefusalCache:
+    """The process's one cache of answers."""
+    return _CACHE
