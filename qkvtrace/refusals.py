@@ -111,8 +111,8 @@ def signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, drop
         mask_key = (mask.dtype, tuple(int(n) == 1 for n in mask.shape), mask.stride(-1) == 1 if mask.dim() else True)
     lq, lk = int(q.shape[-2]), int(k.shape[-2])
     return (q.device.type, q.device.index, q.dtype, k.dtype, v.dtype, chosen, paths.sdp_flags(), q.dim(),
-            tuple(q.shape[1:-2]), tuple(k.shape[1:-2]), int(q.shape[-1]), int(k.shape[-1]), int(v.shape[-1]), (lq > lk) - (lq < lk),
-            mask_key, is_causal, dropout_p > 0, scale is not None, gqa, torch.is_grad_enabled(),
+            tuple(q.shape[1:-2]), tuple(k.shape[1:-2]), int(q.shape[-1]), int(k.shape[-1]), int(v.shape[-1]),
+            (lq > lk) - (lq < lk), mask_key, is_causal, dropout_p > 0, scale is not None, gqa, torch.is_grad_enabled(),
             tuple(t.requires_grad for t in (q, k, v)), tuple(t.stride(-1) == 1 for t in (q, k, v)))  # fmt: skip
 
 
