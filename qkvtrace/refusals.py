@@ -6,10 +6,12 @@ attention kernel not used because: ... Both fused kernels do not support
 non-zero dropout." and raises "No available kernel". So for each backend
 that PyTorch ranks above the one it chose (``torch._C._get_sdp_priority_order``),
 qkvtrace forces it on a *stand-in* of the call: tensors of zeros with the
-call's device, dtype, rank, head counts and head sizes, the same kind, dtype
-and broadcast pattern of mask, the same ``is_causal``, dropout, scale,
-``enable_gqa``, ``requires_grad``, grad mode and last-dimension contiguity,
-and sequence lengths of at most 8 that keep the query/key order. What PyTorch
+call's device, dtype, rank, batch size, head counts and head sizes, the same
+kind, dtype and broadcast pattern of mask, the same ``is_causal``, dropout,
+scale, ``enable_gqa``, ``requires_grad``, grad mode and last-dimension stride,
+and the call's sequence lengths up to 128 (longer ones are cut to 128,
+keeping the query/key order: sizes PyTorch quotes are then the stand-in's).
+A backend PyTorch refuses is refused before it computes anything. What PyTorch
 warned and raised are its reasons, verbatim (only the "Triggered internally
 at file:line" suffix is dropped). On CUDA the ``can_use_*(debug=True)`` checks
 are asked as well, where PyTorch has them.
@@ -47,7 +49,7 @@ _SWITCHES = {
     "MATH": "math_sdp_enabled",
 }
 _TRIGGERED = re.compile(r"\s*\(Triggered internally at [^)]*\)\s*$")
-_MAX_LEN = 8
+_MAX_LEN = 128
 
 
 def priority_order() -> list[str]:
@@ -81,8 +83,9 @@ def _lengths(lq: int, lk: int) -> tuple[int, int]:
 
 
 def _zeros(like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    if like.dim() and like.stride(-1) != 1:  # keep a last dimension that is not contiguous
-        t = torch.zeros((*shape, 2), dtype=like.dtype, device=like.device)[..., 0]
+    step = int(like.stride(-1)) if like.dim() else 1
+    if step != 1:  # the same stride of the last dimension (PyTorch's words quote it)
+        t = torch.zeros((*shape, max(step, 2)), dtype=like.dtype, device=like.device)[..., 0]
     else:
         t = torch.zeros(shape, dtype=like.dtype, device=like.device)
     return t.requires_grad_(like.requires_grad and torch.is_grad_enabled() and like.is_floating_point())
@@ -90,8 +93,8 @@ def _zeros(like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
 
 def _stand_in(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any) -> tuple[Any, ...]:
     lq, lk = _lengths(int(q.shape[-2]), int(k.shape[-2]))
-    lead_q = tuple(min(int(n), 1) if i == 0 else int(n) for i, n in enumerate(q.shape[:-2]))
-    lead_k = tuple(min(int(n), 1) if i == 0 else int(n) for i, n in enumerate(k.shape[:-2]))
+    lead_q = tuple(int(n) for n in q.shape[:-2])
+    lead_k = tuple(int(n) for n in k.shape[:-2])
     sq = _zeros(q, (*lead_q, lq, int(q.shape[-1])))
     sk = _zeros(k, (*lead_k, lk, int(k.shape[-1])))
     sv = _zeros(v, (*lead_k, lk, int(v.shape[-1])))

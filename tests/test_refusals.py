@@ -1,0 +1,230 @@
+"""Why not a faster kernel: PyTorch's own words for each backend it ranks above the one it chose.
+
+Witness for every reason: the warning PyTorch itself prints when the test
+forces that backend (``torch.nn.attention.sdpa_kernel``) on the very tensors
+of the call, untraced; the chosen backend is ``torch._fused_sdp_choice`` on
+the same tensors, and "ranks above" is PyTorch's ``_get_sdp_priority_order``.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import textwrap
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import qkvtrace
+from qkvtrace.pytest_plugin import assert_backend
+
+sdpa_kernel = pytest.importorskip("torch.nn.attention").sdpa_kernel
+SDPBackend = pytest.importorskip("torch.nn.attention").SDPBackend
+if not hasattr(torch._C, "_get_sdp_priority_order"):
+    pytest.skip("this PyTorch does not expose its SDPA priority order", allow_module_level=True)
+
+
+def _pytorch_reasons(backend: str, *args: Any, **kwargs: Any) -> list[str]:
+    """What PyTorch warns when ``backend`` is forced on these tensors (the witness), location suffixes cut."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(RuntimeError), sdpa_kernel(getattr(SDPBackend, backend)):
+            torch._C._nn.scaled_dot_product_attention(*args, **kwargs)
+    lines = [re.sub(r"\s*\(Triggered internally at .*\)\s*$", "", str(w.message)).strip() for w in caught]
+    return [line for line in lines if line and not line.endswith("because:")]
+
+
+def _chosen(*args: Any, **kwargs: Any) -> str:
+    value = torch._fused_sdp_choice(*args, **kwargs)
+    return {int(b): n for n, b in SDPBackend.__members__.items()}[int(value)]
+
+
+def _ranked_above(chosen: str) -> list[str]:
+    names = {int(b): n for n, b in SDPBackend.__members__.items()}
+    order = [names[int(v)] for v in torch._C._get_sdp_priority_order()]
+    return order[: order.index(chosen)]
+
+
+class Direct(nn.Module):
+    def __init__(self, make: Callable[[], tuple[Any, ...]], **kwargs: Any) -> None:
+        super().__init__()
+        self.make = make
+        self.kwargs = kwargs
+
+    def forward(self) -> torch.Tensor:
+        return F.scaled_dot_product_attention(*self.make(), **self.kwargs)
+
+
+def _qkv(q_shape: tuple[int, ...] = (2, 4, 8, 16), v_dim: int = 16, kv_heads: int = 4) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(0)
+    b, n, d = q_shape[0], q_shape[-2], q_shape[-1]
+    q = torch.randn(q_shape, generator=g)
+    k = torch.randn(b, kv_heads, n, d, generator=g)
+    v = torch.randn(b, kv_heads, n, v_dim, generator=g)
+    if len(q_shape) == 3:
+        k, v = k[0], v[0]
+    return q, k, v
+
+
+CASES: dict[str, tuple[Callable[[], tuple[Any, ...]], dict[str, Any]]] = {
+    "dropout": (lambda: _qkv(), {"dropout_p": 0.3}),
+    "three_dimensional": (lambda: _qkv((4, 8, 16)), {}),
+    "value_head_size": (lambda: _qkv(v_dim=8), {}),
+    "last_dim_stride": (lambda: tuple(t.transpose(-1, -2).contiguous().transpose(-1, -2) for t in _qkv()), {}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_cpu_refusal_is_pytorchs_own_warning(case: str) -> None:
+    """Each refusal PyTorch's CPU selection gives here, read from a traced direct SDPA call."""
+    make, kwargs = CASES[case]
+    args = make()
+    chosen = _chosen(*args, kwargs.get("attn_mask"), kwargs.get("dropout_p", 0.0), False)
+    assert chosen == "MATH"  # the premise: PyTorch fell back
+    expected = _pytorch_reasons("FLASH_ATTENTION", *args, **kwargs)
+    assert expected, "PyTorch gave no reason when forced (the witness is empty)"
+    model = Direct(make, **kwargs)
+    torch.manual_seed(0)
+    plain = model()
+    with qkvtrace.trace(model) as t:
+        torch.manual_seed(0)
+        traced = model()
+    assert torch.equal(plain, traced)
+    [call] = t.calls
+    assert call.sdpa_backend == chosen
+    assert list(call.sdpa_refusals) == _ranked_above(chosen)
+    got = call.sdpa_refusals["FLASH_ATTENTION"]
+    for line in expected:
+        assert line in got
+    assert call.sdpa_refusals_source is not None and "stand-in" in call.sdpa_refusals_source
+
+
+def test_multihead_attention_in_training_says_dropout() -> None:
+    """The fallback of a training MHA with dropout: PyTorch's words when FLASH is forced on what SDPA got.
+
+    Witness: forcing FLASH on tensors of the kernel's shapes (batch, heads,
+    length, head size) with the module's dropout; the untraced output and
+    random state (the stand-in draws nothing from the user's generator).
+    """
+    mha = nn.MultiheadAttention(16, 4, dropout=0.2, batch_first=True)
+    x = torch.randn(2, 5, 16)
+    torch.manual_seed(7)
+    plain = mha(x, x, x, need_weights=False)[0]
+    plain_rng = torch.get_rng_state()
+    with qkvtrace.trace(mha) as t:
+        torch.manual_seed(7)
+        traced = mha(x, x, x, need_weights=False)[0]
+        traced_rng = torch.get_rng_state()
+    assert torch.equal(plain, traced) and torch.equal(plain_rng, traced_rng)
+    q = torch.zeros(2, 4, 5, 4, requires_grad=True)
+    expected = _pytorch_reasons("FLASH_ATTENTION", q, q, q, dropout_p=0.2)
+    [call] = t.calls
+    assert call.path == "fallback" and call.sdpa_backend == "MATH"
+    assert call.inputs["dropout_p"] == pytest.approx(0.2)
+    for line in expected:
+        assert line in call.sdpa_refusals["FLASH_ATTENTION"]
+
+
+def test_no_refusal_when_pytorch_chose_its_first_choice() -> None:
+    """Eval, no dropout: PyTorch's first-ranked backend ran (witness: _fused_sdp_choice), nothing to explain."""
+    q, k, v = _qkv()
+    chosen = _chosen(q, k, v)
+    assert _ranked_above(chosen) == []
+    model = Direct(lambda: (q, k, v))
+    with qkvtrace.trace(model) as t:
+        model()
+    assert t.calls[0].sdpa_refusals == {}
+
+
+def test_a_backend_switched_off_says_so() -> None:
+    """``torch.backends.cuda.enable_flash_sdp(False)``: PyTorch then picks MATH (its own choice is the witness)."""
+    q, k, v = _qkv()
+    model = Direct(lambda: (q, k, v))
+    torch.backends.cuda.enable_flash_sdp(False)
+    try:
+        chosen = _chosen(q, k, v)
+        with qkvtrace.trace(model) as t:
+            model()
+    finally:
+        torch.backends.cuda.enable_flash_sdp(True)
+    assert chosen == "MATH" and t.calls[0].sdpa_backend == "MATH"
+    assert t.calls[0].sdpa_refusals["FLASH_ATTENTION"] == [
+        "torch.backends.cuda.flash_sdp_enabled() is False: the backend is switched off"
+    ]
+
+
+def test_not_asked_inside_a_users_profiler() -> None:
+    """A user's profiler must not see the stand-in: its recorded ops are those of the untraced run (witness)."""
+    q, k, v = _qkv((3, 2, 7, 12), v_dim=12, kv_heads=2)  # a signature no other test asks about
+    model = Direct(lambda: (q, k, v), dropout_p=0.3)
+
+    def ops(trace: bool) -> list[str]:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            torch.manual_seed(0)
+            if trace:
+                with qkvtrace.trace(model) as t:
+                    model()
+                assert t.calls[0].sdpa_refusals is None
+                assert "profiler" in (t.calls[0].sdpa_refusals_source or "")
+            else:
+                model()
+        return sorted(e.name for e in prof.events() if "attention" in e.name)
+
+    assert ops(trace=True) == ops(trace=False)
+
+
+def test_trace_command_shows_why_not_a_faster_kernel(tmp_path: Path) -> None:
+    """The terminal table: the reason column holds PyTorch's dropout warning (witness: forcing FLASH here)."""
+    src = tmp_path / "drop.py"
+    src.write_text(
+        textwrap.dedent(
+            """
+            import torch, torch.nn.functional as F
+            from torch import nn
+
+            class Drop(nn.Module):
+                def __init__(self):
+                    super().__init__()
+                    self.qkv = nn.Linear(16, 48)
+
+                def forward(self, x):
+                    q, k, v = (t.reshape(2, -1, 4, 4).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+                    return F.scaled_dot_product_attention(q, k, v, dropout_p=0.1 if self.training else 0.0)
+
+            def build():
+                return Drop(), (torch.randn(2, 5, 16),)
+            """
+        )
+    )
+    out = subprocess.run([sys.executable, "-m", "qkvtrace", "trace", f"{src}:build", "--train"],
+                         capture_output=True, text=True, env={"COLUMNS": "250", **_env()})  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    q = torch.zeros(2, 4, 5, 4, requires_grad=True)
+    [reason] = _pytorch_reasons("FLASH_ATTENTION", q, q, q, dropout_p=0.1)
+    assert "why not a faster kernel" in out.stdout
+    assert reason in " ".join(out.stdout.split())
+
+
+def _env() -> dict[str, str]:
+    import os
+
+    return {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+
+
+def test_assert_backend_failure_says_why() -> None:
+    """``assert_backend("FLASH_ATTENTION")`` on a MATH call: the message carries PyTorch's reason (witness: forcing)."""
+    q, k, v = _qkv()
+    model = Direct(lambda: (q, k, v), dropout_p=0.3)
+    with qkvtrace.trace(model) as t:
+        model()
+    [reason] = _pytorch_reasons("FLASH_ATTENTION", q, k, v, dropout_p=0.3)
+    with pytest.raises(AssertionError) as failed:
+        assert_backend(t, "FLASH_ATTENTION")
+    assert reason in " ".join(str(failed.value).split())
