@@ -80,13 +80,19 @@ def _edges(a: dict[str, Any], b: dict[str, Any]) -> dict[str, list[dict[str, str
     }
 
 
-def _scenario_view(s: dict[str, Any]) -> Any:
+_SCENARIO_KEYS = ("module", "path", "sdpa_backend", "why_not_fast_path", "why_not_fused_layer")
+
+
+def _scenario_view(s: dict[str, Any], refusals: bool = False) -> Any:
     if s.get("error"):
         return {"error": s["error"]}
-    return [
-        {k: c.get(k) for k in ("module", "path", "sdpa_backend", "why_not_fast_path", "why_not_fused_layer")}
-        for c in s["calls"]
-    ]
+    keys = (*_SCENARIO_KEYS, "sdpa_refusals") if refusals else _SCENARIO_KEYS
+    return [{k: c.get(k) for k in keys} for c in s["calls"]]
+
+
+def _asks_refusals(probes: dict[str, Any]) -> bool:
+    """Reports made before refusals were recorded on every device have no ``sdpa_refusals`` key."""
+    return any("sdpa_refusals" in c for s in probes.get("scenarios", []) for c in s.get("calls") or [])
 
 
 def _agreement_moved(x: float | None, y: float | None) -> bool:
@@ -104,9 +110,10 @@ def _probes(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, Any]]:
 
     sa = {s["name"]: s for s in pa.get("scenarios", [])}
     sb = {s["name"]: s for s in pb.get("scenarios", [])}
+    refusals = _asks_refusals(pa) and _asks_refusals(pb)  # compared only where both reports asked
     for name in sorted(sa.keys() | sb.keys()):
-        was = _scenario_view(sa[name]) if name in sa else None
-        became = _scenario_view(sb[name]) if name in sb else None
+        was = _scenario_view(sa[name], refusals) if name in sa else None
+        became = _scenario_view(sb[name], refusals) if name in sb else None
         if was != became:
             changed.append({"kind": "scenario", "key": name, "was": was, "became": became})
 

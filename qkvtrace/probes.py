@@ -43,16 +43,17 @@ class Scenario:
 class DirectSDPA(nn.Module):
     """A block that calls ``F.scaled_dot_product_attention`` itself (HF style)."""
 
-    def __init__(self, d_model: int = 32, heads: int = 4, causal: bool = False) -> None:
+    def __init__(self, d_model: int = 32, heads: int = 4, causal: bool = False, dropout: float = 0.0) -> None:
         super().__init__()
-        self.heads, self.causal = heads, causal
+        self.heads, self.causal, self.dropout = heads, causal, dropout
         self.qkv = nn.Linear(d_model, 3 * d_model)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         b, t, d = x.shape
         # [B,T,3D] -> [3,B,H,T,Dh]
         q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.causal)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.causal,
+                                           dropout_p=self.dropout if self.training else 0.0)
         return y.transpose(1, 2).reshape(b, t, d)
 
 
@@ -160,17 +161,17 @@ def _encoder(train: bool, padded: bool) -> Callable[[], tuple[nn.Module, Callabl
 
 
 def _sdpa(
-    backend: str | None, causal: bool = False, masked: bool = False
+    backend: str | None, causal: bool = False, masked: bool = False, dropout: float = 0.0
 ) -> Callable[[], tuple[nn.Module, Callable[[nn.Module], Any]]]:
     def build() -> tuple[nn.Module, Callable[[nn.Module], Any]]:
         torch.manual_seed(0)
-        block = DirectSDPA(causal=causal)
+        block = DirectSDPA(causal=causal, dropout=dropout)
 
         def run(model: nn.Module) -> Any:
-            model.eval()
+            model.train(dropout > 0)
             x = _x(2, 6, 32)
             mask = torch.ones(6, 6, dtype=torch.bool).tril() if masked else None
-            with torch.no_grad(), compat.forced_backend(backend):
+            with torch.set_grad_enabled(dropout > 0), compat.forced_backend(backend):
                 return model(x, mask)
 
         return block, run
@@ -242,6 +243,7 @@ def _scenarios() -> list[Scenario]:
         Scenario("sdpa_default", "direct F.scaled_dot_product_attention, default choice", _sdpa(None)),
         Scenario("sdpa_causal", "direct SDPA, is_causal=True", _sdpa(None, causal=True)),
         Scenario("sdpa_bool_mask", "direct SDPA, bool attn_mask", _sdpa(None, masked=True)),
+        Scenario("sdpa_dropout", "direct SDPA, training with dropout_p=0.1", _sdpa(None, dropout=0.1)),
     ]
     for name in compat.sdp_backend_names().values():
         if name != "ERROR":
@@ -303,6 +305,7 @@ def _call_summary(call: Any) -> dict[str, Any]:
         "why_not_fast_path": call.why_not_fast_path,
         "why_not_fused_layer": call.why_not_fused_layer,
         "sdpa_backend": call.sdpa_backend,
+        "sdpa_refusals": call.sdpa_refusals,
         "aten_ops": list(call.aten_ops),
     }
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from qkvtrace.records import kernel_refusal
 from qkvtrace.render.graph import short_name
 
 __all__ = ["report_markdown"]
@@ -38,17 +39,19 @@ def _environment(env: dict[str, Any]) -> list[str]:
 
 def _what_runs_when(scenarios: list[dict[str, Any]]) -> list[str]:
     out = [
-        "| scenario | path | SDPA backend | why not fast path (PyTorch's words) | aten ops |",
-        "|---|---|---|---|---|",
+        "| scenario | path | SDPA backend | why not fast path (PyTorch's words) "
+        "| why not a faster kernel (PyTorch's words) | aten ops |",
+        "|---|---|---|---|---|---|",
     ]
     for s in scenarios:
         if s.get("error"):
-            out.append(f"| {_cell(s['description'])} | *error* | | {_cell(s['error'])} | |")
+            out.append(f"| {_cell(s['description'])} | *error* | | {_cell(s['error'])} | | |")
             continue
         calls = s["calls"]
         paths = sorted({c["path"] for c in calls})
         backends = sorted({c["sdpa_backend"] or "none" for c in calls})
         whys = sorted({c["why_not_fast_path"] or c.get("why_not_fused_layer") or "" for c in calls} - {""})
+        kernel_whys = sorted({": ".join(found) for c in calls if (found := kernel_refusal(c.get("sdpa_refusals")))})
         ops = []
         for c in calls:
             for op in c["aten_ops"]:
@@ -56,7 +59,8 @@ def _what_runs_when(scenarios: list[dict[str, Any]]) -> list[str]:
                     ops.append(op)
         out.append(
             f"| {_cell(s['description'])} | {', '.join(paths)} | {', '.join(backends)} | "
-            f"{'<br>'.join(_cell(w) for w in whys)} | {'<br>'.join(_code_cell(o) for o in ops)} |"
+            f"{'<br>'.join(_cell(w) for w in whys)} | {'<br>'.join(_cell(w) for w in kernel_whys)} | "
+            f"{'<br>'.join(_code_cell(o) for o in ops)} |"
         )
     return out
 

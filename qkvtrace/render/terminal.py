@@ -296,18 +296,21 @@ def calls_table(calls: dict[str, list[dict[str, Any]]], title: str, *, width: in
 
 
 def scenarios_table(scenarios: list[dict[str, Any]], *, width: int = 200) -> RenderableType:
-    cols = [Col("scenario", "text"), Col("path"), Col("backend"), Col("why not fast (PyTorch's words)", "text")]
+    cols = [Col("scenario", "text"), Col("path"), Col("backend"), Col("why not fast (PyTorch's words)", "text"),
+            Col("why not a faster kernel", "text")]  # fmt: skip
     rows: list[list[str | Text]] = []
     for s in scenarios:
         if s.get("error"):
-            rows.append([s["description"], Text("error", style="red"), "", s["error"]])
+            rows.append([s["description"], Text("error", style="red"), "", s["error"], ""])
             continue
         calls = s["calls"]
+        kernel_whys = {": ".join(found) for c in calls if (found := kernel_refusal(c.get("sdpa_refusals")))}
         rows.append([
             s["description"],
             "\n".join(sorted({c["path"] for c in calls})),
             "\n".join(sorted({c["sdpa_backend"] or "none" for c in calls})),
             "; ".join(sorted({" ".join((c["why_not_fast_path"] or "").split()) for c in calls} - {""})) or "-",
+            "; ".join(sorted(kernel_whys)) or "-",
         ])  # fmt: skip
     return records_view("what runs when (measured)", cols, rows, width=width)
 
