@@ -588,7 +588,8 @@ def print_identity(results: Sequence[ScenarioResult]) -> None:
 
 
 def print_details(results: Sequence[ScenarioResult]) -> None:
-    print("SDPA refusals (PyTorch's reasons per backend; [] = usable), errors and warnings:")
+    print("SDPA refusals (for each backend PyTorch ranks above the chosen one, its own words; [] = usable),"
+          " errors and warnings:")
     for r in results:
         lines: list[str] = []
         if r.error:
@@ -596,9 +597,12 @@ def print_details(results: Sequence[ScenarioResult]) -> None:
         for call in r.calls:
             if call.get("why_not_fast_path"):
                 lines.append(f"call {call['index']}: why_not_fast_path: {call['why_not_fast_path']}")
+            if call.get("sdpa_backend"):
+                lines.append(f"call {call['index']}: chose {call['sdpa_backend']}; refusals "
+                             f"{call.get('sdpa_refusals_source') or 'not recorded'}")  # fmt: skip
             for backend, reasons in (call.get("sdpa_refusals") or {}).items():
-                text = "[]" if not reasons else " / ".join(reasons)
-                lines.append(f"call {call['index']}: {backend}: {text}")
+                text = "[] (it would run)" if not reasons else " / ".join(reasons)
+                lines.append(f"call {call['index']}: why not {backend}: {text}")
         lines.extend(f"warning: {w}" for w in r.warnings)
         if r.gradient_records:
             lines.append(f"gradient records: {r.gradient_records}")
