@@ -1,4 +1,4 @@
-"""`qkvtrace check`: which classic mistakes (seed section 13) each check catches."""
+"""`qkvtrace check`: which classic mistakes (docs/tutorial.md#common-mistakes) each check catches."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The seed's own models (3.2, 5.1, 7, 8) against PyTorch, loaded with the same weights.
+"""The tutorial's models (3.2, 5.1, 7, 8) against PyTorch, loaded with the same weights.
 
 Every number here is measured: the bounds say how close float32 and
 bfloat16 must be, and the negative tests show the measurement can tell a
@@ -165,8 +165,8 @@ def test_report_markdown_shows_the_table(rows: list[dict[str, Any]]) -> None:
     report = json.loads(REPORT.read_text())
     report["probes"]["reference"] = rows
     text = report_markdown(report)
-    assert "## The seed's own models against PyTorch (measured)" in text
-    row = "| 7 | Transformer block, pre-norm | nn.TransformerEncoderLayer(norm_first=True), training | float32 |"
+    assert "## The tutorial's models against PyTorch (measured)" in text
+    row = "| The Transformer block | Transformer block, pre-norm | nn.TransformerEncoderLayer(norm_first=True), training | float32 |"
     assert row in text
 
 
@@ -190,10 +190,10 @@ def test_diff_shows_a_moved_error_and_a_changed_path(tmp_path: Path, rows: list[
     assert done.returncode == 0, done.stderr
     changed = json.loads((tmp_path / "d.json").read_text())["probes"]["changed"]
     moved = {c["key"]: c for c in changed if c["kind"] == "reference"}
-    assert set(moved) == {"seed 5.1 vs PyTorch, float32", "seed 8 vs PyTorch, bfloat16"}
-    assert moved["seed 5.1 vs PyTorch, float32"]["became"]["forward_max_abs_err"] == 1e-3
-    assert moved["seed 8 vs PyTorch, bfloat16"]["became"]["sdpa_backend"] == "MATH"
-    assert "seed 5.1 vs PyTorch, float32" in done.stdout  # the terminal shows it too
+    assert set(moved) == {"tutorial model 5.1 vs PyTorch, float32", "tutorial model 8 vs PyTorch, bfloat16"}
+    assert moved["tutorial model 5.1 vs PyTorch, float32"]["became"]["forward_max_abs_err"] == 1e-3
+    assert moved["tutorial model 8 vs PyTorch, bfloat16"]["became"]["sdpa_backend"] == "MATH"
+    assert "tutorial model 5.1 vs PyTorch, float32" in done.stdout  # the terminal shows it too
     # a report made before the table existed is not a change of PyTorch
     old = json.loads(json.dumps(base))
     old["probes"].pop("reference", None)
@@ -208,7 +208,7 @@ def test_diff_shows_a_moved_error_and_a_changed_path(tmp_path: Path, rows: list[
 def test_probe_prints_the_table_and_writes_it(tmp_path: Path) -> None:
     done = _cli("probe", "--json", tmp_path / "p.json")
     assert done.returncode == 0, done.stderr
-    assert "the seed's own models vs. PyTorch" in done.stdout
+    assert "the tutorial's models vs. PyTorch" in done.stdout
     data = json.loads((tmp_path / "p.json").read_text())
     assert {r["key"] for r in data["reference"]} >= {"3.2", "5.1", "7 pre-norm", "8"}
     assert _cli("validate", tmp_path / "p.json").returncode == 0
