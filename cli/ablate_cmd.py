@@ -1,5 +1,7 @@
-"""``qkvtrace ablate``: the Q/K/V ablations of the tutorial (docs/tutorial.md#without-the-projections), trained with seeds and
-reported as means."""
+"""``qkvtrace ablate``: the tutorial's Q/K/V ablations, trained with seeds and reported as means.
+
+The modes are explained in docs/tutorial.md#without-the-projections.
+"""
 
 from __future__ import annotations
 
@@ -20,10 +22,10 @@ same order with the same optimizer and steps, and compare held-out accuracy:
 
   full          learned W_Q, W_K, W_V
   identity_qkv  Q = K = V = X, no projections
-  shared_qk     W_Q = W_K, W_V kept          
-  uniform       QK^T = 0: every weight row is 1/T         (docs/tutorial.md#without-the-projections)
-  identity_v    learned W_Q, W_K; V = X      
-  no_attention  LayerNorm + FFN + residual only           (docs/tutorial.md#without-the-projections)
+  shared_qk     W_Q = W_K, W_V kept
+  uniform       QK^T = 0: every weight row is 1/T
+  identity_v    learned W_Q, W_K; V = X
+  no_attention  LayerNorm + FFN + residual only
 
 Tasks:
   lookup     (default) 9 random tokens then an index token @i; answer: the

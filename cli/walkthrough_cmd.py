@@ -1,4 +1,7 @@
-"""``qkvtrace walkthrough``: one sentence through Q, K and V (docs/tutorial.md#one-sentence-end-to-end), recorded by the tracer."""
+"""``qkvtrace walkthrough``: one sentence through Q, K and V, recorded by the tracer.
+
+The tutorial's one-sentence case: docs/tutorial.md#one-sentence-end-to-end.
+"""
 
 from __future__ import annotations
 

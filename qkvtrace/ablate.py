@@ -361,7 +361,7 @@ TASKS: dict[str, TaskSpec] = {
     ),
     "sentiment": TaskSpec(
         name="sentiment",
-        description="the tutorial's 8 sentences (its one-sentence case), positive/negative; train on 6, evaluate on the "
+        description="the tutorial's 8 sentences (one-sentence case), positive/negative; train on 6, evaluate on the "
         "held-out positive and negative (which two rotates with the seed); mean over positions, as the tutorial does.",
         vocab_size=len(sentiment_vocab()), seq_len=3, n_classes=2, chance_accuracy=0.5, pool="mean", d_model=8,
         n_layers=1, lr=1e-2, batch_size=6, default_steps=100, routing=False, split=_sentiment_split,

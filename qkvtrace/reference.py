@@ -137,7 +137,7 @@ class MultiHeadSelfAttention(nn.Module):
         return (out, weights) if return_weights else out
 
 
-# -- 7: a Transformer block (docs/tutorial.md#the-transformer-block) ---------------------------------------------------------
+# -- 7: a Transformer block (docs/tutorial.md#the-transformer-block) ----------------------------------
 
 
 class TransformerBlock(nn.Module):
@@ -175,7 +175,7 @@ class TransformerBlock(nn.Module):
         return self.norm2(x + self.ffn(x))
 
 
-# -- 8: a tiny causal language model (docs/tutorial.md#a-tiny-language-model) --------------------------------------------------------
+# -- 8: a tiny causal language model (docs/tutorial.md#a-tiny-language-model) -----------------------------------------
 
 
 class TinyCausalLM(nn.Module):

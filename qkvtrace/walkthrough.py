@@ -74,9 +74,10 @@ def build_vocab(texts: tuple[str, ...] = TEXTS) -> dict[str, int]:
 
 
 class SentimentAttention(nn.Module):
-    """The tutorial's classifier (docs/tutorial.md#one-sentence-end-to-end): embedding + position, one attention head, mean pool, linear head.
+    """The tutorial's classifier: embedding + position, one attention head, mean pool, linear head.
 
-    The tutorial writes three ``nn.Linear`` projections without bias; here they
+    The tutorial (docs/tutorial.md#one-sentence-end-to-end) writes three ``nn.Linear`` projections
+    without bias; here they
     are PyTorch's packed ``in_proj_weight`` (``bias=False``), which adds
     MultiheadAttention's output projection ``W_O`` after the context.
     """

@@ -25,7 +25,7 @@ def _cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
 
 
 class HandWritten(nn.Module):
-    """The tutorial's attention by hand (docs/tutorial.md#attention-by-hand): softmax(QKᵀ/√d)V with three projections."""
+    """Attention by hand (docs/tutorial.md#attention-by-hand): softmax(QKᵀ/√d)V with three projections."""
 
     def __init__(self, d: int = 8) -> None:
         super().__init__()

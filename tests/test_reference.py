@@ -166,7 +166,8 @@ def test_report_markdown_shows_the_table(rows: list[dict[str, Any]]) -> None:
     report["probes"]["reference"] = rows
     text = report_markdown(report)
     assert "## The tutorial's models against PyTorch (measured)" in text
-    row = "| The Transformer block | Transformer block, pre-norm | nn.TransformerEncoderLayer(norm_first=True), training | float32 |"
+    row = ("| The Transformer block | Transformer block, pre-norm | nn.TransformerEncoderLayer(norm_first=True), "
+           "training | float32 |")
     assert row in text
 
 

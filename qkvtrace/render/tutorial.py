@@ -70,7 +70,8 @@ def reference_markdown(rows: list[dict[str, Any]]) -> list[str]:
         "PyTorch module beside it, on the same input; gradients from the same random cotangent, over the input "
         'and every parameter. "PyTorch ran" is the path and SDPA backend the tracer recorded for PyTorch\'s side.',
         "",
-        "| tutorial section | model | PyTorch | dtype | output | gradients | \\|output\\| max | \\|grad\\| max | PyTorch ran |",
+        "| tutorial section | model | PyTorch | dtype | output | gradients | \\|output\\| max | \\|grad\\| max "
+        "| PyTorch ran |",
         "|---|---|---|---|---:|---:|---:|---:|---|",
     ]
     for r in rows:
@@ -80,7 +81,8 @@ def reference_markdown(rows: list[dict[str, Any]]) -> list[str]:
             continue
         errors = " | ".join(_err(r.get(f)) for f in ("forward_max_abs_err", "grad_max_abs_err", "output_max_abs",
                                                      "grad_max_abs"))  # fmt: skip
-        out.append(f"| {_section(r['section'])} | {r['model']} | {r['against']} | {r['dtype']} | {errors} | {_route(r)} |")
+        cells = [_section(r["section"]), r["model"], r["against"], r["dtype"], errors, _route(r)]
+        out.append(f"| {' | '.join(cells)} |")
     return out
 
 
