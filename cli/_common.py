@@ -90,7 +90,7 @@ def parse_shape(text: str) -> tuple[int, int]:
 
 
 def add_budget_options(p: Any) -> None:
-    """``--max-tokens`` / ``--max-attention-mb`` (seed section 12)."""
+    """``--max-tokens`` / ``--max-attention-mb`` (docs/tutorial.md#limits)."""
     from qkvtrace.limits import DEFAULT_MAX_ATTENTION_MB, DEFAULT_MAX_TOKENS
 
     p.add_argument(

@@ -1,4 +1,7 @@
-"""``qkvtrace ablate``: the Q/K/V ablations of seed section 4, trained with seeds and reported as means."""
+"""``qkvtrace ablate``: the tutorial's Q/K/V ablations, trained with seeds and reported as means.
+
+The modes are explained in docs/tutorial.md#without-the-projections.
+"""
 
 from __future__ import annotations
 
@@ -18,11 +21,11 @@ Train one tiny model per attention mode and seed, on the same data in the
 same order with the same optimizer and steps, and compare held-out accuracy:
 
   full          learned W_Q, W_K, W_V
-  identity_qkv  Q = K = V = X, no projections             (seed 4.1)
-  shared_qk     W_Q = W_K, W_V kept                       (seed 4.2)
-  uniform       QK^T = 0: every weight row is 1/T         (seed 4.3)
-  identity_v    learned W_Q, W_K; V = X                   (seed 4.4)
-  no_attention  LayerNorm + FFN + residual only           (seed 4.5)
+  identity_qkv  Q = K = V = X, no projections
+  shared_qk     W_Q = W_K, W_V kept
+  uniform       QK^T = 0: every weight row is 1/T
+  identity_v    learned W_Q, W_K; V = X
+  no_attention  LayerNorm + FFN + residual only
 
 Tasks:
   lookup     (default) 9 random tokens then an index token @i; answer: the
@@ -30,17 +33,18 @@ Tasks:
              must be routed there, so uniform and no_attention cannot learn it.
   marker     11 random tokens with one marker M, then a query; answer: the
              token right after M. Needs two layers; 1000 steps by default,
-             10-14 s a run, and not every seed learns it (see README).
-  sentiment  the seed's 8 sentences (section 11); train on 6, evaluate on the
+             10-14 s a run, and not every seed learns it (see docs/ablate.md).
+  sentiment  the tutorial's 8 sentences (its one-sentence case); train on 6, evaluate on the
              held-out 2. A sanity task: 2 sentences say little about
              generalisation, and train accuracy 1.0 is memorisation.
 
 Per mode: held-out accuracy and loss as mean ± sample std over the seeds,
 and every run. Also measured, not assumed: uniform rows are 1/T, and with a
-causal mask row t is the mean of the first t values (4.3); identity_qkv's
-share of weight on the diagonal (4.1). Progress goes to stderr.
+causal mask row t is the mean of the first t values; identity_qkv's share of
+weight on the diagonal. Progress goes to stderr. The modes are explained in
+docs/tutorial.md#without-the-projections.
 
-Exit 0 done; 1 a claim of the seed did not hold on this PyTorch; 2 bad input.
+Exit 0 done; 1 a claim of the tutorial did not hold on this PyTorch; 2 bad input.
 """
 
 _EPILOG = """\
@@ -55,7 +59,7 @@ examples:
 def register(sub: Any) -> None:
     from qkvtrace.ablate import TASKS
 
-    p = sub.add_parser("ablate", help="Q/K/V ablations (seed section 4) trained with several seeds",
+    p = sub.add_parser("ablate", help="Q/K/V ablations (tutorial: without the projections) trained with several seeds",
                        description=_HELP, epilog=_EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--seeds", type=int, default=5, metavar="N", help="runs per mode, seeds 0..N-1 (default 5)")

@@ -28,7 +28,7 @@ the wrong axis or heads mixed by a wrong view() do, whatever the code says.
               (default key_padding_mask) and change only the padded inputs:
               no real position's output may move.
 
-What True means in the mask is the argument's convention (seed section 6.3):
+What True means in the mask is the argument's convention (docs/tutorial.md#masks):
 key_padding_mask and src_key_padding_mask say True = ignore (a bool mask,
 True on padding); Hugging Face's attention_mask says 1 = attend (an int64
 mask, 1 on real tokens). These are the defaults for those names; any other

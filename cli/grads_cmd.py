@@ -23,7 +23,7 @@ __all__ = ["register", "run"]
 _HELP = """\
 Run TARGET forward and backward once and show, for every attention call,
 how the gradient of the loss reached its Q, K and V and the Q/K/V slices of
-the projection weights (seed section 11): the backward kernel PyTorch ran
+the projection weights (docs/tutorial.md#one-sentence-end-to-end): the backward kernel PyTorch ran
 for the attention core, the norm of the gradient that reached Q, K and V
 (per head in --json) with each route's share, and the gradient norm of each
 weight slice.

@@ -43,7 +43,7 @@ examples:
   qkvtrace check demo:tiny-lm --causal             # leakage by perturbation
   qkvtrace diff reports/torch-A reports/torch-B    # what changed between versions
   qkvtrace history reports/                        # which release changed what, 2.0 onwards
-  qkvtrace ablate --seeds 5 --md ablate.md         # Q/K/V ablations (seed 4), mean ± std over seeds
+  qkvtrace ablate --seeds 5 --md ablate.md         # Q/K/V ablations, mean ± std over seeds
   qkvtrace validate reports/*/report.json t.json   # check saved JSON against its schema
   qkvtrace merge traces/ --json merged.json        # per-rank traces of a torchrun job; ranks that disagree
   qkvtrace walkthrough --text "我 喜欢 机器人"      # one sentence through Q/K/V, step by step

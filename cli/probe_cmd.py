@@ -19,7 +19,7 @@ print them: which path/backend each scenario takes and why; what True means
 in each API's boolean mask (measured on a 2x2 example); what a fully-masked
 query row returns per API and SDPA backend, and whether its gradient is
 finite; how far each backend and MHA path is from the reference attention; and how
-far the seed's own models (attention by hand, multi-head attention from
+far the tutorial's models (attention by hand, multi-head attention from
 scratch, the Transformer block, the causal LM's attention) are from
 nn.MultiheadAttention, nn.TransformerEncoderLayer and SDPA loaded with the
 same weights, outputs and gradients, in float32 and bfloat16.
@@ -47,7 +47,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
         scenarios, _ = run_scenarios(progress=lambda n: status(f"scenario {n}"))
         status("measuring masks, NaN rows, agreement")
         measured = run_behaviour()
-        status("measuring the seed's own models against PyTorch")
+        status("measuring the tutorial's models against PyTorch")
         measured["reference"] = measure_reference()
     width = console.width  # tables become one block per row where their names would not fit
     console.print(terminal.scenarios_table(scenarios, width=width), crop=False)

@@ -1,4 +1,7 @@
-"""``qkvtrace walkthrough``: one sentence through Q, K and V (seed section 11), recorded by the tracer."""
+"""``qkvtrace walkthrough``: one sentence through Q, K and V, recorded by the tracer.
+
+The tutorial's one-sentence case: docs/tutorial.md#one-sentence-end-to-end.
+"""
 
 from __future__ import annotations
 
@@ -42,7 +45,7 @@ examples:
 def register(sub: Any) -> None:
     p = sub.add_parser(
         "walkthrough",
-        help="one sentence through Q/K/V: every matrix, gradient and update (seed section 11)",
+        help="one sentence through Q/K/V: every matrix, gradient and update (docs/tutorial.md#one-sentence-end-to-end)",
         description=_HELP,
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -54,7 +57,7 @@ def register(sub: Any) -> None:
         choices=("positive", "negative"),
         help="the sentence's label; needed only for a sentence outside the 8 training sentences",
     )
-    p.add_argument("--lr", type=float, default=0.3, help="SGD learning rate (default: 0.3, as the seed)")
+    p.add_argument("--lr", type=float, default=0.3, help="SGD learning rate (default: 0.3, as in the tutorial)")
     p.add_argument("--seed", type=int, default=31, help="torch.manual_seed before building the model (default: 31)")
     p.add_argument("--json", metavar="FILE", type=Path, help="write the qkvtrace.walkthrough/1 JSON")
     p.set_defaults(run=run)

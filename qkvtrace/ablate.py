@@ -1,7 +1,7 @@
-"""Q/K/V ablations trained and measured properly (seed section 4).
+"""Q/K/V ablations trained and measured properly (docs/tutorial.md#without-the-projections).
 
-Section 4 of the seed describes what is left of attention without its
-projection matrices, and ends (4.6) with the rule this module follows: a
+The tutorial describes what is left of attention without its projection
+matrices, and ends with the rule this module follows: a
 random-init attention map only shows the arithmetic; to know what the
 matrices are worth, train the full and the ablated models on the same data,
 for the same steps, with the same seeds and optimizer, and report means over
@@ -15,15 +15,15 @@ several runs. So:
   training: ``lookup``, where the answer sits at another position that the
   last token names, so routing matters; ``marker``, copy the token after a
   marker (two layers; slow, and learned by some seeds only); and
-  ``sentiment``, the seed's eight sentences (section 11) as a sanity task;
+  ``sentiment``, the tutorial's eight sentences (its one-sentence case) as a sanity task;
 * for each seed, every mode gets the same training data in the same order,
   the same optimizer settings and the same number of steps; the run seed also
   seeds the model's initialisation (which differs between modes only in the
   parameters a mode has);
-* the seed's claims about the arithmetic are measured, not assumed
+* the tutorial's claims about the arithmetic are measured, not assumed
   (:func:`check_properties`): ``uniform`` rows are 1/T, with a causal mask row
-  t is the mean of the first t values (4.3); ``identity_qkv`` puts more than
-  1/T of each row on the token itself (4.1).
+  t is the mean of the first t values; ``identity_qkv`` puts more than
+  1/T of each row on the token itself.
 
 Nothing here prints: :func:`run_ablation` reports each finished run to an
 optional callback, and the renderers (``qkvtrace.render.ablate_render``)
@@ -67,7 +67,7 @@ ABLATE_SCHEMA = "qkvtrace.ablate/1"
 #: AdamW's weight decay, the same for every task and mode
 WEIGHT_DECAY = 0.01
 
-#: The modes, in the order the seed introduces them (4.1-4.5), after ``full``.
+#: The modes, in the order the tutorial introduces them, after ``full``.
 MODES: tuple[str, ...] = ("full", "identity_qkv", "shared_qk", "uniform", "identity_v", "no_attention")
 
 #: What each mode keeps and removes, in a line.
@@ -146,7 +146,7 @@ def make_model(
     Each block is ``x + W_O attn(LN(x))`` then ``x + FFN(LN(x))``; in
     ``no_attention`` mode only the second half. ``pool`` reads the class
     from the ``last`` position (so nothing reaches it except through
-    attention) or from the ``mean`` over positions (the seed's section 11).
+    attention) or from the ``mean`` over positions (as the tutorial's one-sentence case does).
     """
     import torch
     from torch import nn
@@ -308,7 +308,7 @@ def _marker_answer_position(tokens: torch.Tensor) -> torch.Tensor:
     return (tokens == _MARKER).int().argmax(dim=1) + 1
 
 
-# The eight sentences of seed section 11, 1 = positive, 0 = negative.
+# The eight sentences of the tutorial's one-sentence case, 1 = positive, 0 = negative.
 _SENTENCES = (
     ("我 喜欢 机器人", 1), ("我 喜欢 编程", 1), ("学习 人工 智能", 1), ("模型 很 有趣", 1),
     ("我 讨厌 故障", 0), ("我 讨厌 延迟", 0), ("系统 很 糟糕", 0), ("模型 很 难用", 0),
@@ -316,7 +316,7 @@ _SENTENCES = (
 
 
 def sentiment_vocab() -> dict[str, int]:
-    """``<unk>`` then every word in order of first appearance, as the seed builds it."""
+    """``<unk>`` then every word in order of first appearance, as the tutorial builds it."""
     vocab = {"<unk>": 0}
     for text, _ in _SENTENCES:
         for word in text.split():
@@ -361,8 +361,8 @@ TASKS: dict[str, TaskSpec] = {
     ),
     "sentiment": TaskSpec(
         name="sentiment",
-        description="the seed's 8 sentences (section 11), positive/negative; train on 6, evaluate on the "
-        "held-out positive and negative (which two rotates with the seed); mean over positions, as the seed does.",
+        description="the tutorial's 8 sentences (one-sentence case), positive/negative; train on 6, evaluate on the "
+        "held-out positive and negative (which two rotates with the seed); mean over positions, as the tutorial does.",
         vocab_size=len(sentiment_vocab()), seq_len=3, n_classes=2, chance_accuracy=0.5, pool="mean", d_model=8,
         n_layers=1, lr=1e-2, batch_size=6, default_steps=100, routing=False, split=_sentiment_split,
     ),
@@ -407,7 +407,7 @@ class ModeResult:
 
 @dataclass(frozen=True, slots=True)
 class Property:
-    """A claim of the seed about the arithmetic, and what was measured."""
+    """A claim of the tutorial about the arithmetic, and what was measured."""
 
     name: str
     claim: str
@@ -546,7 +546,7 @@ def run_ablation(
     on_run: Callable[[str, RunResult], None] | None = None,
     threads: int | None = 1,
 ) -> AblationResult:
-    """Train every mode with every seed on ``task``; measure the seed's properties.
+    """Train every mode with every seed on ``task``; measure the tutorial's properties.
 
     ``steps`` defaults to the task's own (``TASKS[name].default_steps``).
     ``on_run(mode, run)`` is called after each run (for progress bars).
@@ -601,11 +601,11 @@ def run_ablation(
     )
 
 
-# -- the seed's claims about the arithmetic ----------------------------------------------------
+# -- the tutorial's claims about the arithmetic ----------------------------------------------------
 
 
 def check_properties(d_model: int = 8, seq_len: int = 6, batch: int = 64, seed: int = 0) -> tuple[Property, ...]:
-    """Measure, on random inputs, what section 4 says the ablated arithmetic does.
+    """Measure, on random inputs, what the tutorial says the ablated arithmetic does.
 
     * ``uniform`` (4.3): every weight row is 1/T; with a causal mask row t
       (counting from 1) is 1/t on the first t positions and 0 after, so the

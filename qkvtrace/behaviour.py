@@ -1,14 +1,14 @@
 """The tutorial's warnings, measured on the installed PyTorch.
 
 * :func:`mask_semantics`: what ``True`` means in each API's boolean mask
-  (seed 6.3), on a 2x2 example whose expected weights can be checked by hand.
+  (docs/tutorial.md#masks), on a 2x2 example whose expected weights can be checked by hand.
 * :func:`fully_masked_rows`: what a query row whose keys are all masked
   returns, per API and per SDPA backend that runs here, and whether the
   gradient through it is finite.
 * :func:`agreement`: how far each backend and both MHA paths are from the
   reference ``softmax(QK^T/sqrt(d_head) + M) V``; MHA equals the computation
-  done by hand with the three ``in_proj_weight`` slices (seed 9.1), and the
-  three slice gradients differ (seed 10).
+  done by hand with the three ``in_proj_weight`` slices (docs/tutorial.md#how-pytorch-runs-attention), and the
+  three slice gradients differ (docs/tutorial.md#gradients-of-q-k-and-v).
 
 Every value is measured when the function runs; nothing is a table of
 expectations. Collection only: no rendering imports.
@@ -35,9 +35,9 @@ __all__ = ["agreement", "fully_masked_rows", "mask_semantics", "reference_attent
 def reference_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Seed section 3.2, written out: ``softmax(Q K^T / sqrt(d_head) + M) V``.
+    """Attention by hand (docs/tutorial.md#attention-by-hand), written out: ``softmax(Q K^T / sqrt(d_head) + M) V``.
 
-    ``mask`` follows the seed's own convention: a bool mask is ``True`` where
+    ``mask`` follows the tutorial's own convention: a bool mask is ``True`` where
     attention is *allowed*; a float mask is added to the scores.
     """
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))  # [..., Tq, Tk]
@@ -144,7 +144,7 @@ def mask_semantics() -> list[dict[str, Any]]:
         )),
         ("nn.MultiheadAttention:attn_mask", lambda: _classify(_mha_weights(attn_mask=example), example)),
         ("nn.TransformerEncoderLayer:src_key_padding_mask", _layer_true_means),
-        ("seed section 3.2 (hand-written)", lambda: _classify(
+        ("attention by hand (tutorial)", lambda: _classify(
             reference_attention(torch.zeros(2, 4), torch.zeros(2, 4), torch.eye(2), example)[1], example
         )),
     ]  # fmt: skip
@@ -223,7 +223,7 @@ def fully_masked_rows() -> list[dict[str, Any]]:
     ]
     cases.append(("nn.MultiheadAttention fast path (eval, no_grad)", None, lambda: _mha_fully_masked(False)))
     cases.append(("nn.MultiheadAttention fallback (train)", None, lambda: _mha_fully_masked(True)))
-    cases.append(("seed section 3.2 (hand-written)", None, _seed_fully_masked))
+    cases.append(("attention by hand (tutorial)", None, _seed_fully_masked))
     out = []
     for api, backend, measure in cases:
         record: dict[str, Any] = {"api": api, "backend": backend}
@@ -257,7 +257,7 @@ def _sig(x: float) -> float:
 
 
 def _mha_by_hand(mha: nn.MultiheadAttention, x: torch.Tensor) -> torch.Tensor:
-    """MHA's output computed with the three ``in_proj_weight`` slices (seed 9.1)."""
+    """MHA's output computed with the three ``in_proj_weight`` slices (docs/tutorial.md#how-pytorch-runs-attention)."""
     e, h = mha.embed_dim, mha.num_heads
     w_q, w_k, w_v = mha.in_proj_weight.chunk(3, dim=0)
     b_q, b_k, b_v = mha.in_proj_bias.chunk(3, dim=0)

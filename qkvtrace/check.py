@@ -13,8 +13,8 @@ that moves is a leak "position i reads position j". ``padding``: mark the
 tail of the first sequence as padding and perturb only its contents; any
 moved output at a real position is a leak. NaN anywhere is reported too.
 
-What ``True`` means in a padding mask depends on the argument (seed section
-6.3): ``key_padding_mask`` says True = ignore this key, Hugging Face's
+What ``True`` means in a padding mask depends on the argument
+(docs/tutorial.md#masks): ``key_padding_mask`` says True = ignore this key, Hugging Face's
 ``attention_mask`` says 1 = attend to it. The convention is explicit
 (:data:`KNOWN_CONVENTIONS` gives the default for names whose convention is
 known) and measured before judging: without padding, changing the padded

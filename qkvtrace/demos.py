@@ -70,7 +70,7 @@ class _Block(nn.Module):
 
 
 class TinyTransformerLM(nn.Module):
-    """The minimal causal language model of seed section 8 (pre-norm, tied head)."""
+    """The minimal causal language model of docs/tutorial.md#a-tiny-language-model (pre-norm, tied head)."""
 
     def __init__(self, vocab_size: int = 100, max_len: int = 128, d_model: int = 64,
                  num_heads: int = 4, num_layers: int = 2) -> None:  # fmt: skip

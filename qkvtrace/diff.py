@@ -152,7 +152,7 @@ def _probes(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _reference(pa: dict[str, Any], pb: dict[str, Any]) -> list[dict[str, Any]]:
-    """The seed's models vs. PyTorch: errors that moved, or a path/backend that changed.
+    """The tutorial's models vs. PyTorch: errors that moved, or a path/backend that changed.
 
     Compared only when both reports measured it (reports of an older qkvtrace have no ``reference``).
     """
@@ -163,7 +163,7 @@ def _reference(pa: dict[str, Any], pb: dict[str, Any]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for k in sorted(ra.keys() | rb.keys()):
         a, b = ra.get(k), rb.get(k)
-        label = f"seed {k[0]} vs PyTorch, {k[1]}"
+        label = f"tutorial model {k[0]} vs PyTorch, {k[1]}"
         if a is None or b is None:
             out.append({"kind": "reference", "key": label, "was": a and _reference_view(a),
                         "became": b and _reference_view(b)})  # fmt: skip

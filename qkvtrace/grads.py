@@ -1,6 +1,7 @@
 """One forward and backward pass, and how the loss reached each attention call's W_Q, W_K and W_V.
 
-Seed section 11 in measurements: the gradient leaves the loss, enters
+The tutorial's one-sentence case (docs/tutorial.md#one-sentence-end-to-end) in measurements: the
+gradient leaves the loss, enters
 ``context = attention @ V`` and splits -- straight into V, and through the
 softmax and the scores into Q and K -- and each route ends in its slice of
 the projection weight. :func:`measure` runs the model once under

@@ -1,4 +1,4 @@
-"""Refuse inputs whose attention would not fit, before anything is allocated (seed section 12).
+"""Refuse inputs whose attention would not fit, before anything is allocated (docs/tutorial.md#limits).
 
 Standard attention materialises a ``[B, H, T, T]`` weight matrix per layer,
 so memory grows with the square of the sequence length. ``guard`` estimates

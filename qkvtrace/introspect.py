@@ -1,6 +1,6 @@
 """Read the attention path's source out of the installed PyTorch.
 
-Seed section 9.4 says: read the actual source of your version with
+The tutorial (docs/tutorial.md#how-pytorch-runs-attention) says: read the actual source of your version with
 ``inspect``. This module does it for every function on the attention path:
 it starts from the entry points users touch and follows the calls their
 source makes (by AST, resolved against the function's own globals) to a

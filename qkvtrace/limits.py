@@ -1,4 +1,4 @@
-"""Default input budgets (seed section 12). No PyTorch import: the CLI reads them at start-up."""
+"""Default input budgets (docs/tutorial.md#limits). No PyTorch import: the CLI reads them at start-up."""
 
 from __future__ import annotations
 

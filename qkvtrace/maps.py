@@ -2,7 +2,7 @@
 
 Tools that show attention weights usually force the eager path to get them,
 so the picture comes from another computation than the one the model runs
-(seed section 9.2). Here the call runs exactly as it would; afterwards, under
+(docs/tutorial.md#how-pytorch-runs-attention). Here the call runs exactly as it would; afterwards, under
 ``torch.no_grad()`` and on detached tensors, the softmax of the scaled scores
 is recomputed from what that very call received:
 
@@ -23,10 +23,10 @@ No SDPA or attention kernel is called for it (a profiler sees only matmuls
 and a softmax after the real call), and no random number is drawn. A map is
 refused, with the reason recorded on the call, before anything is allocated
 when it would be over ``max_map_tokens`` or the trace's ``max_map_mb``
-(``B·H·T_q·T_k`` floats, seed section 12).
+(``B·H·T_q·T_k`` floats, docs/tutorial.md#limits).
 
 A map is one layer's and one head's weighting of the values for one input; it
-is not an explanation of the model's decision (seed section 13).
+is not an explanation of the model's decision (docs/tutorial.md#common-mistakes).
 """
 
 from __future__ import annotations

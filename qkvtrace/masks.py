@@ -1,6 +1,6 @@
 """What a mask argument blocks, as the running PyTorch reads it.
 
-Boolean masks mean different things to different APIs (seed section 6.3):
+Boolean masks mean different things to different APIs (docs/tutorial.md#masks):
 ``True`` is "attend" for ``F.scaled_dot_product_attention`` and "ignore" for
 ``nn.MultiheadAttention``'s masks. Nothing here assumes either: SDPA's meaning
 is measured on a two-key example, and MHA's masks are read after PyTorch's

@@ -1,9 +1,10 @@
 """The tutorial's own models, and how closely PyTorch agrees with them.
 
-The seed teaches attention with four pieces of code of its own: attention
-written out by hand (section 3.2), multi-head self-attention from scratch
-with one packed ``[3D, D]`` projection (5.1), a Transformer block (7) and a
-tiny causal language model (8). They are written here from the tutorial's
+The tutorial (docs/tutorial.md) teaches attention with four pieces of code
+of its own, keyed here by the numbers the report uses: attention written out
+by hand (3.2), multi-head self-attention from scratch with one packed
+``[3D, D]`` projection (5.1), a Transformer block (7) and a tiny causal
+language model (8). They are written here from the tutorial's
 description, then loaded with the very weights of PyTorch's modules and run
 on the same inputs:
 
@@ -52,13 +53,13 @@ __all__ = [
     "measure",
 ]
 
-# -- seed 3.2: attention by hand ------------------------------------------------
+# -- 3.2: attention by hand (docs/tutorial.md#attention-by-hand) ------------------------------------------------
 
 
 def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``softmax(Q Kᵀ / sqrt(d_k)) V`` with the seed's mask convention: ``True`` = may attend.
+    """``softmax(Q Kᵀ / sqrt(d_k)) V`` with the tutorial's mask convention: ``True`` = may attend.
 
     ``q``: ``[..., Tq, Dh]``, ``k``: ``[..., Tk, Dh]``, ``v``: ``[..., Tk, Dv]``;
     returns ``(context [..., Tq, Dv], weights [..., Tq, Tk])``.
@@ -70,13 +71,13 @@ def attention(
     return weights @ v, weights
 
 
-# -- seed 5.1: multi-head self-attention from scratch ------------------------------
+# -- 5.1: multi-head self-attention from scratch (docs/tutorial.md#multi-head-attention) ------------------------------
 
 
 class MultiHeadSelfAttention(nn.Module):
     """Self-attention with one packed ``[3D, D]`` projection, split after the matmul.
 
-    ``kernel="hand"`` computes the weights explicitly (section 3.2, the seed's
+    ``kernel="hand"`` computes the weights explicitly (3.2, the tutorial's
     way); ``kernel="sdpa"`` hands the same Q, K, V to
     ``F.scaled_dot_product_attention`` (``is_causal=True`` for a causal call),
     so one set of weights can run both ways.
@@ -136,13 +137,13 @@ class MultiHeadSelfAttention(nn.Module):
         return (out, weights) if return_weights else out
 
 
-# -- seed 7: a Transformer block ---------------------------------------------------------
+# -- 7: a Transformer block (docs/tutorial.md#the-transformer-block) ----------------------------------
 
 
 class TransformerBlock(nn.Module):
     """Attention then a GELU feed-forward, each with a residual and a LayerNorm.
 
-    The seed writes the pre-norm block (``norm_first=True``): ``x + attn(LN(x))``,
+    The tutorial writes the pre-norm block (``norm_first=True``): ``x + attn(LN(x))``,
     then ``x + FFN(LN(x))``; ``norm_first=False`` is the original post-norm
     block: ``LN(x + attn(x))``, then ``LN(x + FFN(x))``.
     """
@@ -174,7 +175,7 @@ class TransformerBlock(nn.Module):
         return self.norm2(x + self.ffn(x))
 
 
-# -- seed 8: a tiny causal language model --------------------------------------------------------
+# -- 8: a tiny causal language model (docs/tutorial.md#a-tiny-language-model) -----------------------------------------
 
 
 class TinyCausalLM(nn.Module):
@@ -314,7 +315,7 @@ def _x(dtype: torch.dtype, grad: bool = True) -> torch.Tensor:
 
 
 def _padding() -> torch.Tensor:
-    valid = torch.ones(BATCH, SEQ, dtype=torch.bool)  # True = a real token (the seed's convention)
+    valid = torch.ones(BATCH, SEQ, dtype=torch.bool)  # True = a real token (the tutorial's convention)
     valid[1, -2:] = False
     return valid
 

@@ -69,7 +69,7 @@ def collect_report(progress: Callable[[str], None] | None = None) -> dict[str, A
     scenarios, dynamic = probes.run_scenarios(found.objects, progress=lambda n: say(f"scenario {n}"))
     say("measuring mask semantics, fully-masked rows, agreement")
     measured = behaviour.run_behaviour()
-    say("measuring the seed's own models against PyTorch")
+    say("measuring the tutorial's models against PyTorch")
     measured["reference"] = reference.measure()
 
     # Builtins: the aten ops they were seen dispatching to in the scenarios.

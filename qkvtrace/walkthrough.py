@@ -1,6 +1,6 @@
-"""One sentence through Q, K and V, step by step (seed section 11), recorded by the tracer.
+"""One sentence through Q, K and V, step by step (docs/tutorial.md#one-sentence-end-to-end), recorded by the tracer.
 
-The seed trains a single-head attention classifier on eight short Chinese
+The tutorial trains a single-head attention classifier on eight short Chinese
 sentences (positive / negative) and prints every matrix one sentence goes
 through, its gradients, one optimizer step and the training curve. Here the
 same model holds its projections the way PyTorch does, in one
@@ -41,7 +41,7 @@ __all__ = [
 
 WALKTHROUGH_SCHEMA = "qkvtrace.walkthrough/1"
 
-#: The seed's eight training sentences (space-separated words) and their labels.
+#: The tutorial's eight training sentences (space-separated words) and their labels.
 TEXTS = (
     "我 喜欢 机器人",
     "我 喜欢 编程",
@@ -74,9 +74,10 @@ def build_vocab(texts: tuple[str, ...] = TEXTS) -> dict[str, int]:
 
 
 class SentimentAttention(nn.Module):
-    """Seed section 11's classifier: embedding + position, one attention head, mean pool, linear head.
+    """The tutorial's classifier: embedding + position, one attention head, mean pool, linear head.
 
-    The seed writes three ``nn.Linear`` projections without bias; here they
+    The tutorial (docs/tutorial.md#one-sentence-end-to-end) writes three ``nn.Linear`` projections
+    without bias; here they
     are PyTorch's packed ``in_proj_weight`` (``bias=False``), which adds
     MultiheadAttention's output projection ``W_O`` after the context.
     """
@@ -194,7 +195,7 @@ def run_walkthrough(
     seed: int = 31,
     progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
-    """Run seed section 11 on ``text`` under a trace and return the ``qkvtrace.walkthrough/1`` object.
+    """Run the tutorial's one-sentence case on ``text`` under a trace and return the ``qkvtrace.walkthrough/1`` object.
 
     ``label``: ``"positive"``/``"negative"``, needed only for a sentence
     outside the training set. ``progress(epoch, epochs)`` is called per epoch.

@@ -1,4 +1,4 @@
-"""Attention blocks with the classic mistakes of seed section 13, for `qkvtrace check`.
+"""Attention blocks with the classic mistakes of docs/tutorial.md#common-mistakes, for `qkvtrace check`.
 
 Each model: token ids (B, T) -> embeddings -> one hand-written multi-head
 attention -> (B, T, D). ``key_padding_mask`` follows PyTorch's convention

@@ -1,4 +1,4 @@
-"""`qkvtrace ablate`: the ablated attention against PyTorch's own, the seed's claims, fair runs, the CLI."""
+"""`qkvtrace ablate`: the ablated attention against PyTorch's own, the tutorial's claims, fair runs, the CLI."""
 
 from __future__ import annotations
 
@@ -87,7 +87,7 @@ def test_each_mode_has_only_the_projections_it_uses() -> None:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_only_attention_carries_other_positions_to_the_last(mode: str) -> None:
-    """Seed 4.5: without attention the last position cannot read any other; with it, it can."""
+    """The tutorial's no_attention mode: without attention the last position cannot read any other; with it, it can."""
     torch.manual_seed(0)
     model = make_model(20, 6, 4, mode, d_model=16).eval()
     a = torch.randint(0, 20, (4, 6))
@@ -101,7 +101,7 @@ def test_only_attention_carries_other_positions_to_the_last(mode: str) -> None:
         assert moved > 1e-6
 
 
-# -- the seed's claims, measured ----------------------------------------------------------------------
+# -- the tutorial's claims, measured ----------------------------------------------------------------------
 
 
 def test_the_seeds_claims_hold_and_are_measured() -> None:
@@ -114,7 +114,7 @@ def test_the_seeds_claims_hold_and_are_measured() -> None:
 
 
 def test_identity_qkv_diagonal_share_is_the_mean_of_softmax_xxt_diagonal() -> None:
-    """The reported share, recomputed here from the formula of seed 4.1."""
+    """The reported share, recomputed here from the formula the tutorial gives for identity_qkv."""
     torch.manual_seed(0)
     x = torch.randn(64, 6, 8)
     expected = (x @ x.transpose(-2, -1) / math.sqrt(8)).softmax(-1).diagonal(dim1=-2, dim2=-1).mean().item()

@@ -1,4 +1,4 @@
-"""`qkvtrace check`: which classic mistakes (seed section 13) each check catches."""
+"""`qkvtrace check`: which classic mistakes (docs/tutorial.md#common-mistakes) each check catches."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from qkvtrace.check import CheckReport, run_checks
 HERE = Path(__file__).resolve().parent
 ENV = {**os.environ, "COLUMNS": "200", "PYTHONWARNINGS": "ignore"}
 
-#: what each check is expected to catch — the README table states the same
+#: what each check is expected to catch — the table in docs/check.md states the same
 CAUGHT_BY_CAUSAL = {"reversed_causal", "off_by_one", "softmax_wrong_dim", "wrong_view"}
 CAUGHT_BY_PADDING = {"inverted_padding", "softmax_wrong_dim", "wrong_view"}
 

@@ -201,8 +201,8 @@ def test_help_teaches() -> None:
 
 
 def _readme_output(command: str) -> list[str]:
-    """The lines the README shows under ``$ {command}``, up to the end of its code block."""
-    lines = (Path(__file__).resolve().parent.parent / "README.md").read_text().splitlines()
+    """The lines docs/trace.md shows under ``$ {command}``, up to the end of its code block."""
+    lines = (Path(__file__).resolve().parent.parent / "docs" / "trace.md").read_text().splitlines()
     start = lines.index(f"$ {command}") + 1
     end = lines.index("```", start)
     return [line.rstrip() for line in lines[start:end]]
@@ -215,7 +215,7 @@ def _printed(proc: subprocess.CompletedProcess[str]) -> list[str]:
 
 def test_readme_trace_samples_are_what_trace_prints() -> None:
     if not torch.__version__.startswith("2.13.0"):  # PyTorch's reasons and kernels differ by release
-        pytest.skip("the README's samples were printed by torch 2.13.0, the release its commands install")
+        pytest.skip("the documented samples were printed by torch 2.13.0, the release its commands install")
     for command in ("qkvtrace trace demo:encoder --columns weights",
                     "qkvtrace trace demo:mha --train --backward --columns weights,grads"):  # fmt: skip
         proc = subprocess.run([sys.executable, "-m", "qkvtrace", *command.split()[1:]], capture_output=True,
@@ -224,7 +224,7 @@ def test_readme_trace_samples_are_what_trace_prints() -> None:
 
 
 def test_readme_library_model_sample_is_what_trace_prints(tmp_path: Path) -> None:
-    """The README's tiny BERT, made from its config alone as the README says, traced by name."""
+    """docs/trace.md's tiny BERT, made from its config alone as the page says, traced by name."""
     transformers = pytest.importorskip("transformers")
     transformers.BertConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                             intermediate_size=128).save_pretrained(tmp_path / "tiny-bert")  # fmt: skip

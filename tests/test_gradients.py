@@ -1,4 +1,4 @@
-"""Per-slice Q/K/V gradients (seed section 10), measured against the real ``.grad``.
+"""Per-slice Q/K/V gradients (docs/tutorial.md#gradients-of-q-k-and-v), measured against the real ``.grad``.
 
 Every expected number here is computed by the test itself from the
 parameters' ``.grad`` (or, for one pass alone, with ``torch.autograd.grad``

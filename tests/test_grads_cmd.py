@@ -25,7 +25,7 @@ def _cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
 
 
 class HandWritten(nn.Module):
-    """Seed section 3.2: attention by hand, softmax(QKᵀ/√d)V with three projections."""
+    """Attention by hand (docs/tutorial.md#attention-by-hand): softmax(QKᵀ/√d)V with three projections."""
 
     def __init__(self, d: int = 8) -> None:
         super().__init__()
@@ -141,9 +141,9 @@ def test_cli_library_model_by_name_with_separate_projections(tmp_path: Path) -> 
 
 def test_readme_grads_sample_is_what_grads_prints(tmp_path: Path) -> None:
     if not torch.__version__.startswith("2.13.0"):  # the numbers and kernels differ by release
-        pytest.skip("the README's samples were printed by torch 2.13.0, the release its commands install")
+        pytest.skip("the documented samples were printed by torch 2.13.0, the release its commands install")
     command = "qkvtrace grads demo:tiny-lm --svg docs/grads-tiny-lm.svg"
-    lines = (ROOT / "README.md").read_text().splitlines()
+    lines = (ROOT / "docs" / "gradients.md").read_text().splitlines()
     start = lines.index(f"$ {command}") + 1
     shown = lines[start : lines.index("```", start)]
     done = _cli("grads", "demo:tiny-lm", "--svg", tmp_path / "g.svg")

@@ -1,4 +1,4 @@
-"""The length/memory guard (seed section 12) and `qkvtrace probe`."""
+"""The length/memory guard (docs/tutorial.md#limits) and `qkvtrace probe`."""
 
 from __future__ import annotations
 
@@ -58,14 +58,14 @@ def test_estimate_grows_with_the_square_of_length() -> None:
 
 def test_mask_semantics_are_measured() -> None:
     records = {r["api"]: r for r in mask_semantics()}
-    # the seed warns the two conventions differ; each is what this PyTorch does, checked on its 2x2 example
+    # the tutorial warns the two conventions differ; each is what this PyTorch does, checked on its 2x2 example
     sdpa = records["F.scaled_dot_product_attention:attn_mask"]
     kpm = records["nn.MultiheadAttention:key_padding_mask"]
     assert {sdpa["true_means"], kpm["true_means"]} == {"attend", "ignore"}
     for r in records.values():
         assert r["masked_prob_zero"] is True
         assert r.get("rows_sum_to_one") in (True, None)
-    assert records["seed section 3.2 (hand-written)"]["true_means"] == "attend"
+    assert records["attention by hand (tutorial)"]["true_means"] == "attend"
 
 
 def test_fully_masked_rows_and_agreement_are_measured() -> None:
@@ -81,7 +81,7 @@ def test_fully_masked_rows_and_agreement_are_measured() -> None:
         out = torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask)[0, 0, 0]
     expected = "nan" if torch.isnan(out).all() else "zero" if (out == 0).all() else "other"
     assert math_row["result"] == expected
-    assert rows[("seed section 3.2 (hand-written)", None)]["result"] == "nan"  # softmax over all -inf
+    assert rows[("attention by hand (tutorial)", None)]["result"] == "nan"  # softmax over all -inf
     ag = agreement()
     assert ag["slice_gradients_differ"] is True
     assert all(r["max_abs_diff_to_by_hand"] < 1e-4 for r in ag["mha"])

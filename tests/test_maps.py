@@ -43,7 +43,7 @@ class SDPAModule(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
 
-#: the torch the README's commands install, which printed its samples
+#: the torch the README's commands install, which printed the samples in docs/
 README_TORCH = "2.13.0"
 
 
@@ -526,9 +526,9 @@ def test_readme_maps_sample_is_what_trace_prints() -> None:
     import os
 
     if not torch.__version__.startswith(README_TORCH):
-        pytest.skip(f"the README's samples were printed by torch {README_TORCH}, the release its commands install")
+        pytest.skip(f"the documented samples were printed by torch {README_TORCH}, the release its commands install")
     command = "qkvtrace trace demo:mha --show-maps --map-heads 0,1"
-    lines = (Path(__file__).resolve().parent.parent / "README.md").read_text().splitlines()
+    lines = (Path(__file__).resolve().parent.parent / "docs" / "maps.md").read_text().splitlines()
     start = lines.index(f"$ {command}") + 1
     shown = [line.rstrip() for line in lines[start : lines.index("```", start)]]
     env = {**os.environ, "COLUMNS": "100", "PYTHONWARNINGS": "ignore"}

@@ -1,8 +1,8 @@
-"""Claims the README makes about PyTorch's behaviour, measured here without qkvtrace.
+"""Claims docs/probe.md makes about PyTorch's behaviour, measured here without qkvtrace.
 
-The README says what a query row whose keys are all masked returns, naming
+docs/probe.md says what a query row whose keys are all masked returns, naming
 the PyTorch version each statement was measured on. Each statement is listed
-below with its version; the tests check that the README still says it, that
+below with its version; the tests check that docs/probe.md still says it, that
 the committed report of that version says the same, and — when the installed
 PyTorch is that version — that it is what the installed PyTorch does now.
 """
@@ -22,7 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 ROOT = Path(__file__).resolve().parents[1]
 TORCH = torch.__version__.split("+")[0]
 
-#: README statements about fully-masked rows: version → (sentence, measured facts it states)
+#: docs/probe.md statements about fully-masked rows: version → (sentence, measured facts it states)
 CLAIMS: dict[str, tuple[str, dict[str, Any]]] = {
     "2.13.0": (
         "Note what it found on torch 2.13.0: SDPA returns zeros for a fully-masked row, "
@@ -100,7 +100,7 @@ def measure() -> dict[str, Any]:
 @pytest.mark.parametrize("version", sorted(CLAIMS))
 def test_readme_states_it_and_the_committed_report_agrees(version: str) -> None:
     sentence, facts = CLAIMS[version]
-    assert _flat(sentence) in _flat((ROOT / "README.md").read_text()), "README changed: update CLAIMS"
+    assert _flat(sentence) in _flat((ROOT / "docs" / "probe.md").read_text()), "docs/probe.md changed: update CLAIMS"
     report = _report(version)
     assert report is not None, f"no committed report for torch {version} under reports/"
     assert {fact: _from_report(report, fact) for fact in facts} == facts
@@ -108,7 +108,7 @@ def test_readme_states_it_and_the_committed_report_agrees(version: str) -> None:
 
 def test_the_installed_pytorch_does_what_the_readme_says() -> None:
     if TORCH not in CLAIMS:
-        pytest.skip(f"the README states no fully-masked-row behaviour for torch {TORCH}")
+        pytest.skip(f"docs/probe.md states no fully-masked-row behaviour for torch {TORCH}")
     _, facts = CLAIMS[TORCH]
     measured = measure()
     assert measured["mha_fast_path_ran"], "MHA did not take its fast path: the claim is about the fast path"

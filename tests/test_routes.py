@@ -153,7 +153,7 @@ def test_mha_routes_equal_autograd_grad_on_a_copy(need_weights: bool) -> None:
     (route,) = t.routes
     assert (route.call, route.module, route.backward_index) == (0, "", 0)
     _assert_routes(route, ref)
-    # at initialisation the Q/K route carries far less than the V route (seed section 11)
+    # at initialisation the Q/K route carries far less than the V route (docs/tutorial.md#one-sentence-end-to-end)
     assert route.v.share > route.q.share and route.v.share > route.k.share
 
 

@@ -97,7 +97,7 @@ def test_a_replaced_function_is_reported_as_a_changed_outcome(tiny: Path, tmp_pa
 # What an open trace must not change: PyTorch's own CausalBias dispatches on
 # `func is F.scaled_dot_product_attention` (the tracer before its one-installation
 # rewrite broke exactly this). A bare `F.sdpa is torch._C._nn.sdpa` check does
-# change while a trace is open, by design: README, "Limits".
+# change while a trace is open, by design: docs/pytorch-tests.md.
 BIAS_TESTS = textwrap.dedent(
     """
     import torch

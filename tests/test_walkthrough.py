@@ -1,4 +1,4 @@
-"""``qkvtrace walkthrough``: seed section 11 under a trace, every number checked against PyTorch."""
+"""``qkvtrace walkthrough``: the tutorial's one-sentence case under a trace, every number checked against PyTorch."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def _cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
 
 @pytest.fixture(scope="module")
 def full() -> dict[str, Any]:
-    return run_walkthrough()  # the seed's run: "我 喜欢 机器人", 100 epochs, lr 0.3, seed 31
+    return run_walkthrough()  # the tutorial's run: "我 喜欢 机器人", 100 epochs, lr 0.3, seed 31
 
 
 def test_every_check_holds(full: dict[str, Any]) -> None:

@@ -61,8 +61,8 @@ def ablate_table(result: AblationResult) -> Table:
 
 
 def properties_table(result: AblationResult) -> Table:
-    """The seed's claims about the ablated arithmetic, measured."""
-    table = Table(title="the seed's claims, measured on this PyTorch")
+    """The tutorial's claims about the ablated arithmetic, measured."""
+    table = Table(title="the tutorial's claims, measured on this PyTorch")
     table.add_column("claim")
     table.add_column("measured", justify="right")
     table.add_column("held against")

@@ -1,6 +1,7 @@
 """Pictures and tables of ``qkvtrace grads``: how the loss reached W_Q, W_K and W_V.
 
-The picture follows seed section 11 from right to left of the forward pass:
+The picture follows the tutorial's one-sentence case (docs/tutorial.md#one-sentence-end-to-end)
+from right to left of the forward pass:
 the loss, then each attention module (everything else in it collapsed to one
 node), its backward core (the node PyTorch runs), and the split -- the V
 route straight into V, the Q and K routes through the softmax and the scores

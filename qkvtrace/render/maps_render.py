@@ -7,7 +7,7 @@ known (:func:`token_labels`), positions otherwise. Rows whose keys were all
 masked are drawn grey and named, never as NaN colours.
 
 A map is one layer's and one head's weighting of the values for one input,
-not an explanation of the model's decision (seed section 13).
+not an explanation of the model's decision (docs/tutorial.md#common-mistakes).
 """
 
 from __future__ import annotations

@@ -197,6 +197,6 @@ def behaviour_markdown(probes: dict[str, Any]) -> list[str]:
     if probes.get("reference"):
         from qkvtrace.render.tutorial import reference_markdown
 
-        lines += ["## The seed's own models against PyTorch (measured)", ""]
+        lines += ["## The tutorial's models against PyTorch (measured)", ""]
         lines += [*reference_markdown(probes["reference"]), ""]
     return lines

@@ -16,6 +16,20 @@ __all__ = ["reference_markdown", "reference_table", "walkthrough_renderables"]
 
 # -- the reference table -----------------------------------------------------------------------------
 
+#: The tutorial section (title, anchor in docs/tutorial.md) that writes each model, by the report's key prefix.
+TUTORIAL_SECTIONS = {
+    "3.2": ("Attention by hand", "attention-by-hand"),
+    "5.1": ("Multi-head attention", "multi-head-attention"),
+    "7": ("The Transformer block", "the-transformer-block"),
+    "8": ("A tiny language model", "a-tiny-language-model"),
+}
+
+
+def _section(key: str) -> str:
+    """The title of the tutorial section a reference row's ``section`` (``"3.2"``, ``"7"``...) names."""
+    found = TUTORIAL_SECTIONS.get(key.split()[0])
+    return found[0] if found else key
+
 
 def _err(x: float | None) -> str:
     return "-" if x is None else f"{x:.2g}"
@@ -30,8 +44,8 @@ def _route(r: dict[str, Any]) -> str:
 
 def reference_table(rows: list[dict[str, Any]]) -> Table:
     """One row per comparison and dtype: max |ours - PyTorch's| of outputs and gradients."""
-    table = Table(title="the seed's own models vs. PyTorch with the same weights: max |difference|")
-    table.add_column("§")
+    table = Table(title="the tutorial's models vs. PyTorch with the same weights: max |difference|")
+    table.add_column("tutorial section")
     table.add_column("comparison")
     table.add_column("dtype")
     table.add_column("output", justify="right")
@@ -41,9 +55,9 @@ def reference_table(rows: list[dict[str, Any]]) -> Table:
         dtype = {"float32": "fp32", "bfloat16": "bf16"}.get(r["dtype"], r["dtype"])
         label = r.get("label") or r["against"]
         if r.get("error"):
-            table.add_row(r["section"], label, dtype, Text(r["error"], style="red"), "", "")
+            table.add_row(_section(r["section"]), label, dtype, Text(r["error"], style="red"), "", "")
             continue
-        table.add_row(r["section"], label, dtype, _err(r["forward_max_abs_err"]), _err(r["grad_max_abs_err"]),
+        table.add_row(_section(r["section"]), label, dtype, _err(r["forward_max_abs_err"]), _err(r["grad_max_abs_err"]),
                       _route(r))  # fmt: skip
     return table
 
@@ -51,21 +65,24 @@ def reference_table(rows: list[dict[str, Any]]) -> Table:
 def reference_markdown(rows: list[dict[str, Any]]) -> list[str]:
     """The same table in Markdown, for ``report.md``."""
     out = [
-        "Each of the seed's own models (written from its description) loaded with the very weights of the "
+        "Each of the models of the project's tutorial (docs/tutorial.md, the section named in the first column) "
+        "loaded with the very weights of the "
         "PyTorch module beside it, on the same input; gradients from the same random cotangent, over the input "
         'and every parameter. "PyTorch ran" is the path and SDPA backend the tracer recorded for PyTorch\'s side.',
         "",
-        "| § | seed model | PyTorch | dtype | output | gradients | \\|output\\| max | \\|grad\\| max | PyTorch ran |",
+        "| tutorial section | model | PyTorch | dtype | output | gradients | \\|output\\| max | \\|grad\\| max "
+        "| PyTorch ran |",
         "|---|---|---|---|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         if r.get("error"):
-            out.append(f"| {r['section']} | {r['model']} | {r['against']} | {r['dtype']} | error: "
+            out.append(f"| {_section(r['section'])} | {r['model']} | {r['against']} | {r['dtype']} | error: "
                        f"{' '.join(str(r['error']).split())} | | | | |")  # fmt: skip
             continue
         errors = " | ".join(_err(r.get(f)) for f in ("forward_max_abs_err", "grad_max_abs_err", "output_max_abs",
                                                      "grad_max_abs"))  # fmt: skip
-        out.append(f"| {r['section']} | {r['model']} | {r['against']} | {r['dtype']} | {errors} | {_route(r)} |")
+        cells = [_section(r["section"]), r["model"], r["against"], r["dtype"], errors, _route(r)]
+        out.append(f"| {' | '.join(cells)} |")
     return out
 
 
