@@ -106,17 +106,26 @@ def _stand_in(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any) -> t
     return sq, sk, sv, sm
 
 
+def _flag_getters() -> tuple[Any, ...]:
+    cuda = torch.backends.cuda
+    return tuple(g for g in (getattr(cuda, n, None) for n in _SWITCHES.values()) if callable(g))
+
+
+_FLAGS = _flag_getters()
+
+
 def signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, dropout_p: float, is_causal: bool,
               scale: Any, gqa: bool, chosen: str | None) -> Hashable:  # fmt: skip
-    """What decides the answer: everything the stand-in keeps of the call."""
+    """What decides the answer: everything the stand-in keeps of the call (read per call: kept cheap)."""
     mask_key = None
-    if isinstance(mask, torch.Tensor):
-        mask_key = (mask.dtype, tuple(int(n) == 1 for n in mask.shape), mask.stride(-1) == 1 if mask.dim() else True)
-    lq, lk = int(q.shape[-2]), int(k.shape[-2])
-    return (q.device.type, q.device.index, q.dtype, k.dtype, v.dtype, chosen, paths.sdp_flags(), q.dim(),
-            tuple(q.shape[1:-2]), tuple(k.shape[1:-2]), int(q.shape[-1]), int(k.shape[-1]), int(v.shape[-1]),
-            (lq > lk) - (lq < lk), mask_key, is_causal, dropout_p > 0, scale is not None, gqa, torch.is_grad_enabled(),
-            tuple(t.requires_grad for t in (q, k, v)), tuple(t.stride(-1) == 1 for t in (q, k, v)))  # fmt: skip
+    if mask is not None:
+        mask_key = (mask.dtype, tuple(n == 1 for n in mask.shape), mask.stride(-1) if mask.dim() else 1)
+    qs, ks = q.shape, k.shape
+    lq, lk = qs[-2], ks[-2]
+    return (q.device, q.dtype, k.dtype, v.dtype, chosen, tuple(g() for g in _FLAGS), qs[:-2], ks[:-2], qs[-1],
+            ks[-1], v.shape[-1], min(lq, _MAX_LEN), min(lk, _MAX_LEN), (lq > lk) - (lq < lk), mask_key, is_causal,
+            dropout_p > 0, scale, gqa, torch.is_grad_enabled(), q.requires_grad, k.requires_grad, v.requires_grad,
+            q.stride(-1), k.stride(-1), v.stride(-1))  # fmt: skip
 
 
 def _words(caught: list[warnings.WarningMessage], error: BaseException | None) -> list[str]:
@@ -216,7 +225,7 @@ class RefusalCache:
             if found[0] is not None:  # "not asked" answers depend on the moment, not the signature
                 with self._lock:
                     self._known[key] = found
-        return {b: list(w) for b, w in found[0].items()} if found[0] is not None else None, found[1]
+        return (dict(found[0]) if found[0] is not None else None), found[1]
 
 
 _CACHE = RefusalCache()
