@@ -22,13 +22,24 @@ from qkvtrace.validation import check_document
 __all__ = ["collect_in", "register", "run_compare", "run_diff"]
 
 _DIFF_HELP = """\
-Compare two per-version reports (folders written by `qkvtrace inspect`, or
-their report.json): which attention-path functions changed source (with a
-unified diff; line-number moves alone are not changes), which fast-path
-conditions appeared, vanished or were reworded, which call-graph edges
-changed, and every behaviour probe whose result changed (paths, backends,
-reasons, mask semantics, fully-masked rows, agreement past tolerance).
-No PyTorch is needed: reports made on other machines compare anywhere.
+Compare two traces of your model, or two per-version reports.
+
+Two traces (`qkvtrace trace TARGET --json FILE`, made under two PyTorch
+releases, before and after a change, in training and in eval): calls are
+matched by module and order, and for each what changed -- path, SDPA
+backend, PyTorch's reasons, its words refusing faster kernels, the aten
+kernels, how masks were read, NaN and fully-masked rows, and Q/K/V weight,
+activation and gradient norms beyond --rtol -- plus calls that appeared or
+vanished. Exit 1 when anything changed, 0 when nothing did (use it in CI).
+
+Two reports (folders written by `qkvtrace inspect`, or their report.json):
+what users feel first -- behaviour probes whose result changed (paths,
+backends, reasons, mask semantics, fully-masked rows) --, then fast-path
+conditions that appeared, vanished or were reworded, call-graph edges, and
+the attention-path functions whose source changed (with unified diffs under
+--full; line-number moves alone are not changes).
+
+No PyTorch is needed: files made on other machines compare anywhere.
 """
 
 _COMPARE_HELP = """\
@@ -42,13 +53,18 @@ to them on PYTHONPATH and uses no rendering library.
 def register(sub: Any) -> None:
     d = sub.add_parser("diff", help="compare two reports: sources, fast-path conditions, call graph, behaviour",
                        description=_DIFF_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
-                       epilog="example:\n  qkvtrace diff reports/torch-2.4.1+cu121 reports/torch-2.13.0+cpu \\\n"
-                              "      --md d.md --svg d.svg")  # fmt: skip
-    d.add_argument("a", metavar="A", type=Path, help="the older report (folder or report.json)")
-    d.add_argument("b", metavar="B", type=Path, help="the newer report (folder or report.json)")
-    d.add_argument("--json", metavar="FILE", type=Path, help="write the qkvtrace.diff/1 JSON")
+                       epilog="examples:\n  qkvtrace diff old.json new.json            # two traces of your model\n"
+                              "  qkvtrace diff reports/torch-2.4.1+cu121 reports/torch-2.13.0+cpu \\\n"
+                              "      --md d.md --svg d.svg                  # two reports")  # fmt: skip
+    d.add_argument("a", metavar="A", type=Path, help="the older trace JSON, or report (folder or report.json)")
+    d.add_argument("b", metavar="B", type=Path, help="the newer one, of the same kind")
+    d.add_argument("--json", metavar="FILE", type=Path,
+                   help="write the qkvtrace.tracediff/1 (traces) or qkvtrace.diff/1 (reports) JSON")  # fmt: skip
     d.add_argument("--md", metavar="FILE", type=Path, help="write the diff as Markdown")
-    d.add_argument("--svg", metavar="FILE", type=Path, help="write the union call graph as SVG")
+    d.add_argument("--svg", metavar="FILE", type=Path, help="reports: write the union call graph as SVG")
+    d.add_argument("--rtol", metavar="R", type=float, default=1e-4,
+                   help="traces: the relative change a norm may make unreported (default 1e-4)")  # fmt: skip
+    d.add_argument("--full", action="store_true", help="reports: print every source diff, not only the names")
     d.set_defaults(run=run_diff)
 
     c = sub.add_parser("compare", help="collect in two Python environments and diff them in one go",
@@ -94,15 +110,52 @@ def _write_diff(a: dict[str, Any], b: dict[str, Any], diff: dict[str, Any], *, j
     return warning
 
 
+def _kind(path: Path) -> str:
+    """``"trace"`` or ``"report"``: what the file (or report folder) holds, from its schema id."""
+    from qkvtrace.validation import read_json
+
+    if path.is_dir() or path.name == "report.json":
+        return "report"
+    document = read_json(path)
+    schema = document.get("schema") if isinstance(document, dict) else None
+    return "trace" if isinstance(schema, str) and schema.startswith("qkvtrace.trace/") else "report"
+
+
+def _run_trace_diff(args: argparse.Namespace, console: Console) -> int:
+    from qkvtrace.records import atomic_write_text
+    from qkvtrace.render.tracediff_render import tracediff_markdown, tracediff_renderable
+    from qkvtrace.tracediff import diff_traces
+    from qkvtrace.validation import check_document, load_json
+
+    if args.svg is not None:
+        raise InputError("--svg draws the call graph of two reports; two traces have none")
+    if not args.rtol >= 0:
+        raise InputError(f"--rtol must be 0 or more, got {args.rtol}")
+    a, b = load_json(args.a), load_json(args.b)
+    diff = diff_traces(a, b, rtol=args.rtol)
+    check_document(diff, name="the trace diff", expected="qkvtrace.tracediff/1")
+    console.print(tracediff_renderable(diff, width=console.width), crop=False)
+    if args.json is not None:
+        atomic_write_text(args.json, json.dumps(diff, indent=1, sort_keys=True, ensure_ascii=False) + "\n")
+    if args.md is not None:
+        atomic_write_text(args.md, tracediff_markdown(diff))
+    return 1 if diff["changed"] or diff["appeared"] or diff["vanished"] else 0
+
+
 def run_diff(args: argparse.Namespace, console: Console) -> int:
     from qkvtrace.diff import diff_reports
     from qkvtrace.render.diff_render import diff_renderable
     from qkvtrace.reportio import load_report
 
     _outputs(args)
+    kinds = {_kind(args.a), _kind(args.b)}
+    if kinds == {"trace"}:
+        return _run_trace_diff(args, console)
+    if "trace" in kinds:
+        raise InputError(f"{args.a} and {args.b} are not of one kind: give two traces or two reports")
     a, b = load_report(args.a), load_report(args.b)
     diff = diff_reports(a, b)
-    console.print(diff_renderable(diff, width=console.width), crop=False)
+    console.print(diff_renderable(diff, width=console.width, full=args.full), crop=False)
     warning = _write_diff(a, b, diff, json_path=args.json, md_path=args.md, svg_path=args.svg)
     if warning:
         console.print(f"[yellow]warning:[/] {escape(warning)}")

@@ -86,6 +86,7 @@ def test_every_file_the_tool_writes_validates(tmp_path: Path, capsys: pytest.Cap
     written["qkvtrace.report/1"] = [report]
     write("qkvtrace.diff/1", "d.json", "diff", OLD, report.parent)
     write("qkvtrace.history/1", "h.json", "history", OLD, report.parent, "--no-chart")
+    write("qkvtrace.tracediff/1", "td.json", "diff", tmp_path / "t-train.json", tmp_path / "t-lm.json", code=1)
     ranks = tmp_path / "ranks"  # one rank trained, the other did not: they disagree (exit 1)
     ranks.mkdir()
     (ranks / "trace.rank0.json").write_bytes((tmp_path / "t-train.json").read_bytes())

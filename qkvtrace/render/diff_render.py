@@ -40,8 +40,46 @@ def _cell(text: str) -> str:
 
 
 def diff_markdown(diff: dict[str, Any], *, svg_name: str | None = "diff.svg") -> str:
+    """Behaviour first (what users feel), then fast-path conditions, the call graph, and the sources."""
     s, c, g, p = diff["sources"], diff["fast_path_conditions"], diff["callgraph"], diff["probes"]["changed"]
     lines = [f"# Attention in PyTorch {diff['a']} → {diff['b']}", "", f"**{diff['summary']}**", ""]
+    lines += ["## Behaviour", ""]
+    if p:
+        lines += ["| probe | case | was | became |", "|---|---|---|---|"]
+        lines += [
+            f"| {x['kind']} | {_cell(x['key'])} | {_cell(_short(x['was']))} | {_cell(_short(x['became']))} |" for x in p
+        ]
+        lines.append("")
+    else:
+        lines += ["Every probe behaved the same.", ""]
+    lines += ["## Fast-path conditions", ""]
+    if not (c["added"] or c["removed"] or c["reworded"]):
+        lines += ["The fast-path conditions are the same.", ""]
+    else:
+        lines += ["| change | function | reason | condition |", "|---|---|---|---|"]
+        for kind in ("added", "removed"):
+            for x in c[kind]:
+                lines.append(
+                    f"| {kind} | {short_name(x['function'])} | `{_cell(x['reason'])}` | `{_cell(x['condition'])}` |"
+                )
+        for x in c["reworded"]:
+            reason, condition = (
+                " → ".join(f"`{_cell(part.removesuffix(' (unchanged)'))}`" for part in cell.split("\n→ "))
+                + (" (unchanged)" if cell.endswith(" (unchanged)") else "")
+                for cell in _reworded(x)
+            )
+            lines.append(f"| reworded | {short_name(x['function'])} | {reason} | {condition} |")
+        lines.append("")
+    lines += ["## Call graph", ""]
+    if g["edges_added"] or g["edges_removed"]:
+        lines += ["| change | caller | callee |", "|---|---|---|"]
+        lines += [f"| added | `{e['caller']}` | `{e['callee']}` |" for e in g["edges_added"]]
+        lines += [f"| removed | `{e['caller']}` | `{e['callee']}` |" for e in g["edges_removed"]]
+        lines.append("")
+    else:
+        lines += ["No call edge appeared or vanished.", ""]
+    if svg_name:
+        lines += [f"![union call graph: added edges green, removed red]({svg_name})", ""]
     lines += ["## Sources", ""]
     if not (s["changed"] or s["added"] or s["removed"]):
         lines += ["No function on the attention path changed its source.", ""]
@@ -55,40 +93,6 @@ def diff_markdown(diff: dict[str, Any], *, svg_name: str | None = "diff.svg") ->
             fence += "`"
         lines += ["<details>", f"<summary>changed: <code>{name}</code></summary>", "", f"{fence}diff",
                   text.rstrip("\n"), fence, "", "</details>", ""]  # fmt: skip
-    lines += ["## Fast-path conditions", ""]
-    if not (c["added"] or c["removed"] or c["reworded"]):
-        lines += ["The fast-path conditions are the same.", ""]
-    else:
-        lines += ["| change | function | reason | condition |", "|---|---|---|---|"]
-        for kind in ("added", "removed"):
-            for x in c[kind]:
-                lines.append(
-                    f"| {kind} | {short_name(x['function'])} | `{_cell(x['reason'])}` | `{_cell(x['condition'])}` |"
-                )
-        for x in c["reworded"]:
-            lines.append(
-                f"| reworded | {short_name(x['function'])} | `{_cell(x['was'])}` → `{_cell(x['became'])}` | "
-                f"`{_cell(x['condition_was'])}` → `{_cell(x['condition_became'])}` |"
-            )
-        lines.append("")
-    lines += ["## Call graph", ""]
-    if g["edges_added"] or g["edges_removed"]:
-        lines += ["| change | caller | callee |", "|---|---|---|"]
-        lines += [f"| added | `{e['caller']}` | `{e['callee']}` |" for e in g["edges_added"]]
-        lines += [f"| removed | `{e['caller']}` | `{e['callee']}` |" for e in g["edges_removed"]]
-        lines.append("")
-    else:
-        lines += ["No call edge appeared or vanished.", ""]
-    if svg_name:
-        lines += [f"![union call graph: added edges green, removed red]({svg_name})", ""]
-    lines += ["## Behaviour", ""]
-    if p:
-        lines += ["| probe | case | was | became |", "|---|---|---|---|"]
-        lines += [
-            f"| {x['kind']} | {_cell(x['key'])} | {_cell(_short(x['was']))} | {_cell(_short(x['became']))} |" for x in p
-        ]
-    else:
-        lines += ["Every probe behaved the same."]
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
@@ -127,24 +131,37 @@ class SourceDiff:
                 yield text
 
 
-def diff_renderable(diff: dict[str, Any], *, width: int = 200) -> RenderableType:
-    """Summary first, then what changed, with syntax-coloured source diffs; tables fit ``width``."""
+def _reworded(x: dict[str, str]) -> tuple[str, str]:
+    """The reason and condition cells of a reworded condition: only what changed, was → became."""
+    same_reason = " ".join(x["was"].split()) == " ".join(x["became"].split())
+    same_condition = " ".join(x["condition_was"].split()) == " ".join(x["condition_became"].split())
+    reason = f"{x['was']} (unchanged)" if same_reason else f"{x['was']}\n→ {x['became']}"
+    condition = f"{x['condition_was']} (unchanged)" if same_condition else (
+        f"{x['condition_was']}\n→ {x['condition_became']}"
+    )
+    return reason, condition
+
+
+def diff_renderable(diff: dict[str, Any], *, width: int = 200, full: bool = False) -> RenderableType:
+    """What users feel first: the summary, behaviour probes, conditions, call edges, then sources.
+
+    Source diffs are printed whole only with ``full``; otherwise the changed
+    functions are named (their diffs are in the JSON and Markdown outputs).
+    """
     parts: list[RenderableType] = [Text(diff["summary"], style="bold")]
     s, c, g, p = diff["sources"], diff["fast_path_conditions"], diff["callgraph"], diff["probes"]["changed"]
-    if s["added"] or s["removed"]:
-        parts.append(Text("functions added: " + (", ".join(s["added"]) or "-")))
-        parts.append(Text("functions removed: " + (", ".join(s["removed"]) or "-")))
-    for name in s["changed"]:
-        parts.append(Text(f"\nchanged: {name}", style="bold cyan", no_wrap=True, overflow="ignore"))
-        parts.append(SourceDiff(diff["source_diffs"].get(name, "")))
+    if p:
+        probes: list[list[str | Text]] = [[x["kind"], x["key"], _short(x["was"]), _short(x["became"])] for x in p]
+        cols = [Col("probe"), Col("case"), Col("was", "text"), Col("became", "text")]
+        parts.append(Text(""))
+        parts.append(records_view("behaviour that changed (measured)", cols, probes, width=width, title_cols=2))
     if c["added"] or c["removed"] or c["reworded"]:
         rows: list[list[str | Text]] = []
         for kind in ("added", "removed"):
             for x in c[kind]:
                 rows.append([kind, short_name(x["function"]), x["reason"], x["condition"]])
         for x in c["reworded"]:
-            rows.append(["reworded", short_name(x["function"]), f"{x['was']}\n→ {x['became']}",
-                         f"{x['condition_was']}\n→ {x['condition_became']}"])  # fmt: skip
+            rows.append(["reworded", short_name(x["function"]), *_reworded(x)])
         cols = [Col("change"), Col("function"), Col("reason", "text"), Col("condition", "text")]
         parts.append(Text(""))
         parts.append(records_view("fast-path conditions", cols, rows, width=width, title_cols=2))
@@ -155,11 +172,18 @@ def diff_renderable(diff: dict[str, Any], *, width: int = 200) -> RenderableType
         parts.append(Text(""))
         parts.append(records_view("call-graph edges", [Col("change"), Col("caller"), Col("callee")], edges,
                                   width=width, title_cols=2))  # fmt: skip
-    if p:
-        probes: list[list[str | Text]] = [[x["kind"], x["key"], _short(x["was"]), _short(x["became"])] for x in p]
-        cols = [Col("probe"), Col("case"), Col("was", "text"), Col("became", "text")]
+    if s["added"] or s["removed"]:
         parts.append(Text(""))
-        parts.append(records_view("behaviour probes that changed", cols, probes, width=width, title_cols=2))
+        parts.append(Text("functions added: " + (", ".join(s["added"]) or "-")))
+        parts.append(Text("functions removed: " + (", ".join(s["removed"]) or "-")))
+    if s["changed"] and full:
+        for name in s["changed"]:
+            parts.append(Text(f"\nchanged: {name}", style="bold cyan", no_wrap=True, overflow="ignore"))
+            parts.append(SourceDiff(diff["source_diffs"].get(name, "")))
+    elif s["changed"]:
+        parts.append(Text(""))
+        parts.append(Text("source changed: " + ", ".join(s["changed"])))
+        parts.append(Text("(--full prints each unified diff; --md FILE writes them)", style="dim"))
     return Group(*parts)
 
 

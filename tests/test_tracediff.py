@@ -1,0 +1,214 @@
+"""``qkvtrace diff A.json B.json``: what changed between two traces of a model, call by call.
+
+Each test traces one model under two conditions that really change what
+runs, and checks the diff against facts obtained independently in the test:
+the attention kernels ``torch.profiler`` saw in untraced runs, dtypes and
+norms computed here from the tensors and weights, and modules made to run
+or not by construction.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import qkvtrace
+from qkvtrace.tracediff import diff_traces
+
+
+def _profiled_attention_ops(run: Any) -> list[str]:
+    """The attention kernels an untraced run dispatches (the witness)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        run()
+    names = []
+    for e in prof.events():
+        if e.name.startswith("aten::") and ("attention" in e.name or e.name in ("aten::_softmax", "aten::softmax")):
+            if e.name not in names:
+                names.append(e.name)
+    return names
+
+
+def _trace(model: nn.Module, run: Any) -> dict[str, Any]:
+    with qkvtrace.trace(model) as t:
+        run()
+    return t.to_dict()
+
+
+def _changes(d: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    [call] = d["changed"]
+    return {c["field"]: (c["was"], c["became"]) for c in call["changes"]}
+
+
+def test_eval_versus_training_changes_path_and_kernels() -> None:
+    """MultiheadAttention in eval+no_grad (fast path) vs training (fallback).
+
+    Witness: the profiler of untraced runs -- the eval run dispatches
+    ``aten::_native_multi_head_attention``, the training run does not.
+    """
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(16, 4, batch_first=True)
+    x = torch.randn(2, 5, 16)
+
+    def run_eval() -> Any:
+        mha.eval()
+        with torch.no_grad():
+            return mha(x, x, x, need_weights=False)
+
+    def run_train() -> Any:
+        mha.train()
+        return mha(x, x, x, need_weights=False)
+
+    fast_ops, slow_ops = _profiled_attention_ops(run_eval), _profiled_attention_ops(run_train)
+    assert "aten::_native_multi_head_attention" in fast_ops and "aten::_native_multi_head_attention" not in slow_ops
+    a, b = _trace(mha, run_eval), _trace(mha, run_train)
+    d = diff_traces(a, b)
+    ch = _changes(d)
+    assert ch["path"] == ("fast", "fallback")
+    assert "aten::_native_multi_head_attention" in ch["aten_ops"][0]
+    assert "aten::_native_multi_head_attention" not in ch["aten_ops"][1]
+    assert set(ch["aten_ops"][1]) <= set(slow_ops)
+    assert ch["inputs.training"] == (False, True)
+    assert d["appeared"] == d["vanished"] == []
+
+
+def test_need_weights_changes_the_kernel() -> None:
+    """need_weights=False (SDPA) vs True (explicit softmax): witness, the profiler of untraced runs."""
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(16, 4, batch_first=True).train()
+    x = torch.randn(2, 5, 16)
+    runs = {w: (lambda w=w: mha(x, x, x, need_weights=w)) for w in (False, True)}
+    ops = {w: _profiled_attention_ops(r) for w, r in runs.items()}
+    assert "aten::scaled_dot_product_attention" in ops[False]
+    assert "aten::scaled_dot_product_attention" not in ops[True]
+    d = diff_traces(_trace(mha, runs[False]), _trace(mha, runs[True]))
+    ch = _changes(d)
+    assert ch["inputs.need_weights"] == (False, True)
+    assert ch["sdpa_backend"][1] is None  # no SDPA kernel ran with weights (the profiler above)
+    assert "aten::scaled_dot_product_attention" not in (ch["aten_ops"][1] or [])
+
+
+class Direct(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        q, k, v = (t.reshape(2, -1, 4, 4).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def test_mask_dtype_change_is_reported_as_passed() -> None:
+    """A boolean then a float mask: the dtypes in the diff are those of the tensors the test passed."""
+    torch.manual_seed(0)
+    model = Direct()
+    x = torch.randn(2, 5, 16)
+    bool_mask = torch.ones(5, 5, dtype=torch.bool).tril()
+    float_mask = torch.zeros(5, 5).masked_fill(~bool_mask, float("-inf"))
+    a = _trace(model, lambda: model(x, bool_mask))
+    b = _trace(model, lambda: model(x, float_mask))
+    ch = _changes(diff_traces(a, b))
+    was, became = ch["inputs.attn_mask"]
+    assert was["dtype"] == str(bool_mask.dtype) and became["dtype"] == str(float_mask.dtype)
+
+
+def test_weight_norm_change_beyond_tolerance() -> None:
+    """W_Q's rows doubled between two traces: witness, the norms of those rows computed here."""
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(16, 4, batch_first=True).eval()
+    x = torch.randn(2, 5, 16)
+
+    def run() -> Any:
+        with torch.no_grad():
+            return mha(x, x, x, need_weights=False)
+
+    before = float(mha.in_proj_weight[:16].detach().norm())
+    a = _trace(mha, run)
+    with torch.no_grad():
+        mha.in_proj_weight[:16] *= 2
+    after = float(mha.in_proj_weight[:16].detach().norm())
+    b = _trace(mha, run)
+    ch = _changes(diff_traces(a, b))
+    assert ch["qkv.q.weight_norm"][0] == pytest.approx(before, rel=1e-6)
+    assert ch["qkv.q.weight_norm"][1] == pytest.approx(after, rel=1e-6)
+    assert "qkv.k.weight_norm" not in ch and "qkv.v.weight_norm" not in ch
+
+
+class TwoBlocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.MultiheadAttention(16, 4, batch_first=True)
+        self.second = nn.MultiheadAttention(16, 4, batch_first=True)
+        self.use_second = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.first(x, x, x, need_weights=False)[0]
+        if self.use_second:
+            x = self.second(x, x, x, need_weights=False)[0]
+        return x
+
+
+def test_appeared_and_vanished_calls() -> None:
+    """A module made to run only in B (by construction): it appears; swapping the traces, it vanishes."""
+    model = TwoBlocks().eval()
+    x = torch.randn(2, 5, 16)
+    a = _trace(model, lambda: model(x))
+    model.use_second = True
+    b = _trace(model, lambda: model(x))
+    d = diff_traces(a, b)
+    assert [e["module"] for e in d["appeared"]] == ["second"] and d["vanished"] == []
+    assert [e["module"] for e in diff_traces(b, a)["vanished"]] == ["second"]
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "qkvtrace", "diff", *args], capture_output=True, text=True)
+
+
+def test_cli_exit_codes_and_outputs(tmp_path: Path) -> None:
+    """Exit 1 when something changed, 0 when nothing did; the JSON validates; Markdown names the change.
+
+    Witness: the two traces are of eval and training (path fast vs fallback, shown by the profiler test above).
+    """
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(16, 4, batch_first=True)
+    x = torch.randn(2, 5, 16)
+    mha.eval()
+    with torch.no_grad():
+        a = _trace(mha, lambda: mha(x, x, x, need_weights=False))
+    mha.train()
+    b = _trace(mha, lambda: mha(x, x, x, need_weights=False))
+    pa, pb = tmp_path / "a.json", tmp_path / "b.json"
+    pa.write_text(json.dumps(a))
+    pb.write_text(json.dumps(b))
+    changed = _cli(str(pa), str(pb), "--json", str(tmp_path / "d.json"), "--md", str(tmp_path / "d.md"))
+    assert changed.returncode == 1, changed.stderr
+    assert "fast" in changed.stdout and "fallback" in changed.stdout
+    d = json.loads((tmp_path / "d.json").read_text())
+    assert d["schema"] == "qkvtrace.tracediff/1"
+    assert "| (root) | path | fast | fallback |" in (tmp_path / "d.md").read_text()
+    same = _cli(str(pa), str(pa))
+    assert same.returncode == 0 and "no change" in same.stdout
+
+
+def test_cli_refuses_bad_input_in_one_line(tmp_path: Path) -> None:
+    """A damaged trace, and a trace beside a report: exit 2, one line naming the file (no traceback)."""
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps({"schema": "qkvtrace.trace/1", "calls": [], "gradients": [], "routes": [],
+                                "unobserved": [], "warnings": [], "torch_version": "x"}))  # fmt: skip
+    damaged = tmp_path / "damaged.json"
+    damaged.write_text('{"schema": "qkvtrace.trace/1", "calls": [{"index": "zero"}]}')
+    out = _cli(str(good), str(damaged))
+    assert out.returncode == 2
+    assert "damaged.json" in out.stderr and "Traceback" not in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+    report = Path(__file__).resolve().parents[1] / "reports" / "torch-2.13.0+cpu"
+    if report.exists():
+        mixed = _cli(str(good), str(report))
+        assert mixed.returncode == 2 and "not of one kind" in mixed.stderr
