@@ -45,6 +45,13 @@ No PyTorch is needed: files made on other machines compare anywhere.
 _COMPARE_HELP = """\
 Run the collection in two Python environments (say, two virtual environments
 with different PyTorch versions), write both reports into OUT, and diff them.
+
+With a TARGET, trace your model instead: the same TARGET, built and fed from
+the same seed, is traced once in each environment (with --train: a training
+step, backward on a seeded random cotangent), both traces are written into
+OUT/traces/, and the two are diffed call by call as `qkvtrace diff A.json
+B.json` does; exit 1 when something changed.
+
 The other environments need only torch: qkvtrace's collecting code is shipped
 to them on PYTHONPATH and uses no rendering library.
 """
@@ -71,8 +78,16 @@ def register(sub: Any) -> None:
                        description=_COMPARE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
                        epilog="example:\n  qkvtrace compare --python ~/venvs/torch24/bin/python "
                               "--python ~/venvs/torch213/bin/python")  # fmt: skip
+    c.add_argument("target", metavar="TARGET", nargs="?", default=None,
+                   help="trace this model in both environments (module:callable, file.py:callable, demo:NAME, "
+                        "hf:NAME...); without it, compare the reports")  # fmt: skip
     c.add_argument("--python", action="append", metavar="PY", type=Path, default=[], required=True,
                    help="a Python interpreter with torch installed; give exactly two")  # fmt: skip
+    c.add_argument("--train", action="store_true", help="with TARGET: a training step instead of inference")
+    c.add_argument("--input-shape", metavar="B,T", help="with TARGET: batch and length of made-up inputs")
+    c.add_argument("--random-init", action="store_true", help="with TARGET hf:NAME: random weights")
+    c.add_argument("--rtol", metavar="R", type=float, default=1e-4,
+                   help="with TARGET: the relative change a norm may make unreported (default 1e-4)")  # fmt: skip
     c.add_argument("--out", metavar="DIR", type=Path, default=Path("reports"),
                    help="where the two reports and diffs/ go (default reports/)")  # fmt: skip
     c.add_argument("--json", metavar="FILE", type=Path, help="also write the qkvtrace.diff/1 JSON here")
@@ -166,8 +181,9 @@ def _tail(text: str, lines: int = 15) -> str:
     return "\n".join(text.strip().splitlines()[-lines:])
 
 
-def collect_in(python: Path, env_extra: dict[str, str] | None = None) -> dict[str, Any]:
-    """Run the report collector under another interpreter and return its report."""
+def collect_in(python: Path, env_extra: dict[str, str] | None = None, module: str = "qkvtrace.report",
+               module_args: tuple[str, ...] = (), schema: str = REPORT_SCHEMA) -> dict[str, Any]:  # fmt: skip
+    """Run a collector (the report's, or a trace's) under another interpreter and return what it printed."""
     import qkvtrace
 
     exe = shutil.which(str(python)) or str(python)
@@ -191,18 +207,53 @@ def collect_in(python: Path, env_extra: dict[str, str] | None = None) -> dict[st
         env["PYTHONPATH"] = os.pathsep.join(p for p in (shipped, (env_extra or {}).get("PYTHONPATH", "")) if p)
         # run in the shipped folder: `-m` puts the working directory first on sys.path, which would
         # otherwise import a checkout's qkvtrace instead of the copy shipped above
-        proc = subprocess.run([exe, "-W", "ignore", "-m", "qkvtrace.report"], capture_output=True, text=True,
+        proc = subprocess.run([exe, "-W", "ignore", "-m", module, *module_args], capture_output=True, text=True,
                               env=env, cwd=shipped, timeout=1800)  # fmt: skip
     if proc.returncode != 0:
         raise QkvtraceError(
             f"the collector crashed under {python} (exit {proc.returncode}); its last lines:\n{_tail(proc.stderr)}"
         )
+    what = "report" if schema == REPORT_SCHEMA else "trace"
     try:
         report: dict[str, Any] = json.loads(proc.stdout)
     except ValueError as exc:  # JSONDecodeError, or a number Python will not convert
-        raise QkvtraceError(f"the collector under {python} printed no report ({exc})") from None
-    check_document(report, name=f"the report collected under {python}", expected=REPORT_SCHEMA)
+        raise QkvtraceError(f"the collector under {python} printed no {what} ({exc})") from None
+    check_document(report, name=f"the {what} collected under {python}", expected=schema)
     return report
+
+
+def _compare_traces(args: argparse.Namespace, console: Console) -> int:
+    from qkvtrace.records import TRACE_SCHEMA, atomic_write_text
+    from qkvtrace.render.tracediff_render import tracediff_markdown, tracediff_renderable
+    from qkvtrace.tracediff import diff_traces
+
+    if not args.rtol >= 0:
+        raise InputError(f"--rtol must be 0 or more, got {args.rtol}")
+    module_args = [args.target, *(["--train"] if args.train else []), *(["--random-init"] if args.random_init else [])]
+    if args.input_shape:
+        module_args += ["--input-shape", args.input_shape]
+    traces = []
+    folder = args.out / "traces"
+    folder.mkdir(parents=True, exist_ok=True)
+    for n, python in enumerate(args.python, 1):
+        with progress(f"tracing {args.target} under {python} ({n} of 2)"):  # stderr only
+            trace = collect_in(python, module="qkvtrace.tracecollect", module_args=tuple(module_args),
+                               schema=TRACE_SCHEMA)  # fmt: skip
+        path = folder / f"{_safe(args.target)}.{'ab'[n - 1]}.torch-{trace.get('torch_version')}.json"
+        atomic_write_text(path, json.dumps(trace, indent=1, sort_keys=True) + "\n")
+        console.print(f"torch {trace.get('torch_version')} ← {python}: wrote {path}")
+        traces.append(trace)
+    diff = diff_traces(*traces, rtol=args.rtol)
+    console.print(tracediff_renderable(diff, width=console.width), crop=False)
+    if args.json is not None:
+        atomic_write_text(args.json, json.dumps(diff, indent=1, sort_keys=True, ensure_ascii=False) + "\n")
+    if args.md is not None:
+        atomic_write_text(args.md, tracediff_markdown(diff))
+    return 1 if diff["changed"] or diff["appeared"] or diff["vanished"] else 0
+
+
+def _safe(target: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in target)
 
 
 def run_compare(args: argparse.Namespace, console: Console) -> int:
@@ -213,6 +264,8 @@ def run_compare(args: argparse.Namespace, console: Console) -> int:
     if len(args.python) != 2:
         raise InputError(f"give exactly two --python interpreters (got {len(args.python)})")
     _outputs(args)
+    if args.target is not None:
+        return _compare_traces(args, console)
     prepare_out(args.out)
     reports = []
     for n, python in enumerate(args.python, 1):

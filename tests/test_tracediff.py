@@ -212,3 +212,39 @@ def test_cli_refuses_bad_input_in_one_line(tmp_path: Path) -> None:
     if report.exists():
         mixed = _cli(str(good), str(report))
         assert mixed.returncode == 2 and "not of one kind" in mixed.stderr
+
+
+def test_compare_a_target_across_two_environments(tmp_path: Path) -> None:
+    """``qkvtrace compare --python A --python B demo:tiny-lm``, B with the flash backend switched off at start-up.
+
+    Witness: ``torch._fused_sdp_choice`` on the demo's own query shape, with
+    the switch on and off, computed here -- the backend each environment's
+    trace must report.
+    """
+    from qkvtrace.demos import DEMOS  # noqa: F401  (the demo exists in this qkvtrace)
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import torch\ntorch.backends.cuda.enable_flash_sdp(False)\n")
+    wrapper = tmp_path / "python-no-flash"
+    wrapper.write_text(f'#!/bin/sh\nexport PYTHONPATH="{site}:$PYTHONPATH"\nexec "{sys.executable}" "$@"\n')
+    wrapper.chmod(0o755)
+    q = torch.zeros(2, 4, 16, 8)
+    on = int(torch._fused_sdp_choice(q, q, q, None, 0.0, True))
+    torch.backends.cuda.enable_flash_sdp(False)
+    try:
+        off = int(torch._fused_sdp_choice(q, q, q, None, 0.0, True))
+    finally:
+        torch.backends.cuda.enable_flash_sdp(True)
+    names = {int(v): n for n, v in torch.nn.attention.SDPBackend.__members__.items()}
+    assert on != off
+    out = subprocess.run([sys.executable, "-m", "qkvtrace", "compare", "demo:tiny-lm", "--python", sys.executable,
+                          "--python", str(wrapper), "--out", str(tmp_path / "out"), "--json", str(tmp_path / "d.json")],
+                         capture_output=True, text=True)  # fmt: skip
+    assert out.returncode == 1, out.stderr
+    d = json.loads((tmp_path / "d.json").read_text())
+    backends = {
+        (c["was"], c["became"]) for call in d["changed"] for c in call["changes"] if c["field"] == "sdpa_backend"
+    }
+    assert backends == {(names[on], names[off])}
+    assert sorted(p.name.split(".")[1] for p in (tmp_path / "out" / "traces").glob("*.json")) == ["a", "b"]
