@@ -91,13 +91,16 @@ def _call_changes(a: dict[str, Any], b: dict[str, Any], ga: dict[str, Any] | Non
     def note(field: str, label: str, was: Any, became: Any, kind: str) -> None:
         changes.append({"field": field, "label": label, "was": was, "became": became, "kind": kind})
 
+    both_sdpa = a.get("sdpa_backend") is not None and b.get("sdpa_backend") is not None
     for key, label in _EXACT:
+        if key == "sdpa_refusals" and not both_sdpa:  # no SDPA kernel on one side: the backend change says it
+            continue
         if a.get(key) != b.get(key):
             note(key, label, a.get(key), b.get(key), "exact")
     ia, ib = a.get("inputs") or {}, b.get("inputs") or {}
     for key in _INPUTS:
-        if ia.get(key) != ib.get(key):
-            note(f"inputs.{key}", key.replace("_", " "), ia.get(key), ib.get(key), "exact")
+        if key in ia and key in ib and ia[key] != ib[key]:  # a fact one path does not record is not a change
+            note(f"inputs.{key}", key.replace("_", " "), ia[key], ib[key], "exact")
     for key in _MASKS:
         ma, mb = _mask_view(ia.get(key)), _mask_view(ib.get(key))
         if ma != mb:
