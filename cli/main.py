@@ -70,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
         inspect_cmd,
         merge_cmd,
         probe_cmd,
+        summarize_cmd,
         trace_cmd,
         validate_cmd,
         walkthrough_cmd,
@@ -95,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     ablate_cmd.register(sub)
     validate_cmd.register(sub)
     merge_cmd.register(sub)
+    summarize_cmd.register(sub)
     walkthrough_cmd.register(sub)
     for command in sub.choices.values():  # `qkvtrace trace X --debug` works too
         command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks")

@@ -30,8 +30,8 @@ def collect(target: str, *, train: bool = False, input_shape: tuple[int, int] | 
     torch.manual_seed(SEED)
     loaded = load_target(target, random_init=random_init)
     if input_shape is not None or not (loaded.args or loaded.kwargs):
-        b, t = input_shape or (2, 16)
-        loaded.args, loaded.kwargs = loaded.make_inputs(b, t)
+        batch, length = input_shape or (2, 16)
+        loaded.args, loaded.kwargs = loaded.make_inputs(batch, length)
     model = loaded.model.train(train)
     torch.manual_seed(SEED)
     with qkvtrace.trace(model) as t, torch.set_grad_enabled(train):

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from qkvtrace import compat, lazy, maps, masks, paths
+from qkvtrace.monitor import Event, Monitor
 from qkvtrace.records import (
     AttentionCall,
     GradientRecord,
@@ -68,8 +69,8 @@ class Trace:
         self,
         model: nn.Module,
         *,
-        gradients: bool = True,
-        routes: bool = True,
+        gradients: bool | None = None,
+        routes: bool | None = None,
         refusals: bool = True,
         threads: Threads = "entering",
         attention_maps: bool = False,
@@ -77,14 +78,23 @@ class Trace:
         max_map_mb: float | None = None,
         heads: int | Sequence[int] | None = None,
         batch_index: int | Sequence[int] | None = None,
+        keep: str = "all",
+        max_records: int = 1000,
+        stream_to: str | Path | None = None,
+        tensorboard: Any = None,
     ) -> None:
+        if keep not in ("all", "changes"):
+            raise ValueError(f"keep must be 'all' or 'changes', got {keep!r}")
+        if keep == "all" and (stream_to is not None or tensorboard is not None):
+            raise ValueError("stream_to and tensorboard report the changes of a long run: use keep='changes'")
         if not isinstance(model, nn.Module):
             raise TypeError(f"qkvtrace.trace() needs an nn.Module, got {type(model).__name__}")
         if threads not in ("entering", "all"):
             raise ValueError(f"threads must be 'entering' or 'all', got {threads!r}")
         self._model: nn.Module | None = model
-        self.record_gradients = gradients
-        self.record_routes = routes
+        # a long run (keep="changes") records no gradients unless asked: they grow with every backward pass
+        self.record_gradients = gradients if gradients is not None else keep == "all"
+        self.record_routes = routes if routes is not None else keep == "all"
         self.record_refusals = refusals
         self.threads = threads
         #: what maps this trace computes and the memory they hold so far (``None``: no maps)
@@ -107,6 +117,11 @@ class Trace:
         self._seen: set[int] = set()
         self._noted: set[str] = set()
         self._note_lock = threading.Lock()
+        #: with ``keep="changes"``: the counts and events of a long run (:mod:`qkvtrace.monitor`)
+        self.monitor: Monitor | None = None
+        if keep == "changes":
+            self.monitor = Monitor(max_records=max_records, stream_to=stream_to, tensorboard=tensorboard,
+                                   torch_version=str(torch.__version__))  # fmt: skip
 
     # -- public face -------------------------------------------------------
 
@@ -174,6 +189,8 @@ class Trace:
         try:
             if stack is not None:
                 stack.close()
+            if self.monitor is not None:
+                self.monitor.close()
         finally:
             self._ended = True
             try:
@@ -192,6 +209,23 @@ class Trace:
     def name_of(self, module: nn.Module) -> str | None:
         entry = self._names.get(id(module))
         return entry[0] if entry is not None and entry[1] is module else None
+
+    def step(self, number: int | None = None) -> int:
+        """Mark the end of a training step (``keep="changes"``): its events are written, the next step begins."""
+        if self.monitor is None:
+            raise RuntimeError("step() marks the steps of a long run: open the trace with keep='changes'")
+        return self.monitor.step(number)
+
+    @property
+    def changes(self) -> list[Event]:
+        """With ``keep="changes"``: the first call of each combination and every change, in order."""
+        return list(self.monitor.events) if self.monitor is not None else []
+
+    def summary(self) -> dict[str, Any]:
+        """With ``keep="changes"``: per module each combination, its calls and first and last step."""
+        if self.monitor is None:
+            raise RuntimeError("summary() counts the calls of a long run: open the trace with keep='changes'")
+        return self.monitor.summary()
 
     def note(self, warning: str) -> None:
         """Add ``warning`` to ``result.warnings`` once (an observer could not read a call)."""
@@ -214,8 +248,10 @@ class Trace:
     def add_call(
         self, call: AttentionCall, owner: nn.Module, projection: Projection | str, core: Core | None = None
     ) -> None:
-        self._result.calls.append(call)
         self._seen.add(id(owner))
+        if self.monitor is not None and not self.monitor.add(call):
+            return  # counted; its record is not kept (neither a first nor a change)
+        self._result.calls.append(call)
         self._unresolved = True
         if self.record_gradients and isinstance(projection, Projection):
             self._grads.watch(owner, projection)
@@ -390,8 +426,8 @@ def _calibrate(model: nn.Module) -> None:
 def trace(
     model: nn.Module,
     *,
-    gradients: bool = True,
-    routes: bool = True,
+    gradients: bool | None = None,
+    routes: bool | None = None,
     refusals: bool = True,
     threads: Threads = "entering",
     attention_maps: bool = False,
@@ -399,6 +435,10 @@ def trace(
     max_map_mb: float | None = None,
     heads: int | Sequence[int] | None = None,
     batch_index: int | Sequence[int] | None = None,
+    keep: str = "all",
+    max_records: int = 1000,
+    stream_to: str | Path | None = None,
+    tensorboard: Any = None,
 ) -> Trace:
     """Trace every attention call ``model`` makes inside a ``with`` block.
 
@@ -412,8 +452,9 @@ def trace(
     (``result.routes``), read by hooks on the call's backward core. Finding
     the core walks a few autograd nodes per call; ``routes=False`` saves that
     on many small calls.
-    ``refusals``: on CUDA, record PyTorch's reasons for refusing each faster
-    SDPA backend (costs a few checks per SDPA call).
+    ``refusals``: record PyTorch's own words refusing each SDPA backend it
+    ranks above the one it chose (asked once per call signature on a stand-in
+    of the call; see :mod:`qkvtrace.refusals`).
     ``threads``: ``"entering"`` (default) records calls of the thread that
     entered the block; ``"all"`` records the model's calls in every thread
     (servers, data loaders).
@@ -426,9 +467,21 @@ def trace(
     256), is refused before it is allocated; the call says why in
     ``attention_map_reason``. The maps live in the result and go with it.
 
+    ``keep``: ``"all"`` (default) keeps a record of every call; ``"changes"``
+    is for long runs: per module and combination (path, backend, reasons,
+    dtype, masks, training) it counts calls with their first and last step,
+    and keeps the record of the first call of each combination and of every
+    change, at most ``max_records`` (:mod:`qkvtrace.monitor`). Mark steps with
+    ``t.step()``; read ``t.changes`` and ``t.summary()``. ``stream_to``: write
+    the events and per-step counts as JSON Lines while the run goes
+    (``qkvtrace summarize FILE``); ``tensorboard``: a ``SummaryWriter`` that
+    gets per-step scalars. With ``keep="changes"`` gradients and routes are
+    off unless asked for (they grow with every backward pass).
+
     Traces nest and overlap, in any order and any thread: each records the
     calls of its own model, with its own indices.
     """
     return Trace(model, gradients=gradients, routes=routes, refusals=refusals, threads=threads,
                  attention_maps=attention_maps, max_map_tokens=max_map_tokens, max_map_mb=max_map_mb,
-                 heads=heads, batch_index=batch_index)  # fmt: skip
+                 heads=heads, batch_index=batch_index, keep=keep, max_records=max_records, stream_to=stream_to,
+                 tensorboard=tensorboard)  # fmt: skip
