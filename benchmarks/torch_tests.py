@@ -17,7 +17,7 @@ this same interpreter, both with ``-p no:qkvtrace`` (qkvtrace's own pytest
 plugin, which an installed qkvtrace registers in every pytest run, stays out):
 
 1. plain: nothing of qkvtrace is imported -- checked: the run records whether
-   ``qkvtrace`` is in ``sys.modules`` at session end, and a plain run that
+   ``qkvtrace`` is in ``sys.modules`` at the end of the run, and a plain run that
    imported it (through a ``conftest.py`` or another plugin) is no baseline
    (exit 2);
 2. traced: ``--mode after-import`` (default) enters one
@@ -312,7 +312,7 @@ def print_report(report: dict[str, Any], diffs: list[Difference], tty: bool) -> 
         if run["trace_error"]:
             console.print(f"{name} run: {run['trace_error']}")
     if runs["plain"]["qkvtrace_imported"] is False:
-        console.print("plain run: qkvtrace was not imported (checked at session end)")
+        console.print("plain run: qkvtrace was not imported (checked at the end of the run)")
     if report.get("traced_stopped"):
         console.print(report["traced_stopped"])
     if not diffs:
