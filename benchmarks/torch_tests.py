@@ -1,25 +1,36 @@
 """Does an open ``qkvtrace.trace`` change the outcome of PyTorch's own tests?
 
-Run ``python benchmarks/torch_tests.py PATH [-k EXPR] [--mode session|per-test]
-[--model EXPR] [--json OUT] [--timeout S] [-- PYTEST_ARGS...]``.
+Run ``python benchmarks/torch_tests.py PATH [-k EXPR]
+[--mode after-import|before-import|per-test] [--model EXPR] [--json OUT]
+[--timeout S] [-- PYTEST_ARGS...]``.
 
 ``PATH`` is a test file or folder, typically one of PyTorch's own
 (``test/test_transformers.py`` from the PyTorch source of the installed
 release: the wheel ships ``torch/testing/_internal`` but not ``test/``, and
-those files also need ``expecttest`` and ``hypothesis``).
+those files also need ``expecttest`` and ``hypothesis``;
+``benchmarks/pytorch_tests/PROVENANCE.md`` says which copies were measured).
 
 Method
 ------
 pytest runs the selection twice, one run after the other, in subprocesses of
-this same interpreter:
+this same interpreter, both with ``-p no:qkvtrace`` (qkvtrace's own pytest
+plugin, which an installed qkvtrace registers in every pytest run, stays out):
 
-1. plain: nothing of qkvtrace is imported;
-2. traced: ``--mode session`` (default) enters one ``qkvtrace.trace(MODEL)``
-   at session start -- before the test files are imported -- and leaves it at
-   session end; ``--mode per-test`` enters a fresh trace around each test
-   (setup, call and teardown). ``MODEL`` (``--model``, default
-   ``nn.Linear(1, 1)``) is evaluated with ``torch`` and ``nn`` in scope; the
-   default installs every wrapper while tracing no model of the tests.
+1. plain: nothing of qkvtrace is imported -- checked: the run records whether
+   ``qkvtrace`` is in ``sys.modules`` at the end of the run, and a plain run that
+   imported it (through a ``conftest.py`` or another plugin) is no baseline
+   (exit 2);
+2. traced: ``--mode after-import`` (default) enters one
+   ``qkvtrace.trace(MODEL)`` once collection is over -- every test module
+   already imported, as in a program that imports its libraries and then
+   opens a trace -- and leaves it at session end; ``--mode before-import``
+   enters it at session start, before the test modules are imported (a
+   module that binds ``scaled_dot_product_attention`` by name at import then
+   binds the wrapper, which hides identity changes the after-import mode
+   shows); ``--mode per-test`` enters a fresh trace around each test (setup,
+   call and teardown). ``MODEL`` (``--model``, default ``nn.Linear(1, 1)``)
+   is evaluated with ``torch`` and ``nn`` in scope; the default installs
+   every wrapper while tracing no model of the tests.
 
 Both runs load ``torch_tests_plugin`` (beside this file), which records each
 test's outcome (passed, failed, skipped, error, xfailed, xpassed) and the
@@ -39,8 +50,9 @@ machines.
 Exit codes: 0 no test differs and everything was restored; 1 some test
 differs, the traced run left a PyTorch function replaced, or the traced run
 could not run the tests the plain run ran; 2 bad input (a missing path, a
-selection with no tests, a plain run that could not run the tests, a run
-that did not finish within ``--timeout``), with one line on stderr saying why.
+selection with no tests, a plain run that could not run the tests or that
+imported qkvtrace, a run that did not finish within ``--timeout``), with one
+line on stderr saying why.
 """
 
 from __future__ import annotations
@@ -63,6 +75,10 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parent
 PLUGIN = "torch_tests_plugin"
+MODES = ("after-import", "before-import", "per-test")
+# qkvtrace's own pytest plugin (entry point name): loaded into every pytest run
+# of an environment where qkvtrace is installed, and it imports qkvtrace.
+NO_QKVTRACE_PLUGIN = ("-p", "no:qkvtrace")
 OUTCOMES = ("passed", "failed", "skipped", "error", "xfailed", "xpassed")
 # pytest's own exit codes (pytest.ExitCode)
 PYTEST_OK, PYTEST_TESTS_FAILED, PYTEST_INTERRUPTED, PYTEST_INTERNAL, PYTEST_USAGE, PYTEST_NO_TESTS = range(6)
@@ -105,7 +121,8 @@ class Difference:
 
 
 def pytest_command(path: Path, keyword: str | None, extra: Sequence[str], plugins: Sequence[str]) -> list[str]:
-    cmd = [sys.executable, "-m", "pytest", str(path), "-q", "-p", "no:cacheprovider", "-p", PLUGIN]
+    cmd = [sys.executable, "-m", "pytest", str(path), "-q", "-p", "no:cacheprovider", *NO_QKVTRACE_PLUGIN]
+    cmd += ["-p", PLUGIN]
     for plugin in plugins:
         cmd += ["-p", plugin]
     if keyword:
@@ -190,6 +207,11 @@ def stopped(run: Run) -> str | None:
     return None
 
 
+def imported_qkvtrace(run: Run) -> bool:
+    """Whether ``qkvtrace`` was in ``sys.modules`` at the end of the run."""
+    return bool((run.session or {}).get("qkvtrace_imported"))
+
+
 # -- comparing ---------------------------------------------------------------------
 
 
@@ -233,6 +255,7 @@ def summary(path: Path, args: argparse.Namespace, plain: Run, traced: Run, diffs
                 "pytest_exit": run.returncode,
                 "identity": (run.session or {}).get("identity"),
                 "trace_error": (run.session or {}).get("trace_error"),
+                "qkvtrace_imported": (run.session or {}).get("qkvtrace_imported"),
             }
             for run in (plain, traced)
         },
@@ -288,6 +311,8 @@ def print_report(report: dict[str, Any], diffs: list[Difference], tty: bool) -> 
             )
         if run["trace_error"]:
             console.print(f"{name} run: {run['trace_error']}")
+    if runs["plain"]["qkvtrace_imported"] is False:
+        console.print("plain run: qkvtrace was not imported (checked at the end of the run)")
     if report.get("traced_stopped"):
         console.print(report["traced_stopped"])
     if not diffs:
@@ -320,9 +345,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("-k", dest="keyword", metavar="EXPR", help='pytest -k selection, e.g. "cpu or CPU"')
     parser.add_argument(
         "--mode",
-        choices=("session", "per-test"),
-        default="session",
-        help="one trace for the whole session (default) or a fresh trace per test",
+        choices=MODES,
+        default="after-import",
+        help="when the traced run opens its trace: once, after the test modules are imported (default); "
+        "once, before they are imported; or a fresh trace around each test",
     )
     parser.add_argument(
         "--model",
@@ -395,6 +421,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 why = stopped(run)
                 if why is not None and name == "plain":
                     raise BadInput(why)
+                if name == "plain" and imported_qkvtrace(run):
+                    raise BadInput(
+                        "the plain run imported qkvtrace (a conftest.py or a pytest plugin imports it), "
+                        "so it is no baseline; remove that import from the test setup"
+                    )
                 runs.append(run)
         plain, traced = runs
     except BadInput as exc:

@@ -10,12 +10,16 @@
     ``xpassed``) and ``message`` (first line of the failure, error or skip
     reason). Written as each test finishes, so a run that is stopped keeps
     what it did. A last line, ``{"session": ...}``, says whether PyTorch's
-    attention functions were PyTorch's own objects again at the end.
+    attention functions were PyTorch's own objects again at the end and
+    whether ``qkvtrace`` was in ``sys.modules`` then (``qkvtrace_imported``:
+    the plain run must say ``false``).
 ``QKVTRACE_TT_MODE``
-    ``off`` (the plain run), ``session`` (one ``qkvtrace.trace`` entered at
-    session start, before the test files are imported, and left at session
-    end) or ``per-test`` (a fresh trace around each test's setup, call and
-    teardown).
+    ``off`` (the plain run), ``after-import`` (one ``qkvtrace.trace`` entered
+    once collection is over -- every test module imported, as when a user's
+    program imports its libraries and then opens a trace -- and left at
+    session end), ``before-import`` (the same trace entered at session start,
+    before the test modules are imported) or ``per-test`` (a fresh trace
+    around each test's setup, call and teardown, also after the imports).
 ``QKVTRACE_TT_MODEL``
     A Python expression evaluated with ``torch`` and ``nn`` in scope; the
     module it makes is what the trace is given (default ``nn.Linear(1, 1)``:
@@ -26,12 +30,21 @@ trace is open and puts the originals back when it closes. A test suite that
 compares functions by identity (``F.scaled_dot_product_attention is ...``)
 or mocks them with ``unittest.mock.patch`` sees those swaps; the end-of-
 session check makes sure nothing is left behind.
+
+Why after the imports: a module that binds a function by name at import
+(``from torch.nn.functional import scaled_dot_product_attention``) keeps the
+object it found then. A trace opened before the import hands it the wrapper,
+so the module never sees the swap; a trace opened after it -- the common
+case -- leaves the module holding PyTorch's own function while
+``F.scaled_dot_product_attention`` is the wrapper, and code that compares the
+two (PyTorch's ``CausalBias``) takes another branch.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Generator
 from typing import Any
 
@@ -41,7 +54,7 @@ OUT_ENV = "QKVTRACE_TT_OUT"
 MODE_ENV = "QKVTRACE_TT_MODE"
 MODEL_ENV = "QKVTRACE_TT_MODEL"
 DEFAULT_MODEL = "nn.Linear(1, 1)"
-MODES = ("off", "session", "per-test")
+MODES = ("off", "after-import", "before-import", "per-test")
 MESSAGE_LIMIT = 300
 
 
@@ -184,16 +197,25 @@ def pytest_configure(config: pytest.Config) -> None:
     _recorder.before = watched()  # first thing, before any other plugin's configure
 
 
+def _open_session_trace(rec: Recorder) -> None:
+    try:
+        rec.session_trace = rec.open_trace()
+    except Exception as exc:
+        rec.write({"error": f"could not open qkvtrace.trace({rec.model_expr}): {type(exc).__name__}: {exc}"})
+        raise pytest.UsageError(f"qkvtrace.trace({rec.model_expr}) failed: {exc}") from exc
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     rec = _recorder
-    if rec is None:
-        return
-    if rec.mode == "session":
-        try:
-            rec.session_trace = rec.open_trace()
-        except Exception as exc:
-            rec.write({"error": f"could not open qkvtrace.trace({rec.model_expr}): {type(exc).__name__}: {exc}"})
-            raise pytest.UsageError(f"qkvtrace.trace({rec.model_expr}) failed: {exc}") from exc
+    if rec is not None and rec.mode == "before-import":
+        _open_session_trace(rec)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Collection is over: every test module has been imported."""
+    rec = _recorder
+    if rec is not None and rec.mode == "after-import":
+        _open_session_trace(rec)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -243,6 +265,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
                 "model": rec.model_expr,
                 "identity": identity,
                 "trace_error": rec.trace_error,
+                "qkvtrace_imported": "qkvtrace" in sys.modules,
                 "exitstatus": int(exitstatus),
             }
         }
