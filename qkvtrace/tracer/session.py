@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from qkvtrace import compat, lazy, maps, masks, paths
+from qkvtrace.dataflow import derived_projection
 from qkvtrace.records import (
     AttentionCall,
     GradientRecord,
@@ -31,7 +32,7 @@ from qkvtrace.records import (
     Unobserved,
     squared_shares,
 )
-from qkvtrace.slices import NormCache, Projection, find_projection
+from qkvtrace.slices import NormCache, Projection, guess_projection, mha_projection
 from qkvtrace.tracer import registry
 from qkvtrace.tracer.gradients import GradientRecorder
 from qkvtrace.tracer.install import installation
@@ -57,7 +58,7 @@ class Trace:
       and backward pass;
     * ``result.unobserved``: modules that look like attention but made no
       recorded call; ``result.warnings``: what the trace could not see;
-    * ``to_dict()`` / ``save(path)``: the ``qkvtrace.trace/1`` JSON.
+    * ``to_dict()`` / ``save(path)``: the ``qkvtrace.trace/2`` JSON.
 
     While the block runs, measured numbers stay on the device; reading
     ``calls`` or ``gradients`` inside the block reads them back (on an
@@ -194,12 +195,26 @@ class Trace:
     def take_index(self) -> int:
         return next(self._counter)
 
-    def projection(self, module: nn.Module) -> Projection | str:
-        """Where ``module``'s Q/K/V live (its own children first, then its ancestors')."""
+    def projection(self, module: nn.Module, qkv: Sequence[Any] | None = None) -> Projection | str:
+        """Where ``module``'s Q/K/V live: ``nn.MultiheadAttention``'s by its definition; any other
+        module's derived from the autograd graph of the ``qkv`` its kernel received.
+
+        Derived once per module (:func:`qkvtrace.dataflow.derived_projection`), from
+        its first call that builds a graph; until one does, the answer is the reason
+        it is not known.
+        """
         key = id(module)
         found = self._projections.get(key)
-        if found is None:
-            found = self._projections[key] = find_projection(module, self._parents(module))
+        if found is not None:
+            return found
+        if isinstance(module, nn.MultiheadAttention):
+            found = self._projections[key] = mha_projection(module)
+            return found
+        if qkv is None:
+            return "not derived: the call handed no Q, K, V tensors to a kernel the tracer sees"
+        found = derived_projection(module, qkv, [module, *self._parents(module)])
+        if isinstance(found, Projection):
+            self._projections[key] = found
         return found
 
     def add_call(
@@ -367,7 +382,7 @@ def _looks_like_attention(name: str, module: nn.Module) -> bool:
     last = name.rpartition(".")[2]
     if _ATTENTION_NAME.search(last) or _ATTENTION_NAME.search(type(module).__name__):
         return True
-    return isinstance(find_projection(module), Projection)
+    return isinstance(guess_projection(module), Projection)
 
 
 def _calibrate(model: nn.Module) -> None:

@@ -57,7 +57,7 @@ def observe_flex(original: Callable[..., Any], args: tuple[Any, ...], kwargs: di
         raise
     finally:
         first = targets[0][0]
-        projection = first.projection(owner)
+        projection = first.projection(owner, (q, k, v))
         result = out[0] if isinstance(out, tuple) else out
         call = AttentionCall(
             index=-1,
