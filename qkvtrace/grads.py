@@ -142,7 +142,7 @@ def measure(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | No
         loss.backward()
     result = t.result
     routes = [_route_of_call(call, result) for call in result.calls]
-    seen = {c.module for c in result.calls} | {c.qkv.holder for c in result.calls if c.qkv.holder}
+    seen = {c.module for c in result.calls} | {c.qkv.holder for c in result.calls if c.qkv.holder is not None}
     routes += [r for r in hand.routes() if not any(_related(r.module, s) for s in seen)]
     return GradsResult(target, str(torch.__version__), kind, float(loss.detach()), routes, result)
 
@@ -161,7 +161,7 @@ def _route_of_call(call: AttentionCall, result: TraceResult) -> Route:
         for part in PARTS_ORDER:
             got = getattr(found[-1], part)
             setattr(route, part, asdict(got) if got is not None else None)
-    holder = call.qkv.holder or call.module
+    holder = call.qkv.holder if call.qkv.holder is not None else call.module
     grads = [g for g in result.gradients if g.module == call.module]
     if call.qkv.layout is not None and grads:
         route.slices = _slices(call, holder, grads[-1])
