@@ -14,7 +14,7 @@ import contextlib
 import itertools
 import re
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -154,6 +154,7 @@ class Trace:
             keys = inst.bind_names(model)
             stack.callback(inst.unbind, keys)
             stack.callback(self._grads.close)
+            self._grads.gather = self._fsdp1_gather() if self.record_gradients else None
             if self.record_gradients:  # MultiheadAttention modules are known up front; others when they call SDPA
                 for _, m in self._names.values():
                     if isinstance(m, nn.MultiheadAttention):
@@ -262,6 +263,18 @@ class Trace:
 
     # -- internals -----------------------------------------------------------
 
+    def _fsdp1_gather(self) -> Callable[[], Any] | None:
+        """For a model wrapped in FSDP1 (``FullyShardedDataParallel``): whole parameters and ``.grad`` on
+        every rank, through its own ``summon_full_params(root, with_grads=True)``."""
+        fsdp1 = compat.fsdp1_types()
+        if not fsdp1:
+            return None
+        roots = sorted(((n, m) for n, m in self._names.values() if isinstance(m, fsdp1)), key=lambda e: len(e[0]))
+        if not roots:
+            return None
+        root, cls = roots[0][1], fsdp1[0]
+        return lambda: cls.summon_full_params(root, with_grads=True)  # type: ignore[attr-defined]
+
     def _parents(self, module: nn.Module) -> list[nn.Module]:
         name = self.name_of(module)
         parents: list[nn.Module] = []
@@ -302,12 +315,6 @@ class Trace:
                 regions.append((name, "torch.compile"))
             elif scripted_types and isinstance(m, scripted_types):
                 regions.append((name, "TorchScript"))
-        fsdp1 = compat.fsdp1_types()
-        if self.record_gradients and fsdp1 and any(isinstance(m, fsdp1) for _, m in self._names.values()):
-            self._result.warnings.append(
-                "the model is wrapped in FullyShardedDataParallel (FSDP1): each rank holds only its shard of a "
-                "parameter's .grad, so slice gradients are not read (null); fully_shard (FSDP2) is read whole"
-            )
         for name, kind in regions:
             inside = sum(1 for c in self._result.calls if _within(c.module, name))
             if inside:  # Dynamo ran them eagerly (some releases fall back on attention): real calls, recorded
