@@ -177,14 +177,14 @@ def derive_projection(qkv: Sequence[Any], holders: Sequence[nn.Module]) -> Proje
             return "not derived: inference mode builds no autograd graph, and the rows are read from one"
         if not torch.is_grad_enabled():
             return "not derived: grad is disabled (torch.no_grad), so no autograd graph exists to read the rows from"
+        part = "QKV"[next(i for i, t in enumerate(tensors) if t.grad_fn is None)]
+        return f"not derived: {part} has no autograd history (nothing it came from requires grad)"
     if not compat.has_gradient_edge():
         return "not derived: this PyTorch cannot take gradients at a graph edge (torch.autograd.graph.GradientEdge)"
     by_id = _candidates(holders)
     by_fn = {id(w.grad_fn): wid for wid, (w, _) in by_id.items() if w.grad_fn is not None}
     parts: dict[str, tuple[_Candidate, tuple[tuple[int, int], ...]]] = {}
     for part, t in zip(PARTS, tensors, strict=True):
-        if t.grad_fn is None:
-            return f"not derived: {part.upper()} has no autograd history (nothing it came from requires grad)"
         found = _consumer(t.grad_fn, by_id, by_fn)
         if found is None:
             return (f"not derived: no nn.Linear or Conv1D weight of this module or its parents is consumed on the "

@@ -380,3 +380,37 @@ def test_flex_attention_slices_in_training() -> None:
     assert call.path == "flex" and call.qkv.layout == "interleaved"
     for i, part in enumerate("qkv"):
         assert _expand(getattr(call.qkv, part).rows) == _interleaved(i).tolist()
+
+
+class RawParameter(nn.Module):
+    """Q/K/V made by ``x @ w_qkv`` with a bare parameter, after an ``nn.Linear`` that feeds all three."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(E, E)
+        self.w_qkv = nn.Parameter(torch.randn(E, 3 * E) / E**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (_heads(t) for t in (self.inp(x) @ self.w_qkv).split(E, dim=-1))
+        return _merge(F.scaled_dot_product_attention(q, k, v))
+
+
+def test_a_projection_it_cannot_name_is_unknown_not_an_earlier_layer() -> None:
+    """Witness: by construction Q, K, V come from ``w_qkv`` (no ``nn.Linear``); every row of ``inp`` reaches
+    all three, so naming ``inp`` would be a wrong answer. The record must be unknown, with a reason."""
+    model = RawParameter()
+    t, _ = _run(model)
+    [call] = t.calls
+    assert call.qkv.layout is None and call.qkv.q.param is None
+    assert call.qkv.reason and "Linear or Conv1D weight" in call.qkv.reason
+    assert t.gradients == []
+
+
+def test_frozen_projection_says_why() -> None:
+    """Witness: with every weight frozen (``requires_grad=False``) PyTorch gives Q no ``grad_fn``."""
+    model = Interleaved().requires_grad_(False)
+    x = torch.randn(B, L, E, requires_grad=False)
+    with qkvtrace.trace(model) as t:
+        model(x)
+    [call] = t.calls
+    assert call.qkv.layout is None and "no autograd history" in call.qkv.reason
