@@ -177,8 +177,10 @@ def derive_projection(qkv: Sequence[Any], holders: Sequence[nn.Module]) -> Proje
             return "not derived: inference mode builds no autograd graph, and the rows are read from one"
         if not torch.is_grad_enabled():
             return "not derived: grad is disabled (torch.no_grad), so no autograd graph exists to read the rows from"
-        part = "QKV"[next(i for i, t in enumerate(tensors) if t.grad_fn is None)]
-        return f"not derived: {part} has no autograd history (nothing it came from requires grad)"
+        i = next(i for i, t in enumerate(tensors) if t.grad_fn is None)
+        if tensors[i].requires_grad:
+            return f"not derived: {'QKV'[i]} is a leaf tensor: no projection made it"
+        return f"not derived: {'QKV'[i]} has no autograd history (nothing it came from requires grad)"
     if not compat.has_gradient_edge():
         return "not derived: this PyTorch cannot take gradients at a graph edge (torch.autograd.graph.GradientEdge)"
     by_id = _candidates(holders)

@@ -385,7 +385,8 @@ def test_no_projection_found_says_why() -> None:
     x = torch.randn(B, H, L, E // H)
     with qkvtrace.trace(model) as t:
         model[0](x, x, x)
-        model[0](*(x.clone().requires_grad_() for _ in range(3)))
+        leaf = x.clone().requires_grad_()
+        model[0](leaf * 1, leaf * 1, leaf * 1)  # a graph, but no projection in it
     plain, graphed = t.calls
     assert plain.qkv.layout is None and plain.qkv.reason and "no autograd history" in plain.qkv.reason
     assert graphed.qkv.layout is None and graphed.qkv.reason and "Linear or Conv1D weight" in graphed.qkv.reason
