@@ -67,7 +67,7 @@ def register(sub: Any) -> None:
     add_target_options(p)
     p.add_argument("--call", type=int, metavar="N", help="only call N (its index in `qkvtrace trace`)")
     p.add_argument("--svg", metavar="FILE", type=Path, help="draw the routes with graphviz into this SVG")
-    p.add_argument("--json", metavar="FILE", type=Path, help="write the qkvtrace.grads/1 JSON here")
+    p.add_argument("--json", metavar="FILE", type=Path, help="write the qkvtrace.grads/2 JSON here")
     p.add_argument("--eval", action="store_true", help="model.eval() (dropout off) instead of model.train()")
     p.add_argument("--input-shape", metavar="B,T", help="batch and sequence length of made-up inputs (default 2,16)")
     add_budget_options(p)

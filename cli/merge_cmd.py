@@ -46,7 +46,7 @@ def register(sub: Any) -> None:
                        description=_HELP, epilog=_EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("files", metavar="FILE", type=Path, nargs="+",
-                   help="a per-rank trace file (qkvtrace.trace/1), or a folder of NAME.rankN.json files")  # fmt: skip
+                   help="a per-rank trace file (qkvtrace.trace/2 or /1), or a folder of NAME.rankN.json")  # fmt: skip
     p.add_argument("--json", metavar="OUT", type=Path, help="write the qkvtrace.merge/1 JSON (all ranks' traces)")
     p.set_defaults(run=run_merge)
 

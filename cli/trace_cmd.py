@@ -72,7 +72,7 @@ def register(sub: Any) -> None:
         help="model.eval() before the run (default)",
     )
     p.add_argument("--input-shape", metavar="B,T", help="batch and sequence length of made-up inputs (default 2,16)")
-    p.add_argument("--json", metavar="FILE", type=Path, help="also write the qkvtrace.trace/1 JSON here")
+    p.add_argument("--json", metavar="FILE", type=Path, help="also write the qkvtrace.trace/2 JSON here")
     p.add_argument("--columns", metavar="LIST", type=_columns, default=None,
                    help=f"secondary columns, comma-separated: {', '.join(COLUMNS)} or all "
                         "(default: grads when --backward recorded gradients)")  # fmt: skip

@@ -7,6 +7,7 @@ free of version checks and follow whatever the installed PyTorch offers.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import sys
 from collections.abc import Callable, Iterator
@@ -248,3 +249,10 @@ def fsdp1_types() -> tuple[type, ...]:
     fsdp = sys.modules.get("torch.distributed.fsdp")
     found = getattr(fsdp, "FullyShardedDataParallel", None) if fsdp is not None else None
     return (found,) if isinstance(found, type) else ()
+
+
+@functools.cache
+def has_gradient_edge() -> bool:
+    """Whether ``torch.autograd.grad`` takes a ``GradientEdge`` (a graph edge) as an input."""
+    edge = getattr(torch.autograd.graph, "GradientEdge", None)
+    return edge is not None and "GradientEdge" in (inspect.getdoc(torch.autograd.grad) or "")

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from qkvtrace.errors import InputError, OutputError
-from qkvtrace.records import TRACE_SCHEMA, TraceResult, atomic_write_text
+from qkvtrace.records import TRACE_SCHEMAS, TraceResult, atomic_write_text
 
 __all__ = [
     "COMPARED_FIELDS",
@@ -118,7 +118,7 @@ def _record_values(data: dict[str, Any], key: str) -> set[int]:
 def _read_one(path: Path) -> RankTrace:
     from qkvtrace.validation import load_json
 
-    data = load_json(path, TRACE_SCHEMA)
+    data = load_json(path, TRACE_SCHEMAS)
     ranks = _record_values(data, "rank")
     worlds = _record_values(data, "world_size")
     if len(ranks) > 1:

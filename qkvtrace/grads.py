@@ -31,7 +31,7 @@ PARTS_ORDER = ("q", "k", "v")
 
 __all__ = ["GRADS_SCHEMA", "GradsResult", "NoBackward", "Route", "SliceGradient", "measure"]
 
-GRADS_SCHEMA = "qkvtrace.grads/1"
+GRADS_SCHEMA = "qkvtrace.grads/2"
 
 #: the path reported for attention the tracer does not wrap (a softmax written in the model's own code)
 HAND_WRITTEN = "hand-written"
@@ -47,13 +47,15 @@ class SliceGradient:
 
     #: dotted parameter name in the model, e.g. ``layers.0.self_attn.in_proj_weight``
     param: str
-    #: ``[start, stop)`` rows (columns for ``dim`` 1) of a packed weight; ``None`` for a whole one
-    rows: list[int] | None
+    #: ``[start, stop)`` ranges of rows (columns for ``dim`` 1) the part is made of; ``None`` for a whole weight
+    rows: list[list[int]] | None
     dim: int
     #: norm of that slice of the parameter's ``.grad`` after the pass
     grad_norm: float | None
     #: its share of the squared Q/K/V weight-gradient norm of the module
     share: float | None
+    #: how ``rows`` are known (see :attr:`qkvtrace.records.SliceInfo.evidence`)
+    evidence: str | None = None
 
 
 @dataclass(slots=True)
@@ -141,7 +143,7 @@ def measure(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | No
         loss.backward()
     result = t.result
     routes = [_route_of_call(call, result) for call in result.calls]
-    seen = {c.module for c in result.calls} | {c.qkv.holder for c in result.calls if c.qkv.holder}
+    seen = {c.module for c in result.calls} | {c.qkv.holder for c in result.calls if c.qkv.holder is not None}
     routes += [r for r in hand.routes() if not any(_related(r.module, s) for s in seen)]
     return GradsResult(target, str(torch.__version__), kind, float(loss.detach()), routes, result)
 
@@ -160,7 +162,7 @@ def _route_of_call(call: AttentionCall, result: TraceResult) -> Route:
         for part in PARTS_ORDER:
             got = getattr(found[-1], part)
             setattr(route, part, asdict(got) if got is not None else None)
-    holder = call.qkv.holder or call.module
+    holder = call.qkv.holder if call.qkv.holder is not None else call.module
     grads = [g for g in result.gradients if g.module == call.module]
     if call.qkv.layout is not None and grads:
         route.slices = _slices(call, holder, grads[-1])
@@ -174,7 +176,7 @@ def _slices(call: AttentionCall, holder: str, grad: GradientRecord) -> dict[str,
         if info is None or info.param is None:
             continue
         name = f"{holder}.{info.param}" if holder else info.param
-        out[part] = SliceGradient(name, info.rows, info.dim, g.grad_norm, g.pass_share)
+        out[part] = SliceGradient(name, info.rows, info.dim, g.grad_norm, g.pass_share, info.evidence)
     return out
 
 
@@ -186,13 +188,13 @@ class _HandWritten:
     """
 
     def __init__(self, model: nn.Module) -> None:
-        from qkvtrace.slices import Projection, find_projection
+        from qkvtrace.slices import Projection, guess_projection
 
         self._candidates: dict[int, tuple[str, nn.Module, Any]] = {}
         for name, m in model.named_modules():
             if type(m).__module__.startswith("torch."):
                 continue
-            found = find_projection(m)
+            found = guess_projection(m)  # no kernel call of its own to derive the rows from: a hypothesis
             if isinstance(found, Projection):
                 self._candidates[id(m)] = (name, m, found)
         self._handles: list[Any] = []
@@ -253,6 +255,5 @@ def _real_slices(name: str, module: nn.Module, projection: Any) -> dict[str, Sli
     out = {}
     for part, ps in projection.spec.parts():
         param = f"{name}.{ps.param}" if name else ps.param
-        rows = list(ps.rows) if ps.rows is not None else None
-        out[part] = SliceGradient(param, rows, ps.dim, norms[part], shares[part])
+        out[part] = SliceGradient(param, [list(r) for r in ps.rows], ps.dim, norms[part], shares[part], ps.evidence)
     return out

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from qkvtrace.records import kernel_refusal
+from qkvtrace.records import TRACE_SCHEMAS, kernel_refusal
 
 if TYPE_CHECKING:
     from torch import nn
@@ -76,7 +76,7 @@ _MAX_ROWS = 20  # rows shown in a failure table; the rest are counted
 
 
 def calls_of(t: Any) -> list[dict[str, Any]]:
-    """The call records of ``t`` as ``qkvtrace.trace/1`` JSON objects.
+    """The call records of ``t`` as ``qkvtrace.trace/2`` JSON objects (a ``/1`` file's as written).
 
     ``t``: an open or finished :class:`qkvtrace.Trace`, a
     :class:`qkvtrace.TraceResult`, its ``to_dict()`` form, a list of call
@@ -85,7 +85,7 @@ def calls_of(t: Any) -> list[dict[str, Any]]:
     if isinstance(t, (str, Path)):
         from qkvtrace.validation import load_json
 
-        return list(load_json(t, "qkvtrace.trace/1")["calls"])
+        return list(load_json(t, TRACE_SCHEMAS)["calls"])
     if isinstance(t, Mapping):
         return [dict(c) for c in t["calls"]]
     calls = getattr(t, "calls", t)
@@ -98,7 +98,7 @@ def _unobserved_of(t: Any) -> list[dict[str, Any]]:
     if isinstance(t, (str, Path)):
         from qkvtrace.validation import load_json
 
-        t = load_json(t, "qkvtrace.trace/1")
+        t = load_json(t, TRACE_SCHEMAS)
     result = getattr(t, "result", t)
     if isinstance(result, Mapping):
         return [dict(u) for u in result.get("unobserved", [])]
@@ -293,7 +293,7 @@ def assert_same_as_report(t: Any, reference: str | Path, *, scenario: str | None
       naming one of its probe scenarios: the trace of that scenario on the
       running PyTorch must show the calls the report recorded — the check to
       run after a PyTorch upgrade; or
-    * a trace file (``qkvtrace.trace/1``) kept as the expected behaviour of
+    * a trace file (``qkvtrace.trace/2`` or ``/1``) kept as the expected behaviour of
       your own model.
 
     Compared per call, in order: module, path, SDPA backend, PyTorch's
@@ -315,7 +315,7 @@ def assert_same_as_report(t: Any, reference: str | Path, *, scenario: str | None
             raise ValueError(f"{label} is a report ({given}); pass scenario=, one of: {', '.join(sorted(scenarios))}")
         expected = scenarios[scenario]["calls"]
         label = f"{label} scenario {scenario!r}"
-    elif data["schema"] == "qkvtrace.trace/1":
+    elif data["schema"] in TRACE_SCHEMAS:
         if scenario is not None:
             raise ValueError(f"{label} is a trace, not a report; scenario= applies to reports only")
         ref_version = data.get("torch_version", "")

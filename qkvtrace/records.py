@@ -4,7 +4,7 @@ Collectors build these; renderers read them. No record holds a live module,
 and only the optional attention maps are tensors (CPU copies, written to the
 JSON only when asked for): everything else is strings, numbers, shapes and
 lists of them, so a record outlives the model and serialises to the
-``qkvtrace.trace/1`` JSON of DESIGN.md without PyTorch.
+``qkvtrace.trace/2`` JSON of DESIGN.md without PyTorch.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from qkvtrace.errors import SchemaError
 
 __all__ = [
     "TRACE_SCHEMA",
+    "TRACE_SCHEMAS",
     "AttentionCall",
     "GradientRecord",
     "MapTensors",
@@ -34,10 +35,13 @@ __all__ = [
     "Unobserved",
     "atomic_write_text",
     "kernel_refusal",
+    "rows_label",
     "squared_shares",
 ]
 
-TRACE_SCHEMA = "qkvtrace.trace/1"
+TRACE_SCHEMA = "qkvtrace.trace/2"
+#: the schemas :meth:`TraceResult.from_dict` reads (``/1``: one ``[start, stop)`` pair as a slice's rows)
+TRACE_SCHEMAS = ("qkvtrace.trace/1", TRACE_SCHEMA)
 
 #: The paths an attention call can take (DESIGN.md, "Vocabulary"). A call
 #: whose wrapper evidence is missing (a future PyTorch routing elsewhere) says "unknown".
@@ -73,10 +77,11 @@ class MaskInfo:
 class SliceInfo:
     """The Q, K or V part of a projection at the time of the call."""
 
-    #: Parameter name relative to the attention module, e.g. ``"in_proj_weight"``.
+    #: Parameter name relative to the module holding the projection, e.g. ``"in_proj_weight"``.
     param: str | None
-    #: ``[start, stop)`` rows of a packed parameter; ``None`` for separate ones.
-    rows: list[int] | None
+    #: The rows of ``param`` this part is made of, as ``[start, stop)`` ranges
+    #: (one per head where heads are interleaved); ``None`` when unknown.
+    rows: list[list[int]] | None
     shape: list[int] | None
     weight_norm: float | None
     #: Parameter holding this slice's bias (``None`` when there is none).
@@ -88,14 +93,19 @@ class SliceInfo:
     #: The weight dimension ``rows`` index: 0 for ``nn.Linear``-style ``[out, in]``
     #: weights, 1 for ``Conv1D``-style ``[in, out]`` weights (then ``rows`` are columns).
     dim: int = 0
+    #: How ``rows`` are known: ``"dataflow: autograd graph"`` (derived from what
+    #: the call did), ``"by definition: ..."`` (``nn.MultiheadAttention``), or
+    #: ``"by shape"`` / ``"by name"`` (a hypothesis, for modules with no call).
+    evidence: str | None = None
 
 
 @dataclass(slots=True)
 class QKVInfo:
     """How the Q/K/V projection of a call is stored."""
 
-    #: ``"packed"`` (rows of one ``[3E, E]`` weight), ``"separate"`` (three
-    #: weights), or ``None`` when the tracer could not find the projection.
+    #: ``"packed"`` (one weight, each part one range of rows), ``"interleaved"``
+    #: (one weight, a part in several ranges: per-head layouts), ``"separate"``
+    #: (a weight per part), ``"mixed"``, or ``None`` when the slices are not known.
     layout: str | None
     q: SliceInfo | None
     k: SliceInfo | None
@@ -103,7 +113,7 @@ class QKVInfo:
     #: Dotted name (in the trace) of the module holding the projection, when it
     #: is not the call's own module (e.g. the parent of a small "attend" module).
     holder: str | None = None
-    #: Why no projection was identified (``layout`` is ``None``).
+    #: Why the slices are not known (``layout`` is ``None``), in words.
     reason: str | None = None
 
 
@@ -343,7 +353,7 @@ class TraceResult:
     routes: list[RouteRecord] = field(default_factory=list)
 
     def to_dict(self, *, maps: bool = False) -> dict[str, Any]:
-        """The ``qkvtrace.trace/1`` JSON object (``maps``: with the attention maps' values)."""
+        """The ``qkvtrace.trace/2`` JSON object (``maps``: with the attention maps' values)."""
         return {
             "schema": TRACE_SCHEMA,
             "torch_version": self.torch_version,
@@ -376,13 +386,14 @@ class TraceResult:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TraceResult:
-        """Read a ``qkvtrace.trace/1`` object; refuse any other schema."""
+        """Read a ``qkvtrace.trace/2`` (or ``/1``) object; refuse any other schema."""
         schema = data.get("schema") if isinstance(data, dict) else None
-        if schema != TRACE_SCHEMA:
+        if schema not in TRACE_SCHEMAS:
             raise SchemaError(
-                f"expected schema {TRACE_SCHEMA!r} but found {schema!r}; "
+                f"expected schema {TRACE_SCHEMA!r} (or {TRACE_SCHEMAS[0]!r}) but found {schema!r}; "
                 "this file was not written by `qkvtrace trace` of this version"
             )
+        old = schema != TRACE_SCHEMA
         known = {f.name for f in fields(AttentionCall)}
         calls = []
         for c in data["calls"]:
@@ -393,7 +404,7 @@ class TraceResult:
                 layout=qkv["layout"],
                 holder=qkv.get("holder"),
                 reason=qkv.get("reason"),
-                **{part: (_slice(qkv[part]) if qkv[part] is not None else None) for part in ("q", "k", "v")},
+                **{part: (_slice(qkv[part], old) if qkv[part] is not None else None) for part in ("q", "k", "v")},
             )
             calls.append(AttentionCall(**c))
         grads = [
@@ -426,9 +437,20 @@ class TraceResult:
         )
 
 
-def _slice(data: dict[str, Any]) -> SliceInfo:
+def _slice(data: dict[str, Any], version_1: bool = False) -> SliceInfo:
     known = {f.name for f in fields(SliceInfo)}
-    return SliceInfo(**{k: v for k, v in data.items() if k in known})
+    info = SliceInfo(**{k: v for k, v in data.items() if k in known})
+    if version_1 and info.rows is not None:  # /1 wrote one [start, stop) pair
+        info.rows = [list(info.rows)]  # type: ignore[arg-type]  # a flat pair in /1
+    return info
+
+
+def rows_label(rows: Sequence[Sequence[int]] | None, most: int = 4) -> str:
+    """``0:64`` for one range, ``0:4,12:16,...`` for several (``… (+n)`` past ``most``), ``:`` for unknown."""
+    if not rows:
+        return ":"
+    shown = ",".join(f"{a}:{b}" for a, b in rows[:most])
+    return shown if len(rows) <= most else f"{shown},…(+{len(rows) - most})"
 
 
 def squared_shares(norms: Sequence[float | None]) -> list[float | None]:

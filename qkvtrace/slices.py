@@ -1,16 +1,23 @@
-"""Q/K/V views of packed or separate projection weights and their gradients.
+"""Q/K/V views of projection weights and their gradients.
+
+A slice is a set of weight rows, written as ``[start, stop)`` ranges: one
+range for a contiguous part, one per head where heads are interleaved.
 
 ``nn.MultiheadAttention`` keeps Q, K and V in rows ``[0,E)``, ``[E,2E)`` and
 ``[2E,3E)`` of one ``in_proj_weight`` (layout ``packed``) unless ``kdim`` or
 ``vdim`` differ from ``embed_dim``, when it keeps ``q_proj_weight``,
 ``k_proj_weight`` and ``v_proj_weight`` (layout ``separate``). The bias stays
-packed in ``in_proj_bias`` either way.
+packed in ``in_proj_bias`` either way. That is the module's own definition
+(``F.multi_head_attention_forward`` chunks the weight in that order), and its
+slices say so in their ``evidence``.
 
-Modules that call SDPA themselves are searched for a packed projection -- a
-``Linear(E, 3E)``, or a ``Conv1D``-style module whose weight is stored
-transposed as ``[E, 3E]`` (GPT-2) -- or for ``q``/``k``/``v`` projections,
-first among their own children, then among their parent's (an attention
-module that hands the kernel call to a small child module).
+Modules that call SDPA themselves lay their projections out as they like;
+their slices are derived from the autograd graph of the call
+(:mod:`qkvtrace.dataflow`). :func:`guess_projection` only proposes one by
+shape and name (a ``Linear(E, 3E)`` read as contiguous thirds, or
+``q``/``k``/``v``-named children), for the places where no call exists to
+derive it from (listing modules that look like attention); its slices carry
+``evidence`` ``"by shape"`` or ``"by name"``.
 
 Norms are computed on the device and returned as 0-dim tensors: nothing here
 reads a value back to the host (DESIGN.md, principle 7); the tracer resolves
@@ -34,14 +41,22 @@ __all__ = [
     "PartSpec",
     "Projection",
     "ProjectionSpec",
-    "find_projection",
     "grad_slices",
+    "guess_projection",
+    "layout_of",
+    "mha_projection",
+    "rows_of",
     "slice_norms_of",
+    "whole",
 ]
 
 PARTS = ("q", "k", "v")
 
-Rows = tuple[int, int] | None
+#: ``[start, stop)`` ranges of rows (columns of a ``Conv1D`` weight), in order
+Rows = tuple[tuple[int, int], ...]
+
+#: the evidence of :class:`nn.MultiheadAttention`'s slices
+BY_DEFINITION = "by definition: nn.MultiheadAttention (F.multi_head_attention_forward chunks it in q, k, v order)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,10 +69,13 @@ class PartSpec:
     bias_rows: Rows
     #: the weight dimension ``rows`` index (1 for ``[in, out]`` Conv1D weights)
     dim: int = 0
+    #: how ``rows`` are known (``"dataflow: autograd graph"``, ``"by definition: ..."``, ``"by name"``)
+    evidence: str = ""
 
 
 @dataclass(frozen=True, slots=True)
 class ProjectionSpec:
+    #: ``packed``, ``interleaved``, ``separate`` or ``mixed`` (see :func:`layout_of`)
     layout: str
     q: PartSpec
     k: PartSpec
@@ -78,16 +96,44 @@ class Projection:
 def _mha_spec(module: nn.MultiheadAttention) -> ProjectionSpec:
     e = module.embed_dim
     bias = "in_proj_bias" if module.in_proj_bias is not None else None
-    rows = [(0, e), (e, 2 * e), (2 * e, 3 * e)]
+    rows: list[Rows] = [((0, e),), ((e, 2 * e),), ((2 * e, 3 * e),)]
     if module.in_proj_weight is not None:
-        parts = [PartSpec("in_proj_weight", r, bias, r if bias else None) for r in rows]
+        parts = [PartSpec("in_proj_weight", r, bias, r if bias else (), 0, BY_DEFINITION) for r in rows]
         layout = "packed"
     else:
         parts = [
-            PartSpec(f"{p}_proj_weight", None, bias, r if bias else None) for p, r in zip(PARTS, rows, strict=True)
-        ]
+            PartSpec(f"{p}_proj_weight", whole(getattr(module, f"{p}_proj_weight")), bias, r if bias else (), 0,
+                     BY_DEFINITION)
+            for p, r in zip(PARTS, rows, strict=True)
+        ]  # fmt: skip
         layout = "separate"
     return ProjectionSpec(layout, *parts)
+
+
+def whole(weight: torch.Tensor, dim: int = 0) -> Rows:
+    """Every row of ``weight`` (along ``dim``) as one range."""
+    return ((0, int(weight.shape[dim])),)
+
+
+def rows_of(mask: torch.Tensor) -> Rows:
+    """The ``[start, stop)`` ranges of the ``True`` entries of a 1-D bool tensor (one host read)."""
+    idx = mask.nonzero().flatten().tolist()
+    out: list[tuple[int, int]] = []
+    for i in idx:
+        if out and out[-1][1] == i:
+            out[-1] = (out[-1][0], i + 1)
+        else:
+            out.append((i, i + 1))
+    return tuple(out)
+
+
+def layout_of(parts: Sequence[PartSpec]) -> str:
+    """``packed``: one weight, one range per part; ``interleaved``: one weight, a part in several ranges
+    (per head); ``separate``: a weight per part; ``mixed``: anything else (Q alone, K and V packed...)."""
+    params = {p.param for p in parts}
+    if len(params) == 1:
+        return "packed" if all(len(p.rows) == 1 for p in parts) else "interleaved"
+    return "separate" if len(params) == len(parts) else "mixed"
 
 
 _SEPARATE_NAMES = {
@@ -113,45 +159,45 @@ def _weight_layout(module: nn.Module) -> tuple[int, int, int] | None:
     return None
 
 
-def _part(name: str, module: nn.Module, rows: Rows, dim: int) -> PartSpec:
+def _part(name: str, module: nn.Module, rows: Rows, dim: int, evidence: str) -> PartSpec:
     bias = f"{name}.bias" if getattr(module, "bias", None) is not None else None
-    return PartSpec(f"{name}.weight", rows, bias, rows if bias else None, dim)
+    return PartSpec(f"{name}.weight", rows, bias, rows if bias else (), dim, evidence)
 
 
-def _own_projection(module: nn.Module) -> ProjectionSpec | None:
-    if isinstance(module, nn.MultiheadAttention):
-        return _mha_spec(module)
+def _own_guess(module: nn.Module) -> ProjectionSpec | None:
     layouts = {n: (m, lay) for n, m in module.named_children() if (lay := _weight_layout(m)) is not None}
-    for name, (child, (fan_in, fan_out, dim)) in layouts.items():
-        if fan_out == 3 * fan_in:
-            rows = [(0, fan_in), (fan_in, 2 * fan_in), (2 * fan_in, 3 * fan_in)]
-            return ProjectionSpec("packed", *(_part(name, child, r, dim) for r in rows))
     found: dict[str, PartSpec] = {}
     for part, pattern in _SEPARATE_NAMES.items():
-        for name, (child, (_, _, dim)) in layouts.items():
+        for name, (child, (_, fan_out, dim)) in layouts.items():
             if pattern.match(name):
-                found[part] = _part(name, child, None, dim)
+                found[part] = _part(name, child, ((0, fan_out),), dim, "by name")
                 break
     if len(found) == 3:
         return ProjectionSpec("separate", found["q"], found["k"], found["v"])
+    for name, (child, (fan_in, fan_out, dim)) in layouts.items():
+        if fan_out == 3 * fan_in:
+            rows = [((0, fan_in),), ((fan_in, 2 * fan_in),), ((2 * fan_in, 3 * fan_in),)]
+            return ProjectionSpec("packed", *(_part(name, child, r, dim, "by shape") for r in rows))
     return None
 
 
-def find_projection(module: nn.Module, parents: Sequence[nn.Module] = ()) -> Projection | str:
-    """The Q/K/V projection of an attention module, or why none was found.
+def mha_projection(module: nn.MultiheadAttention) -> Projection:
+    """``nn.MultiheadAttention``'s slices, as the module defines them."""
+    return Projection(module, _mha_spec(module))
 
-    ``parents`` are the module's ancestors, innermost first; they are searched
-    after the module itself.
+
+def guess_projection(module: nn.Module) -> Projection | str:
+    """A *hypothesis* for a module's Q/K/V projection, by name and shape (``evidence`` says which).
+
+    Only for modules with no observed call to derive the slices from: q/k/v-named
+    children first, then a child ``Linear(E, 3E)`` read as contiguous thirds.
     """
-    for holder in (module, *parents):
-        spec = _own_projection(holder)
-        if spec is not None:
-            return Projection(holder, spec)
-    where = "its children" + (" or its parent's" if parents else "")
-    return (
-        f"no packed Linear(E, 3E) / Conv1D(E, 3E) or q/k/v-named projections among {where}; "
-        "the Q/K/V slices are unknown"
-    )
+    if isinstance(module, nn.MultiheadAttention):
+        return mha_projection(module)
+    spec = _own_guess(module)
+    if spec is not None:
+        return Projection(module, spec)
+    return "no q/k/v-named projections or Linear(E, 3E) / Conv1D(E, 3E) among its children"
 
 
 def param_of(module: nn.Module, name: str) -> torch.Tensor:
@@ -169,7 +215,9 @@ def param_of(module: nn.Module, name: str) -> torch.Tensor:
 
 
 def _rows(t: torch.Tensor, rows: Rows, dim: int = 0) -> torch.Tensor:
-    return t if rows is None else t.narrow(dim, rows[0], rows[1] - rows[0])
+    if len(rows) == 1:
+        return t.narrow(dim, rows[0][0], rows[0][1] - rows[0][0])
+    return torch.cat([t.narrow(dim, a, b - a) for a, b in rows], dim)
 
 
 def _norm(t: torch.Tensor) -> torch.Tensor:
@@ -225,12 +273,13 @@ class NormCache:
                 bias_norm = self.norm(param_of(module, ps.bias_param), ps.bias_rows)
             infos[part] = SliceInfo(
                 param=ps.param,
-                rows=list(ps.rows) if ps.rows else None,
+                rows=[list(r) for r in ps.rows],
                 shape=list(w.shape),
                 weight_norm=self.norm(weight, ps.rows, ps.dim),  # type: ignore[arg-type]  # resolved later
                 bias_param=ps.bias_param,
                 bias_norm=bias_norm,  # type: ignore[arg-type]
                 dim=ps.dim,
+                evidence=ps.evidence,
             )
         info = QKVInfo(spec.layout, infos["q"], infos["k"], infos["v"])
         if len(self._qkv) >= _MAX_CACHED:  # tensors swapped on every forward (FSDP) would grow it without end
@@ -248,7 +297,7 @@ def grad_slices(
     module, spec = projection.holder, projection.spec
 
     def real(name: str | None, rows: Rows, dim: int = 0) -> torch.Tensor | None:
-        if name is None:
+        if name is None or not rows:
             return None
         grad = param_of(module, name).grad
         return None if grad is None else _norm(_rows(compat.whole(grad), rows, dim))

@@ -1,6 +1,6 @@
 """Structure checks for qkvtrace's JSON files, against the JSON Schemas it ships.
 
-Every file qkvtrace writes carries a ``"schema"`` key (``qkvtrace.trace/1``,
+Every file qkvtrace writes carries a ``"schema"`` key (``qkvtrace.trace/2``,
 ``qkvtrace.report/1``, ``qkvtrace.diff/1``, ...), and for each id there is one
 JSON Schema (Draft 2020-12) in ``qkvtrace/schemas/``, named after it
 (``qkvtrace.report/1`` -> ``report-1.json``). Readers go through
@@ -130,11 +130,13 @@ def read_json(path: str | Path, *, name: str | None = None, max_bytes: int = MAX
         raise SchemaError(f"{name}: is not valid JSON ({str(exc).partition(':')[0]})") from None
 
 
-def load_json(path: str | Path, expected: str | None = None, *, name: str | None = None) -> dict[str, Any]:
+def load_json(
+    path: str | Path, expected: str | tuple[str, ...] | None = None, *, name: str | None = None
+) -> dict[str, Any]:
     """Read a qkvtrace JSON file and check it against the schema of its id.
 
-    ``expected``: the schema id the caller can use (``"qkvtrace.report/1"``);
-    ``None`` accepts any id this qkvtrace knows. Raises
+    ``expected``: the schema id the caller can use (``"qkvtrace.report/1"``),
+    or several; ``None`` accepts any id this qkvtrace knows. Raises
     :class:`~qkvtrace.errors.SchemaError` with one line naming the file.
     """
     name = name or str(path)
@@ -145,7 +147,7 @@ def load_json(path: str | Path, expected: str | None = None, *, name: str | None
 
 
 def load_trace(path: str | Path) -> TraceResult:
-    """Read a ``qkvtrace.trace/1`` file (``qkvtrace trace ... --json``) into records.
+    """Read a ``qkvtrace.trace/2`` (or ``/1``) file (``qkvtrace trace ... --json``) into records.
 
     Keys this version does not know (a file from a newer qkvtrace) are left
     out rather than refused: the schema allows them.
@@ -154,7 +156,7 @@ def load_trace(path: str | Path) -> TraceResult:
 
     from qkvtrace import records
 
-    data = load_json(path, records.TRACE_SCHEMA)
+    data = load_json(path, records.TRACE_SCHEMAS)
 
     def known(cls: Any, obj: dict[str, Any]) -> dict[str, Any]:
         names = {f.name for f in dataclasses.fields(cls)}
@@ -176,13 +178,13 @@ def load_trace(path: str | Path) -> TraceResult:
 # -- checking --------------------------------------------------------------------
 
 
-def check_document(data: Any, *, name: str, expected: str | None = None) -> str:
+def check_document(data: Any, *, name: str, expected: str | tuple[str, ...] | None = None) -> str:
     """Check a parsed document; return its schema id, or raise :class:`SchemaError`."""
     known = schema_ids()
     if not isinstance(data, dict):
         raise SchemaError(f'{name}: expected a JSON object with a "schema" key, got {_kind(data)}')
     schema_id = data.get("schema")
-    wanted = (expected,) if expected is not None else known
+    wanted = known if expected is None else (expected,) if isinstance(expected, str) else expected
     if schema_id not in wanted:
         raise SchemaError(f"{name}: {_schema_refusal(schema_id, wanted)}")
     assert isinstance(schema_id, str)

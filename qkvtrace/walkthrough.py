@@ -161,7 +161,10 @@ def _rows_of(call: Any) -> dict[str, tuple[int, int]]:
     qkv = call.qkv
     if qkv.layout != "packed":
         raise RuntimeError(f"the tracer saw layout {qkv.layout!r}, expected a packed in_proj_weight")
-    return {p: tuple(getattr(qkv, p).rows) for p in "qkv"}  # type: ignore[misc]
+    found = {p: getattr(qkv, p).rows for p in "qkv"}
+    if any(r is None or len(r) != 1 for r in found.values()):
+        raise RuntimeError(f"the tracer saw Q/K/V rows {found}, expected one range each")
+    return {p: (r[0][0], r[0][1]) for p, r in found.items()}
 
 
 def _map_err(call: Any, attention: torch.Tensor) -> float | None:

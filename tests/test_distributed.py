@@ -352,8 +352,6 @@ def test_sharded_names_and_ranks(job: dict[int, dict[str, Any]], kind: str) -> N
         trace = found[kind]["trace"]
         assert sorted(c["module"] for c in trace["calls"]) == sorted(PACKED), rank
         assert {(r.get("rank"), r.get("world_size")) for r in _records(trace)} == {(rank, WORLD)}
-        # what the trace cannot read under FSDP1 (each rank's shard of .grad) it says
-        assert any("FSDP1" in w for w in trace.get("warnings", [])) == (kind == "fsdp1"), trace.get("warnings")
 
 
 @pytest.mark.parametrize("kind", list(SHARDED))
@@ -377,12 +375,7 @@ def test_ddp_weights_are_the_models(job: dict[int, dict[str, Any]]) -> None:
         assert _call_weights(found["ddp"]["trace"]) == pytest.approx(_flat_weights(found["weights"]), rel=1e-5), rank
 
 
-@pytest.mark.parametrize("kind", [
-    "fully_shard",
-    pytest.param("fsdp1", marks=pytest.mark.xfail(strict=True, reason=(
-        "FSDP1 leaves each rank only its shard of an original parameter's .grad; the tracer reads whole "
-        "gradients and says so in result.warnings (fully_shard is read whole)"))),
-])  # fmt: skip
+@pytest.mark.parametrize("kind", list(SHARDED))
 def test_sharded_gradients_are_slices_of_the_reduced_grad(job: dict[int, dict[str, Any]], kind: str) -> None:
     _sharded(job, kind)
     for rank, found in job.items():

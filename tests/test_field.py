@@ -294,8 +294,8 @@ def test_direct_multi_head_attention_forward_is_a_fallback_call_of_its_module() 
     assert call.why_not_fast_path is None
     assert call.sdpa_backend is not None  # the SDPA call inside reported its kernel to this call
     assert call.qkv.layout == "packed"
-    assert [call.qkv.q.param, call.qkv.q.rows] == ["packed_weight", [0, E]]
-    assert call.qkv.v.rows == [2 * E, 3 * E]
+    assert [call.qkv.q.param, call.qkv.q.rows] == ["packed_weight", [[0, E]]]
+    assert call.qkv.v.rows == [[2 * E, 3 * E]]
     w = model[1].packed_weight.detach()
     assert call.qkv.k.weight_norm == pytest.approx(float(w[E : 2 * E].norm()), rel=1e-6)
     [grad] = t.gradients
@@ -355,7 +355,7 @@ def test_conv1d_packed_projection_is_sliced_by_columns() -> None:
     q, k = call.qkv.q, call.qkv.k
     assert call.qkv.layout == "packed" and q.param == "c_attn.weight" and q.dim == 1
     w = model[0].c_attn.weight.detach()
-    assert q.shape == [E, E] and q.rows == [0, E]
+    assert q.shape == [E, E] and q.rows == [[0, E]]
     assert q.weight_norm == pytest.approx(float(w[:, :E].norm()), rel=1e-6)
     assert k.weight_norm == pytest.approx(float(w[:, E : 2 * E].norm()), rel=1e-6)
     assert k.bias_norm == pytest.approx(float(model[0].c_attn.bias.detach()[E : 2 * E].norm()), rel=1e-6)
@@ -380,13 +380,17 @@ def test_projections_in_the_parent_of_the_kernel_caller() -> None:
 
 
 def test_no_projection_found_says_why() -> None:
+    """Witness: by construction the module has no projection, so no rows may be reported."""
     model = nn.Sequential(Attend())
     x = torch.randn(B, H, L, E // H)
     with qkvtrace.trace(model) as t:
         model[0](x, x, x)
-    [call] = t.calls
-    assert call.qkv.layout is None and call.qkv.reason and "projection" in call.qkv.reason
-    assert call.qkv.q is not None and call.qkv.q.activation_norm == pytest.approx(float(x.norm()), rel=1e-6)
+        leaf = x.clone().requires_grad_()
+        model[0](leaf * 1, leaf * 1, leaf * 1)  # a graph, but no projection in it
+    plain, graphed = t.calls
+    assert plain.qkv.layout is None and plain.qkv.reason and "no autograd history" in plain.qkv.reason
+    assert graphed.qkv.layout is None and graphed.qkv.reason and "Linear or Conv1D weight" in graphed.qkv.reason
+    assert plain.qkv.q is not None and plain.qkv.q.activation_norm == pytest.approx(float(x.norm()), rel=1e-6)
 
 
 class HandWritten(nn.Module):
@@ -458,4 +462,5 @@ def test_flex_attention_is_recorded() -> None:
     assert (call.module, call.path, call.sdpa_backend) == ("0", "flex", None)
     assert call.inputs["score_mod"] == "_relative_bias" and call.inputs["block_mask"] is None
     assert call.evidence in ("witnessed", "cached") and call.aten_ops  # FlexAttention's own operator
-    assert call.qkv.layout == "packed"
+    # no graph under no_grad: the rows are unknown, and said so
+    assert call.qkv.layout is None and call.qkv.reason and "no_grad" in call.qkv.reason

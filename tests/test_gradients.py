@@ -83,7 +83,7 @@ def test_packed_mha_slices_match_in_proj_grad() -> None:
 
     call = t.calls[0]
     assert call.qkv.layout == "packed"
-    assert [getattr(call.qkv, p).rows for p in PARTS] == [[0, E], [E, 2 * E], [2 * E, 3 * E]]
+    assert [getattr(call.qkv, p).rows for p in PARTS] == [[[0, E]], [[E, 2 * E]], [[2 * E, 3 * E]]]
     assert {getattr(call.qkv, p).param for p in PARTS} == {"in_proj_weight"}
 
 
@@ -232,7 +232,7 @@ def test_gradients_in_json() -> None:
         loss_of(mha, x1).backward()
         loss_of(mha, x2).backward()
     data = json.loads(json.dumps(t.to_dict()))
-    assert data["schema"] == "qkvtrace.trace/1"
+    assert data["schema"] == "qkvtrace.trace/2"
     grads = data["gradients"]
     assert [(g["module"], g["backward_index"]) for g in grads] == [("", 0), ("", 1)]
     expected = slice_norms(mha.in_proj_weight.grad, mha.in_proj_bias.grad)

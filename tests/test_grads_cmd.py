@@ -61,7 +61,9 @@ def test_picture_numbers_are_the_trace_records_and_the_real_grad() -> None:
         for part in "qkv":
             s = route.slices[part]
             assert s.grad_norm == getattr(grad, part).grad_norm  # the tracer's record ...
-            real = weight.grad[s.rows[0] : s.rows[1]].norm().item()
+            e, i = weight.shape[0] // 3, "qkv".index(part)  # the demo's qkv(x).view(b, t, 3, H, d): thirds
+            assert s.rows == [[i * e, (i + 1) * e]]
+            real = weight.grad[i * e : (i + 1) * e].norm().item()
             assert s.grad_norm == pytest.approx(real, rel=1e-6)  # ... is the slice of the real .grad
             assert f"‖grad‖ {fmt(s.grad_norm)}" in dot  # ... and the label in the picture
             assert getattr(route, part)["norm"] == getattr(trace_route, part).norm
@@ -93,7 +95,7 @@ def test_cli_writes_svg_json_and_a_table(tmp_path: Path) -> None:
     done = _cli("grads", "demo:tiny-lm", "--svg", svg, "--json", out_json)
     assert done.returncode == 0, done.stderr
     data = json.loads(out_json.read_text())
-    assert data["schema"] == "qkvtrace.grads/1" and data["loss"]["kind"] == "lm"
+    assert data["schema"] == "qkvtrace.grads/2" and data["loss"]["kind"] == "lm"
     text = svg.read_text()
     assert text.lstrip().startswith("<")
     for route in data["routes"]:

@@ -10,8 +10,11 @@ path and the backend. The Q/K/V slices it reports are checked against norms
 computed here from the model's own parameters, whatever form the library
 stores them in: separate ``nn.Linear`` weights (BERT, LLaMA with grouped K/V
 heads, ViT), one ``Conv1D`` weight stored transposed as ``[E, 3E]`` (GPT-2),
-or projections held by the *parent* of the module that calls SDPA
-(x-transformers). The same models with attention written by hand (softmax of
+projections held by the *parent* of the module that calls SDPA
+(x-transformers), or one fused ``nn.Linear`` laid out per head (GPT-NeoX),
+per K/V group (Falcon), or in contiguous parts of unequal widths (Phi-3 with
+grouped K/V heads, GPTBigCode with one K/V head); the recorded rows must be
+the ones each library's own forward gives Q, K and V. The same models with attention written by hand (softmax of
 QKᵀ, "eager") make no SDPA call: the trace must say so by listing them as
 ``unobserved`` rather than stay silent.
 
@@ -43,7 +46,7 @@ class Slice:
     """Part of one parameter: ``param[index]`` (``index == ()`` for all of it)."""
 
     param: nn.Parameter
-    index: tuple[slice, ...] = ()
+    index: tuple[slice | torch.Tensor, ...] = ()
 
     def value(self) -> torch.Tensor:
         return self.param.detach()[self.index]
@@ -51,6 +54,13 @@ class Slice:
     def grad(self) -> torch.Tensor:
         assert self.param.grad is not None
         return self.param.grad[self.index]
+
+    def rows(self) -> list[int]:
+        """The indices this slice takes along its last indexed dimension (all of dimension 0 without one)."""
+        if not self.index:
+            return list(range(self.param.shape[0]))
+        dim = len(self.index) - 1
+        return torch.arange(self.param.shape[dim])[self.index[dim]].tolist()
 
 
 # The Q, K and V parts of one attention layer, read here from the model's own
@@ -130,6 +140,90 @@ def _gpt2_parts(model: nn.Module, name: str) -> Parts:
     }
 
 
+def _fused(child: str, rows: Callable[[nn.Module], list[torch.Tensor]]) -> Callable[[nn.Module, str], Parts]:
+    """One fused ``nn.Linear`` child; ``rows(attention module)``: the Q, K, V row indices, read from the
+    library's own forward (cited at each model)."""
+
+    def parts(model: nn.Module, name: str) -> Parts:
+        module = model.get_submodule(name)
+        lin = module.get_submodule(child)
+        out: Parts = {}
+        for part, idx in zip("qkv", rows(module), strict=True):
+            out[part] = (Slice(lin.weight, (idx,)), None if lin.bias is None else Slice(lin.bias, (idx,)))
+        return out
+
+    return parts
+
+
+def _ranges(*spans: tuple[int, int]) -> torch.Tensor:
+    return torch.cat([torch.arange(a, b) for a, b in spans])
+
+
+def _neox_rows(m: nn.Module) -> list[torch.Tensor]:
+    # GPTNeoXAttention: query_key_value(x).view(B, T, H, 3 * d).transpose(1, 2).chunk(3, dim=-1)
+    h, d = m.config.num_attention_heads, m.head_size
+    return [_ranges(*((i * 3 * d + p * d, i * 3 * d + (p + 1) * d) for i in range(h))) for p in range(3)]
+
+
+def _falcon_rows(m: nn.Module) -> list[torch.Tensor]:
+    # FalconAttention._split_heads, new_decoder_architecture: view(B, T, kv, H // kv + 2, d);
+    # queries are [:, :, :, :-2], the key [-2], the value [-1] of each group
+    h, kv, d = m.num_heads, m.num_kv_heads, m.head_dim
+    per, width = h // kv, (h // kv + 2) * d
+    return [_ranges(*((g * width, g * width + per * d) for g in range(kv))),
+            _ranges(*((g * width + per * d, g * width + (per + 1) * d) for g in range(kv))),
+            _ranges(*((g * width + (per + 1) * d, (g + 1) * width) for g in range(kv)))]  # fmt: skip
+
+
+def _phi3_rows(m: nn.Module) -> list[torch.Tensor]:
+    # Phi3Attention: qkv[..., :query_pos], then num_key_value_heads * head_dim for K, the rest for V
+    q, kv = m.config.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim
+    return [torch.arange(0, q), torch.arange(q, q + kv), torch.arange(q + kv, q + 2 * kv)]
+
+
+def _bigcode_rows(m: nn.Module) -> list[torch.Tensor]:
+    # GPTBigCodeAttention, multi_query: c_attn(x).unsqueeze(1).split((embed_dim, kv_dim, kv_dim), dim=3)
+    e, kv = m.embed_dim, m.kv_dim
+    return [torch.arange(0, e), torch.arange(e, e + kv), torch.arange(e + kv, e + 2 * kv)]
+
+
+def _neox(hand_written: bool) -> tuple[nn.Module, dict[str, Any]]:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPTNeoXConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=VOCAB,
+        max_position_embeddings=16, attn_implementation="eager" if hand_written else "sdpa",
+    )  # fmt: skip
+    return transformers.GPTNeoXModel(config), {"input_ids": _ids(), "use_cache": False}
+
+
+def _falcon(hand_written: bool) -> tuple[nn.Module, dict[str, Any]]:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.FalconConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_kv_heads=2, new_decoder_architecture=True,
+        vocab_size=VOCAB, attn_implementation="eager" if hand_written else "sdpa",
+    )  # fmt: skip
+    return transformers.FalconModel(config), {"input_ids": _ids(), "use_cache": False}
+
+
+def _phi3(hand_written: bool) -> tuple[nn.Module, dict[str, Any]]:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Phi3Config(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+        vocab_size=VOCAB, max_position_embeddings=16, pad_token_id=0,
+        attn_implementation="eager" if hand_written else "sdpa",
+    )  # fmt: skip
+    return transformers.Phi3Model(config), {"input_ids": _ids(), "use_cache": False}
+
+
+def _bigcode(hand_written: bool) -> tuple[nn.Module, dict[str, Any]]:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPTBigCodeConfig(
+        n_embd=32, n_layer=2, n_head=4, n_positions=16, vocab_size=VOCAB, multi_query=True,
+        attn_implementation="eager" if hand_written else "sdpa",
+    )  # fmt: skip
+    return transformers.GPTBigCodeModel(config), {"input_ids": _ids(), "use_cache": False}
+
+
 def _llama(hand_written: bool) -> tuple[nn.Module, dict[str, Any]]:
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
@@ -171,6 +265,15 @@ MODELS: dict[str, LibraryModel] = {
     # calls SDPA; its parent ``Attention`` holds to_q, to_k and to_v.
     "x_transformers": LibraryModel(_x_transformers, "Attend", lambda model: int(model.attn_layers.depth),
                                    _separate(("to_q", "to_k", "to_v")), qkv_in_parent=True),
+    # fused projections laid out four ways: per head interleaved, grouped per K/V head, contiguous with
+    # grouped K/V heads, contiguous with one K/V head
+    "gpt_neox": LibraryModel(_neox, "GPTNeoXAttention", _config_layers("num_hidden_layers"),
+                             _fused("query_key_value", _neox_rows)),
+    "falcon": LibraryModel(_falcon, "FalconAttention", _config_layers("num_hidden_layers"),
+                           _fused("query_key_value", _falcon_rows)),
+    "phi3": LibraryModel(_phi3, "Phi3Attention", _config_layers("num_hidden_layers"), _fused("qkv_proj", _phi3_rows)),
+    "gpt_bigcode": LibraryModel(_bigcode, "GPTBigCodeAttention", _config_layers("n_layer"),
+                                _fused("c_attn", _bigcode_rows)),
 }  # fmt: skip
 MODES = ("eval", "train")
 
@@ -312,6 +415,8 @@ def test_library_model_qkv_slices_and_gradients(name: str) -> None:
             info = getattr(c.qkv, part)
             assert info is not None, (c.module, part)
             assert info.shape == list(weight.value().shape), (c.module, part, info.shape)
+            recorded = [i for lo, hi in (info.rows or []) for i in range(lo, hi)]
+            assert sorted(recorded) == sorted(weight.rows()), (c.module, part, info.rows)
             assert info.weight_norm == pytest.approx(vector_norm(weight.value()), rel=1e-6), (c.module, part)
             if bias is None:
                 assert info.bias_norm is None, (c.module, part)

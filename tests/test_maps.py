@@ -421,7 +421,7 @@ def test_json_has_maps_only_when_asked(tmp_path: Path) -> None:
     plain = t.to_dict()["calls"][0]
     assert "attention_map" not in plain and plain["attention_map_heads"] == list(range(H))
     path = t.save(tmp_path / "t.json", maps=True)
-    data = load_json(path, "qkvtrace.trace/1")  # validates against trace-1.json
+    data = load_json(path, "qkvtrace.trace/2")  # validates against trace-2.json
     written = data["calls"][0]["attention_map"]
     assert written["shape"] == [B, H, L, L]
     assert sorted(written["fully_masked"]) == sorted([b, h, 1] for b in range(B) for h in range(H))
@@ -462,7 +462,7 @@ def test_cli_maps_writes_pictures_per_call_and_head_and_a_grid(tmp_path: Path) -
 
     first_token = int(demo_tiny_lm()[1][0][0, 0])
     assert "<svg" in svg and f">{html.escape(VOCABULARY[first_token])}</text>" in svg  # the demo's words label the axes
-    data = load_json(tmp_path / "t.json", "qkvtrace.trace/1")
+    data = load_json(tmp_path / "t.json", "qkvtrace.trace/2")
     assert data["calls"][0]["attention_map"]["shape"] == [1, 2, 16, 16]  # batch item 0, heads 0 and 3
 
 

@@ -196,7 +196,7 @@ def test_packed_mha_slice_norms() -> None:
     for i, name in enumerate("qkv"):
         rows = slice(i * E, (i + 1) * E)
         s = qkv[name]
-        assert (s["param"], s["rows"], s["shape"]) == ("in_proj_weight", [i * E, (i + 1) * E], [E, E])
+        assert (s["param"], s["rows"], s["shape"]) == ("in_proj_weight", [[i * E, (i + 1) * E]], [E, E])
         assert s["weight_norm"] == pytest.approx(_norm(mha.in_proj_weight[rows]), rel=1e-6)
         assert s["bias_norm"] == pytest.approx(_norm(mha.in_proj_bias[rows]), rel=1e-6)
     # three matrices, not one: the norms differ
@@ -212,7 +212,7 @@ def test_separate_mha_slice_norms() -> None:
     assert qkv["layout"] == "separate"
     for i, (name, param) in enumerate((("q", mha.q_proj_weight), ("k", mha.k_proj_weight), ("v", mha.v_proj_weight))):
         s = qkv[name]
-        assert (s["param"], s["rows"], s["shape"]) == (f"{name}_proj_weight", None, list(param.shape))
+        assert (s["param"], s["rows"], s["shape"]) == (f"{name}_proj_weight", [[0, E]], list(param.shape))
         assert s["weight_norm"] == pytest.approx(_norm(param), rel=1e-6)
         assert s["bias_norm"] == pytest.approx(_norm(mha.in_proj_bias[i * E : (i + 1) * E]), rel=1e-6)
 

@@ -47,7 +47,7 @@ def run(capsys: pytest.CaptureFixture[str], *args: str | Path) -> tuple[int, str
 
 def test_one_schema_file_per_id() -> None:
     ids = schema_ids()
-    assert {"qkvtrace.trace/1", "qkvtrace.report/1", "qkvtrace.diff/1"} <= set(ids)
+    assert {"qkvtrace.trace/2", "qkvtrace.report/1", "qkvtrace.diff/1"} <= set(ids)
     assert sorted(p.name for p in SCHEMAS.glob("*.json")) == sorted(schema_file(i) for i in ids)
     for schema_id in ids:
         schema = json.loads((SCHEMAS / schema_file(schema_id)).read_text())
@@ -70,14 +70,14 @@ def test_every_file_the_tool_writes_validates(tmp_path: Path, capsys: pytest.Cap
         assert got == code, err
         written.setdefault(schema_id, []).append(path)
 
-    write("qkvtrace.trace/1", "t-train.json", "trace", "demo:mha", "--train", "--backward")
-    write("qkvtrace.trace/1", "t-encoder.json", "trace", "demo:encoder")
-    write("qkvtrace.trace/1", "t-lm.json", "trace", "demo:tiny-lm", "--train", "--backward")
+    write("qkvtrace.trace/2", "t-train.json", "trace", "demo:mha", "--train", "--backward")
+    write("qkvtrace.trace/2", "t-encoder.json", "trace", "demo:encoder")
+    write("qkvtrace.trace/2", "t-lm.json", "trace", "demo:tiny-lm", "--train", "--backward")
     write("qkvtrace.check/1", "c-ok.json", "check", "demo:tiny-lm", "--causal", "--mode", "inference")
     write("qkvtrace.check/1", "c-leak.json", "check", f"{ROOT / 'tests' / 'mistakes.py'}:build_reversed",
           "--causal", "--mode", "inference", code=1)  # fmt: skip
     write("qkvtrace.probes/1", "probes.json", "probe")
-    write("qkvtrace.grads/1", "g.json", "grads", "demo:mha")
+    write("qkvtrace.grads/2", "g.json", "grads", "demo:mha")
     write("qkvtrace.ablate/1", "ablate.json", "ablate", "--seeds", "1", "--steps", "2")
     write("qkvtrace.walkthrough/1", "w.json", "walkthrough", "--epochs", "3")
     code, _, err = run(capsys, "inspect", "--out", tmp_path / "reports")
@@ -92,6 +92,16 @@ def test_every_file_the_tool_writes_validates(tmp_path: Path, capsys: pytest.Cap
     (ranks / "trace.rank0.json").write_bytes((tmp_path / "t-train.json").read_bytes())
     (ranks / "trace.rank1.json").write_bytes((tmp_path / "t-encoder.json").read_bytes())
     write("qkvtrace.merge/1", "m.json", "merge", ranks, code=1)
+    # a trace as the previous format wrote it: one [start, stop) pair per slice (readers still read it)
+    old = json.loads((tmp_path / "t-train.json").read_text())
+    old["schema"] = "qkvtrace.trace/1"
+    for call in old["calls"]:
+        for part in "qkv":
+            if call["qkv"][part] is not None and call["qkv"][part]["rows"] is not None:
+                call["qkv"][part]["rows"] = call["qkv"][part]["rows"][0]
+    (tmp_path / "t-1.json").write_text(json.dumps(old))
+    written["qkvtrace.trace/1"] = [tmp_path / "t-1.json"]
+    assert load_trace(tmp_path / "t-1.json").calls[0].qkv.q.rows == [[0, 64]]  # MultiheadAttention(64, 8)
 
     assert set(written) == set(schema_ids())  # every schema id has a writer here
     files = [p for paths in written.values() for p in paths]
@@ -209,7 +219,8 @@ def test_trace_schema_allows_fields_added_later(trace_file: Path, tmp_path: Path
         (lambda t: t.update(unobserved=[{"module": "a", "module_type": "B"}]),
          "/unobserved/0/reason: missing (a required key)"),
         (lambda t: t.update(schema="qkvtrace.report/1"),
-         '/schema: expected "qkvtrace.trace/1", got "qkvtrace.report/1"; is it the right file?'),
+         '/schema: expected "qkvtrace.trace/1" or "qkvtrace.trace/2", got "qkvtrace.report/1"; '
+         'is it the right file?'),
     ],
 )  # fmt: skip
 def test_load_trace_refuses_damaged_traces(

@@ -19,6 +19,7 @@ from rich.table import Table
 from rich.text import Text
 
 from qkvtrace.grads import PARTS_ORDER, GradsResult, Route, SliceGradient
+from qkvtrace.records import rows_label
 
 __all__ = ["fmt", "grads_dot", "grads_table", "slice_label"]
 
@@ -39,14 +40,14 @@ def slice_label(s: SliceGradient) -> str:
     """``blocks.0.attention.qkv.weight[0:64]``: a slice of a packed weight, or a whole one."""
     if s.rows is None:
         return s.param
-    span = f"{s.rows[0]}:{s.rows[1]}"
+    span = rows_label(s.rows)
     return f"{s.param}[{span}]" if s.dim == 0 else f"{s.param}[:, {span}]"
 
 
 def _slice_cell(s: SliceGradient, module: str, packed: bool) -> str:
     """A slice as a table cell: its rows when the weight is shared, else the weight's name in the module."""
     if packed and s.rows is not None:
-        span = f"{s.rows[0]}:{s.rows[1]}"
+        span = rows_label(s.rows)
         return f"[{span}]" if s.dim == 0 else f"[:, {span}]"
     return s.param.removeprefix(module + ".") if module else s.param
 

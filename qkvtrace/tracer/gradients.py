@@ -12,6 +12,7 @@ until the trace resolves its records (no host read during backward).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -42,6 +43,9 @@ class GradientRecorder:
         self.routes: list[RouteRecord] = []
         #: modules whose parameters are sharded (FSDP): their slices are read at the end of every pass
         self._sharded: set[int] = set()
+        #: FSDP1: a context in which every rank holds whole parameters and whole ``.grad``
+        #: (``summon_full_params(root, with_grads=True)``, a collective: entered by every rank, every pass)
+        self.gather: Callable[[], contextlib.AbstractContextManager[object]] | None = None
         self._queued = False
         self._backward_index = 0
         self._open = True
@@ -57,6 +61,8 @@ class GradientRecorder:
             by_param.setdefault(ps.param, []).append((ps.rows, ps.dim))
             if ps.bias_param is not None:
                 by_param.setdefault(ps.bias_param, []).append((ps.bias_rows, 0))
+        if self.gather is not None:  # FSDP1: each rank's .grad is a shard until gathered at the end of the pass
+            self._sharded.add(id(owner))
         for pname, rows_list in by_param.items():
             param = param_of(projection.holder, pname)
             if compat.is_dtensor(param):
@@ -117,7 +123,8 @@ class GradientRecorder:
         for mid in self._sharded:
             self._pending.setdefault(mid, {})
         rank, world = compat.distributed_rank()
-        with torch.no_grad():
+        gather = self.gather() if self.gather is not None else contextlib.nullcontext()
+        with torch.no_grad(), gather:
             for mid, pass_norms in self._pending.items():
                 owner, projection = self._watched[mid]
                 name = self._name_of(owner) or ""

@@ -14,7 +14,7 @@ import contextlib
 import itertools
 import re
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from qkvtrace import compat, lazy, maps, masks, paths
+from qkvtrace.dataflow import derived_projection
 from qkvtrace.monitor import Event, Monitor
 from qkvtrace.records import (
     AttentionCall,
@@ -32,7 +33,7 @@ from qkvtrace.records import (
     Unobserved,
     squared_shares,
 )
-from qkvtrace.slices import NormCache, Projection, find_projection
+from qkvtrace.slices import NormCache, Projection, guess_projection, mha_projection
 from qkvtrace.tracer import registry
 from qkvtrace.tracer.gradients import GradientRecorder
 from qkvtrace.tracer.install import installation
@@ -58,7 +59,7 @@ class Trace:
       and backward pass;
     * ``result.unobserved``: modules that look like attention but made no
       recorded call; ``result.warnings``: what the trace could not see;
-    * ``to_dict()`` / ``save(path)``: the ``qkvtrace.trace/1`` JSON.
+    * ``to_dict()`` / ``save(path)``: the ``qkvtrace.trace/2`` JSON.
 
     While the block runs, measured numbers stay on the device; reading
     ``calls`` or ``gradients`` inside the block reads them back (on an
@@ -170,6 +171,7 @@ class Trace:
             keys = inst.bind_names(model)
             stack.callback(inst.unbind, keys)
             stack.callback(self._grads.close)
+            self._grads.gather = self._fsdp1_gather() if self.record_gradients else None
             if self.record_gradients:  # MultiheadAttention modules are known up front; others when they call SDPA
                 for _, m in self._names.values():
                     if isinstance(m, nn.MultiheadAttention):
@@ -237,12 +239,26 @@ class Trace:
     def take_index(self) -> int:
         return next(self._counter)
 
-    def projection(self, module: nn.Module) -> Projection | str:
-        """Where ``module``'s Q/K/V live (its own children first, then its ancestors')."""
+    def projection(self, module: nn.Module, qkv: Sequence[Any] | None = None) -> Projection | str:
+        """Where ``module``'s Q/K/V live: ``nn.MultiheadAttention``'s by its definition; any other
+        module's derived from the autograd graph of the ``qkv`` its kernel received.
+
+        Derived once per module (:func:`qkvtrace.dataflow.derived_projection`), from
+        its first call that builds a graph; until one does, the answer is the reason
+        it is not known.
+        """
         key = id(module)
         found = self._projections.get(key)
-        if found is None:
-            found = self._projections[key] = find_projection(module, self._parents(module))
+        if found is not None:
+            return found
+        if isinstance(module, nn.MultiheadAttention):
+            found = self._projections[key] = mha_projection(module)
+            return found
+        if qkv is None:
+            return "not derived: the call handed no Q, K, V tensors to a kernel the tracer sees"
+        found = derived_projection(module, qkv, [module, *self._parents(module)])
+        if isinstance(found, Projection):
+            self._projections[key] = found
         return found
 
     def add_call(
@@ -292,6 +308,18 @@ class Trace:
 
     # -- internals -----------------------------------------------------------
 
+    def _fsdp1_gather(self) -> Callable[[], Any] | None:
+        """For a model wrapped in FSDP1 (``FullyShardedDataParallel``): whole parameters and ``.grad`` on
+        every rank, through its own ``summon_full_params(root, with_grads=True)``."""
+        fsdp1 = compat.fsdp1_types()
+        if not fsdp1:
+            return None
+        roots = sorted(((n, m) for n, m in self._names.values() if isinstance(m, fsdp1)), key=lambda e: len(e[0]))
+        if not roots:
+            return None
+        root, cls = roots[0][1], fsdp1[0]
+        return lambda: cls.summon_full_params(root, with_grads=True)  # type: ignore[attr-defined]
+
     def _parents(self, module: nn.Module) -> list[nn.Module]:
         name = self.name_of(module)
         parents: list[nn.Module] = []
@@ -332,12 +360,6 @@ class Trace:
                 regions.append((name, "torch.compile"))
             elif scripted_types and isinstance(m, scripted_types):
                 regions.append((name, "TorchScript"))
-        fsdp1 = compat.fsdp1_types()
-        if self.record_gradients and fsdp1 and any(isinstance(m, fsdp1) for _, m in self._names.values()):
-            self._result.warnings.append(
-                "the model is wrapped in FullyShardedDataParallel (FSDP1): each rank holds only its shard of a "
-                "parameter's .grad, so slice gradients are not read (null); fully_shard (FSDP2) is read whole"
-            )
         for name, kind in regions:
             inside = sum(1 for c in self._result.calls if _within(c.module, name))
             if inside:  # Dynamo ran them eagerly (some releases fall back on attention): real calls, recorded
@@ -412,7 +434,7 @@ def _looks_like_attention(name: str, module: nn.Module) -> bool:
     last = name.rpartition(".")[2]
     if _ATTENTION_NAME.search(last) or _ATTENTION_NAME.search(type(module).__name__):
         return True
-    return isinstance(find_projection(module), Projection)
+    return isinstance(guess_projection(module), Projection)
 
 
 def _calibrate(model: nn.Module) -> None:

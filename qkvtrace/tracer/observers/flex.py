@@ -4,7 +4,9 @@ FlexAttention runs a higher-order operator rather than an SDPA kernel, so a
 call records no ``sdpa_backend``; its ``aten_ops`` are the profiler's events
 of that operator (e.g. ``FlexAttentionAutogradOp``), with the same evidence
 rules as every other call. ``score_mod`` and ``block_mask`` are recorded by
-presence and name: evaluating a block mask's sparsity would read the device.
+presence and name; the fully masked rows are counted from the block mask's
+own ``mask_mod`` (on the device, no host read), and are ``null`` with a
+reason where a ``score_mod`` could mask as well.
 """
 
 from __future__ import annotations
@@ -33,6 +35,41 @@ def _name(fn: Any) -> str | None:
     return getattr(fn, "__qualname__", None) or type(fn).__name__
 
 
+#: most (batch x heads x query x key) entries of a block mask evaluated to count its fully masked rows
+_MAX_MASK_ENTRIES = 1 << 24
+
+
+def _fully_masked(q: Any, block_mask: Any, score_mod: Any) -> tuple[Any, str | None]:
+    """Query rows whose keys are all masked (a 0-dim tensor on the device), or ``None`` and why.
+
+    No block mask and no ``score_mod``: nothing masks, 0 rows. A block mask: its
+    ``mask_mod`` evaluated over every position (``create_mask``), inside the
+    blocks it keeps (``to_dense``), counted per batch item, per head where
+    the mask has heads, per query position. A ``score_mod`` can mask too (by
+    returning ``-inf``), and only running it on the scores would tell.
+    """
+    if not isinstance(q, torch.Tensor) or q.is_nested:
+        return None, "not counted: the query is not a plain tensor"
+    if score_mod is not None:
+        return None, "not counted: a score_mod can mask positions (by returning -inf) that only its scores show"
+    if block_mask is None:
+        return 0, None
+    from torch.nn.attention.flex_attention import create_mask
+
+    b, h, lq, lk = (int(n) for n in block_mask.shape)
+    if b * h * lq * lk > _MAX_MASK_ENTRIES:
+        return None, f"not counted: the block mask has {b * h * lq * lk} entries (more than {_MAX_MASK_ENTRIES})"
+    with torch.no_grad():
+        keep = create_mask(block_mask.mask_mod, b, h, lq, lk, device=q.device)  # [b, h, lq, lk], True = attend
+        bq, bk = block_mask.BLOCK_SIZE
+        blocks = block_mask.to_dense().to(q.device).bool()  # [b, h, lq / bq, lk / bk]
+        keep &= blocks.repeat_interleave(bq, -2).repeat_interleave(bk, -1)[..., :lq, :lk]
+        rows = (~keep).all(-1).sum()
+        if b == 1 and q.dim() == 4 and q.shape[0] > 1:  # one mask for every batch item
+            rows = rows * q.shape[0]
+    return rows, None
+
+
 def observe_flex(original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if not registry.is_active():
         return original(*args, **kwargs)
@@ -57,7 +94,8 @@ def observe_flex(original: Callable[..., Any], args: tuple[Any, ...], kwargs: di
         raise
     finally:
         first = targets[0][0]
-        projection = first.projection(owner)
+        projection = first.projection(owner, (q, k, v))
+        rows, rows_reason = _fully_masked(q, block_mask, score_mod)
         result = out[0] if isinstance(out, tuple) else out
         call = AttentionCall(
             index=-1,
@@ -80,7 +118,8 @@ def observe_flex(original: Callable[..., Any], args: tuple[Any, ...], kwargs: di
                 **modes(owner),
             },
             qkv=first.norms.qkv(projection),
-            output={"nan_count": nan_count(result) if error is None else None, "fully_masked_rows": None},
+            output={"nan_count": nan_count(result) if error is None else None, "fully_masked_rows": rows,
+                    "fully_masked_rows_reason": rows_reason},
             error=error,
             evidence=evidence,
         )

@@ -81,11 +81,13 @@ def observe_layer(original: Callable[..., Any], args: tuple[Any, ...], kwargs: d
             "nested_lengths": nested_lengths(src),
             "dtype": str(src.dtype),
             "device": src.device.type,
-            "batch_first": True,
-            "need_weights": False,
+            "batch_first": bool(mha.batch_first),  # the fused path runs only when it is True
+            "need_weights": None,
             "merged_mask": mask_record,
             "mask_type": mask_type,
-            "is_causal": False,
+            "is_causal": _is_causal(frame),
+            "reasons": {"need_weights": "the fused encoder layer computes no attention weights "
+                                        "(torch._transformer_encoder_layer_fwd takes no need_weights)"},
             **modes(layer),
         },
         qkv=first.norms.qkv(projection),
@@ -99,6 +101,13 @@ def observe_layer(original: Callable[..., Any], args: tuple[Any, ...], kwargs: d
                                   float(a["eps"]), a["norm_weight_1"], a["norm_bias_1"], mask, mask_type)  # fmt: skip
     deliver(call, targets, mha, projection, routes.Core(None, _no_backward(out)), source)
     return out
+
+
+def _is_causal(frame: Any) -> bool | None:
+    """``is_causal`` as the layer's forward received it (a hint about ``src_mask``; the fused builtin
+    takes the merged mask only)."""
+    value = frame.f_locals.get("is_causal") if frame is not None else None
+    return None if value is None else bool(value)
 
 
 def _no_backward(out: Any) -> str:

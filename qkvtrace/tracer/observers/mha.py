@@ -29,7 +29,7 @@ from torch import nn
 
 from qkvtrace import maps, masks, paths
 from qkvtrace.records import EVIDENCE_WITNESSED, AttentionCall
-from qkvtrace.slices import PartSpec, Projection, ProjectionSpec
+from qkvtrace.slices import PartSpec, Projection, ProjectionSpec, Rows, whole
 from qkvtrace.tracer import registry, routes
 from qkvtrace.tracer.build import (
     Target,
@@ -260,20 +260,25 @@ def _passed_projection(module: nn.Module, a: dict[str, Any]) -> Projection | str
     e = int(query.shape[-1]) if isinstance(query, torch.Tensor) and not query.is_nested else None
     if e is None:
         return "the query is a nested tensor; the embedding width is unknown"
-    rows = [(0, e), (e, 2 * e), (2 * e, 3 * e)]
+    rows: list[Rows] = [((0, e),), ((e, 2 * e),), ((2 * e, 3 * e),)]
     if a["use_separate_proj_weight"]:
         weights = [a["q_proj_weight"], a["k_proj_weight"], a["v_proj_weight"]]
         wnames = [names.get(id(w)) if w is not None else None for w in weights]
         if any(n is None for n in wnames):
             return "the q/k/v_proj_weight passed are not parameters of the calling module"
-        parts = [PartSpec(n, None, bias_name, r if bias_name else None) for n, r in zip(wnames, rows, strict=True)]  # type: ignore[arg-type]
+        parts = [PartSpec(n, whole(w), bias_name, r if bias_name else (), 0, _PASSED)  # type: ignore[arg-type]
+                 for n, w, r in zip(wnames, weights, rows, strict=True)]  # fmt: skip
         return Projection(module, ProjectionSpec("separate", *parts))
     weight = a["in_proj_weight"]
     wname = names.get(id(weight)) if weight is not None else None
     if wname is None:
         return "the in_proj_weight passed is not a parameter of the calling module"
-    parts = [PartSpec(wname, r, bias_name, r if bias_name else None) for r in rows]
+    parts = [PartSpec(wname, r, bias_name, r if bias_name else (), 0, _PASSED) for r in rows]
     return Projection(module, ProjectionSpec("packed", *parts))
+
+
+#: the evidence of the slices of weights passed to ``F.multi_head_attention_forward``
+_PASSED = "by definition: F.multi_head_attention_forward (in_proj_weight chunked in q, k, v order)"
 
 
 # -- the record ------------------------------------------------------------------------

@@ -138,12 +138,12 @@ def observe_sdpa(original: Callable[..., Any], args: tuple[Any, ...], kwargs: di
     except BaseException as exc:  # record the refused call, then let the error go on unchanged
         call = _record(owner, targets, a, backend, None, "unavailable: the call raised", None, refused)
         call.error = f"{type(exc).__name__}: {exc}"
-        _deliver(call, owner, targets)
+        _deliver(call, owner, targets, qkv=(a.q, a.k, a.v))
         raise
     _learn(a, backend, ops)
     core = routes.sdpa_core(out, a.q, a.k, a.v, key=sig) if wants_backward(targets) else None
     record = _record(owner, targets, a, backend, ops, evidence, out, refused)
-    _deliver(record, owner, targets, core, a.map_source(targets))
+    _deliver(record, owner, targets, core, a.map_source(targets), (a.q, a.k, a.v))
     return out
 
 
@@ -194,7 +194,7 @@ def _observe_override(
         _pop(stack, ctx)
         call = _record(owner, targets, a, ctx.backend, None, "unavailable: the call raised", None, (None, None))
         call.error = f"{type(exc).__name__}: {exc}"
-        _deliver(call, owner, targets)
+        _deliver(call, owner, targets, qkv=(a.q, a.k, a.v))
         raise
     _pop(stack, ctx)
     backend = ctx.backend
@@ -202,7 +202,7 @@ def _observe_override(
         backend = _EVIDENCE.backend_of(a.q.device.type, ops)
     core = routes.sdpa_core(out, a.q, a.k, a.v, key=sig) if wants_backward(targets) else None
     record = _record(owner, targets, a, backend, ops, evidence, out, ctx.refusals)
-    _deliver(record, owner, targets, core, a.map_source(targets, override=_overrides(a.mask)))
+    _deliver(record, owner, targets, core, a.map_source(targets, override=_overrides(a.mask)), (a.q, a.k, a.v))
     return out
 
 
@@ -213,8 +213,8 @@ def _pop(stack: list[Any], ctx: Any) -> None:
 
 
 def _deliver(call: AttentionCall, owner: nn.Module, targets: list[Target], core: routes.Core | None = None,
-             source: maps.SDPASource | None = None) -> None:  # fmt: skip
-    deliver(call, targets, owner, targets[0][0].projection(owner), core, source)
+             source: maps.SDPASource | None = None, qkv: tuple[Any, ...] | None = None) -> None:  # fmt: skip
+    deliver(call, targets, owner, targets[0][0].projection(owner, qkv), core, source)
 
 
 def _override_mask(mask: Any, device: torch.device) -> dict[str, Any]:
@@ -266,6 +266,8 @@ def _record(
 ) -> AttentionCall:  # fmt: skip
     q, k, v, mask = a.q, a.k, a.v, a.mask
     mask_record: dict[str, Any] | None = None
+    first = targets[0][0]
+    projection = first.projection(owner, (q, k, v))  # read from the call's graph: outside no_grad
     with torch.no_grad():
         if isinstance(mask, torch.Tensor) and _overrides(mask):
             mask_record = _override_mask(mask, q.device)
@@ -278,8 +280,6 @@ def _record(
                 blocked = masks.blocked_by_additive(mask)
             mask_record = asdict(masks.mask_info(mask, blocked, true_means))
         rows = fully_masked_rows(q, k, None if _overrides(mask) else mask, a.is_causal)
-        first = targets[0][0]
-        projection = first.projection(owner)
         base = first.norms.qkv(projection)
         parts = {}
         for part, t in (("q", q), ("k", k), ("v", v)):
