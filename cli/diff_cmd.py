@@ -137,8 +137,6 @@ def _kind(path: Path) -> str:
 
 
 def _run_trace_diff(args: argparse.Namespace, console: Console) -> int:
-    from qkvtrace.records import atomic_write_text
-    from qkvtrace.render.tracediff_render import tracediff_markdown, tracediff_renderable
     from qkvtrace.tracediff import diff_traces
     from qkvtrace.validation import check_document, load_json
 
@@ -149,6 +147,14 @@ def _run_trace_diff(args: argparse.Namespace, console: Console) -> int:
     a, b = load_json(args.a), load_json(args.b)
     diff = diff_traces(a, b, rtol=args.rtol)
     check_document(diff, name="the trace diff", expected="qkvtrace.tracediff/1")
+    return _show_trace_diff(diff, args, console)
+
+
+def _show_trace_diff(diff: dict[str, Any], args: argparse.Namespace, console: Console) -> int:
+    """Print a trace diff, write --json/--md; exit 1 when anything changed (a CI check), else 0."""
+    from qkvtrace.records import atomic_write_text
+    from qkvtrace.render.tracediff_render import tracediff_markdown, tracediff_renderable
+
     console.print(tracediff_renderable(diff, width=console.width), crop=False)
     if args.json is not None:
         atomic_write_text(args.json, json.dumps(diff, indent=1, sort_keys=True, ensure_ascii=False) + "\n")
@@ -224,7 +230,6 @@ def collect_in(python: Path, env_extra: dict[str, str] | None = None, module: st
 
 def _compare_traces(args: argparse.Namespace, console: Console) -> int:
     from qkvtrace.records import TRACE_SCHEMA, atomic_write_text
-    from qkvtrace.render.tracediff_render import tracediff_markdown, tracediff_renderable
     from qkvtrace.tracediff import diff_traces
 
     if not args.rtol >= 0:
@@ -243,13 +248,7 @@ def _compare_traces(args: argparse.Namespace, console: Console) -> int:
         atomic_write_text(path, json.dumps(trace, indent=1, sort_keys=True) + "\n")
         console.print(f"torch {trace.get('torch_version')} ← {python}: wrote {path}")
         traces.append(trace)
-    diff = diff_traces(*traces, rtol=args.rtol)
-    console.print(tracediff_renderable(diff, width=console.width), crop=False)
-    if args.json is not None:
-        atomic_write_text(args.json, json.dumps(diff, indent=1, sort_keys=True, ensure_ascii=False) + "\n")
-    if args.md is not None:
-        atomic_write_text(args.md, tracediff_markdown(diff))
-    return 1 if diff["changed"] or diff["appeared"] or diff["vanished"] else 0
+    return _show_trace_diff(diff_traces(*traces, rtol=args.rtol), args, console)
 
 
 def _safe(target: str) -> str:
