@@ -132,3 +132,31 @@ def test_readme_maps_sample_prints_what_its_comment_says(capsys: pytest.CaptureF
     fast = any(e.name == "aten::_native_multi_head_attention" for e in prof.events())
     assert printed.split()[0] == ("fast" if fast else "fallback")
     assert printed == expected
+
+
+def test_no_made_up_inputs_for_a_model_whose_first_layer_gives_no_shape(tmp_path: Path) -> None:
+    """A model starting with ``nn.Linear(8, 32)`` gets no guessed inputs: one line says so and what to do.
+
+    Witness: PyTorch itself, in the test -- the model raises on the
+    ``(B, T, embed_dim)`` floats a guess from its attention layer would give,
+    so any guess there is wrong; the layer named in the message is the model's
+    first entry in ``named_modules`` that has no children.
+    """
+    (tmp_path / "linear_first.py").write_text(textwrap.dedent(
+        """
+        from torch import nn
+
+        def build():
+            return nn.Sequential(nn.Linear(8, 32), nn.TransformerEncoderLayer(32, 4, batch_first=True))
+        """))  # fmt: skip
+    model = nn.Sequential(nn.Linear(8, 32), nn.TransformerEncoderLayer(32, 4, batch_first=True))
+    with pytest.raises(RuntimeError):
+        model(torch.randn(2, 16, 32))
+    first = next(name for name, m in model.named_modules() if not list(m.children()))
+    proc = qkv("trace", "linear_first.py:build", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "cannot make example inputs" in lines[0] and "(model, example_inputs)" in lines[0], lines[0]
+    assert f"{first} (Linear)" in lines[0] and "does not guess" in lines[0], lines[0]
+    assert "raised" not in lines[0], "the model must not have been run on guessed inputs"
