@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -160,3 +161,56 @@ def test_no_made_up_inputs_for_a_model_whose_first_layer_gives_no_shape(tmp_path
     assert "cannot make example inputs" in lines[0] and "(model, example_inputs)" in lines[0], lines[0]
     assert f"{first} (Linear)" in lines[0] and "does not guess" in lines[0], lines[0]
     assert "raised" not in lines[0], "the model must not have been run on guessed inputs"
+
+
+CAUSAL = textwrap.dedent(
+    """
+    import torch
+    from torch import nn
+
+    def causal():
+        torch.manual_seed(0)
+        mha = nn.MultiheadAttention(16, 2, batch_first=True)
+        x = torch.randn(1, 8, 16)
+        mask = torch.triu(torch.ones(8, 8, dtype=torch.bool), 1)
+        return mha, {"query": x, "key": x, "value": x, "attn_mask": mask, "need_weights": False}
+    """
+)
+
+
+def test_terminal_map_of_a_causal_model_shades_each_row_on_its_own(tmp_path: Path) -> None:
+    """``--show-maps`` shades each query's row against that row's largest weight, and prints that max.
+
+    Witness: PyTorch's own ``need_weights=True, average_attn_weights=False``
+    weights of the same module and inputs, computed in the test; each printed
+    shade is checked against the legend's rule (' ' for 0, the k-th shade for
+    weights up to k/5 of the row's max) and each row's printed max against
+    PyTorch's. Against the head's max (row 0's 1.00) most cells would be '·'.
+    """
+    (tmp_path / "causal_mha.py").write_text(CAUSAL)
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(16, 2, batch_first=True).eval()
+    x = torch.randn(1, 8, 16)
+    mask = torch.triu(torch.ones(8, 8, dtype=torch.bool), 1)
+    with torch.no_grad():
+        _, weights = mha(x, x, x, attn_mask=mask, need_weights=True, average_attn_weights=False)
+    head0 = weights[0, 0]
+    proc = qkv("trace", "causal_mha.py:causal", "--show-maps", "--map-heads", "0", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip().startswith("head 0")) + 1
+    shades = " ·░▒▓█"
+    pattern = re.compile(r"^\s*(\S+)  (.{8}) +(\d\.\d\d)\s*$")  # label, two spaces, 8 cells, row max
+    for q in range(8):
+        m = pattern.match(lines[start + q])
+        assert m is not None, lines[start + q]
+        row = head0[q]
+        top = float(row.max())
+        assert float(m.group(3)) == pytest.approx(top, abs=0.006)
+        for k, cell in enumerate(m.group(2)):
+            level, part = shades.index(cell), float(row[k]) / top
+            if level == 0:
+                assert part < 1e-3, (q, k, part)
+            else:
+                assert (level - 1) / 5 - 1e-3 <= part <= level / 5 + 1e-3, (q, k, cell, part)
+    assert "as parts of that row's max" in proc.stdout

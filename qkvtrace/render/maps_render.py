@@ -154,9 +154,12 @@ def terminal_maps(result: TraceResult, tokens: list[list[str]] | None = None,
                   max_tokens: int = TERMINAL_MAX_TOKENS) -> list[RenderableType]:  # fmt: skip
     """A compact rendering per call and head (first batch item): one shaded cell per weight.
 
-    Shades ``" ·░▒▓█"`` stand for 0 and up to 1/5 … 5/5 of the head's largest
-    weight (printed beside its name); a fully masked row reads ``fully masked``. Maps longer than
-    ``max_tokens`` on a side are named, not drawn.
+    Each row is one query's distribution over the keys, shaded on its own:
+    ``" ·░▒▓█"`` stand for 0 and up to 1/5 … 5/5 of that row's largest weight,
+    printed at the end of the row. (Against the head's largest weight a causal
+    map is all ``·``: row 0 holds a single weight of 1.) A fully masked row
+    reads ``fully masked``. Maps longer than ``max_tokens`` on a side are
+    named, not drawn.
     """
     out: list[RenderableType] = []
     for call in result.calls:
@@ -174,23 +177,26 @@ def terminal_maps(result: TraceResult, tokens: list[list[str]] | None = None,
         queries, keys = call_labels(call, batch, tokens)
         tables = []
         for hp, head in enumerate(heads):
-            top = float(w[0, hp].max())
-            scale = top if top > 0 else 1.0
-            title = f"head {head} (max {top:.2f})"
+            title = f"head {head}  (row max)"
             table = Table(title=title, box=None, pad_edge=False, show_header=False, padding=(0, 1),
                           min_width=len(title))  # fmt: skip
             table.add_column(justify="right", style="dim", no_wrap=True)
             table.add_column(no_wrap=True)
+            table.add_column(justify="right", style="dim", no_wrap=True)
             full = call.attention_map_fully_masked[0, hp].tolist()
             for q, row in enumerate(w[0, hp].tolist()):
+                top = max(row)
+                scale = top if top > 0 else 1.0
                 shades = "".join(_SHADES[min(5, int(x / scale * 5 + 0.9999))] for x in row)
-                cells = "fully masked" if full[q] else shades
-                table.add_row(queries[q][:10], cells)
+                if full[q]:
+                    table.add_row(queries[q][:10], "fully masked", "")
+                else:
+                    table.add_row(queries[q][:10], shades, f"{top:.2f}")
             tables.append(table)
         grid = Table.grid(padding=(0, 3))
         for _ in tables:
             grid.add_column()
-        per_row = max(1, 100 // (12 + len(keys)))
+        per_row = max(1, 100 // (17 + len(keys)))
         for start in range(0, len(tables), per_row):
             chunk = tables[start : start + per_row]
             grid.add_row(*chunk, *([""] * (len(tables) - len(chunk))))
@@ -198,7 +204,8 @@ def terminal_maps(result: TraceResult, tokens: list[list[str]] | None = None,
         out.append(Group(Text(f"attention map of {_title(call)}, batch item {batch}", style="bold"),
                          Text(f"keys (columns, in order): {key_line}", style="dim"), grid))  # fmt: skip
     if out:
-        out.append(Text("shades, as parts of the head's max: ' ' 0, '·' ≤1/5, '░' ≤2/5, '▒' ≤3/5, '▓' ≤4/5, "
-                        "'█' ≤1. A map is one layer's and one head's weighting, not an explanation of the "
-                        "model's decision.", style="dim"))  # fmt: skip
+        out.append(Text("shades, per row (one query's weights over the keys), as parts of that row's max "
+                        "(printed at its end): ' ' 0, '·' ≤1/5, '░' ≤2/5, '▒' ≤3/5, '▓' ≤4/5, '█' ≤1. "
+                        "A map is one layer's and one head's weighting, not an explanation of the model's "
+                        "decision.", style="dim"))  # fmt: skip
     return out
