@@ -214,3 +214,36 @@ def test_terminal_map_of_a_causal_model_shades_each_row_on_its_own(tmp_path: Pat
             else:
                 assert (level - 1) / 5 - 1e-3 <= part <= level / 5 + 1e-3, (q, k, cell, part)
     assert "as parts of that row's max" in proc.stdout
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_history_out_folder_that_does_not_exist_is_created(tmp_path: Path) -> None:
+    """``history REPORTS --out DIR`` makes DIR, as ``inspect --out`` does, and writes the timeline there.
+
+    Witness: the file system, and the ``torch_version`` of each committed
+    ``reports/torch-*/report.json``, read here as plain JSON.
+    """
+    two = sorted(ROOT.glob("reports/torch-2.[01].*"))
+    assert len(two) == 2
+    expected = [json.loads((d / "report.json").read_text())["environment"]["torch_version"] for d in two]
+    out = tmp_path / "not" / "yet"
+    proc = qkv("history", *map(str, two), "--out", str(out), "--no-chart")
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["HISTORY.md", "history.json"]
+    assert json.loads((out / "history.json").read_text())["releases"] == expected
+
+
+def test_history_out_that_is_a_file_names_out_not_json(tmp_path: Path) -> None:
+    """An ``--out`` that cannot be a folder is refused naming ``--out``, the option given, never ``--json``.
+
+    Witness: the command line the test wrote (only --out is passed).
+    """
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    two = sorted(ROOT.glob("reports/torch-2.[01].*"))
+    proc = qkv("history", *map(str, two), "--out", str(blocker / "sub"))
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "--out" in lines[0] and "--json" not in lines[0], proc.stderr
