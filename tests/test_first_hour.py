@@ -247,3 +247,41 @@ def test_history_out_that_is_a_file_names_out_not_json(tmp_path: Path) -> None:
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "--out" in lines[0] and "--json" not in lines[0], proc.stderr
+
+
+def _sdpa_kernels(run: object) -> set[str]:
+    """The SDPA kernels ``torch.profiler`` sees in an untraced run."""
+    with torch.profiler.profile() as prof:
+        run()  # type: ignore[operator]
+    return {e.name for e in prof.events() if "scaled_dot_product" in e.name}
+
+
+def test_assert_backend_explains_none_only_where_none_is_shown(packed_attention_cls: type[nn.Module]) -> None:
+    """``assert_backend``'s "(backend none: ...)" note appears only when a call ran no SDPA kernel or None was asked.
+
+    Witness: ``torch.profiler`` on untraced runs -- under ``sdpa_kernel(MATH)``
+    the math kernel runs (so every failing call has a backend); the MHA fast
+    path in eval under no_grad runs no SDPA kernel at all.
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from qkvtrace.pytest_plugin import assert_backend
+
+    net = packed_attention_cls(16, 2)
+    x = torch.randn(2, 5, 16)
+    with sdpa_kernel(SDPBackend.MATH):
+        assert "aten::_scaled_dot_product_attention_math" in _sdpa_kernels(lambda: net(x))
+        with qkvtrace.trace(net) as t:
+            net(x)
+    with pytest.raises(AssertionError) as math_failure:
+        assert_backend(t, "FLASH_ATTENTION")
+    assert "backend none" not in str(math_failure.value), str(math_failure.value)
+
+    mha = nn.MultiheadAttention(16, 2, batch_first=True).eval()
+    with torch.no_grad():
+        assert _sdpa_kernels(lambda: mha(x, x, x, need_weights=False)) == set()
+        with qkvtrace.trace(mha) as t2:
+            mha(x, x, x, need_weights=False)
+    with pytest.raises(AssertionError) as none_failure:
+        assert_backend(t2, "MATH")
+    assert "(backend none: no SDPA kernel ran)" in str(none_failure.value)
