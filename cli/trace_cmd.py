@@ -93,8 +93,11 @@ def _add_map_options(p: Any) -> None:
                    help="write a heatmap per call and head and a grid per call (PNG and SVG) into DIR, and the "
                         'maps into --json; needs pip install "qkvtrace[plot]"')  # fmt: skip
     g.add_argument("--show-maps", action="store_true", help="print small maps (T <= 24) in the terminal")
-    g.add_argument("--map-heads", metavar="LIST", type=_indices, default=None, help="only these heads (e.g. 0,3)")
-    g.add_argument("--map-batch", metavar="N", type=int, default=0, help="batch item to map (default 0)")
+    g.add_argument("--map-heads", metavar="LIST", type=_indices, default=None,
+                   help="only these heads, e.g. 0,3 (default: all, as heads= in Python)")  # fmt: skip
+    g.add_argument("--map-batch", metavar="LIST", type=_indices, default=None,
+                   help="only these batch items, e.g. 0 (default: all, as batch_index= in Python); the terminal "
+                        "and the pictures draw the first of them")  # fmt: skip
     g.add_argument("--max-map-tokens", metavar="N", type=int, default=DEFAULT_MAX_MAP_TOKENS,
                    help=f"no map longer than N on a side (default {DEFAULT_MAX_MAP_TOKENS})")  # fmt: skip
     g.add_argument("--max-map-mb", metavar="MB", type=float, default=DEFAULT_MAX_MAP_MB,
@@ -105,7 +108,7 @@ def _indices(text: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated head indices, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected comma-separated indices, got {text!r}") from None
 
 
 def _columns(text: str) -> list[str]:

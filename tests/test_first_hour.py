@@ -285,3 +285,29 @@ def test_assert_backend_explains_none_only_where_none_is_shown(packed_attention_
     with pytest.raises(AssertionError) as none_failure:
         assert_backend(t2, "MATH")
     assert "(backend none: no SDPA kernel ran)" in str(none_failure.value)
+
+
+def test_cli_and_python_map_the_same_batch_items_by_default(tmp_path: Path) -> None:
+    """Without a batch choice, ``trace --maps`` and ``qkvtrace.trace(..., attention_maps=True)`` map every item.
+
+    Witness: PyTorch's own ``need_weights=True, average_attn_weights=False``
+    weights of ``demo:mha`` on its own inputs (batch of 2), computed in the test.
+    """
+    pytest.importorskip("matplotlib")
+    from qkvtrace.demos import demo_mha
+
+    mha, (x, _, _) = demo_mha()
+    with torch.no_grad():
+        _, weights = mha(x, x, x, need_weights=True, average_attn_weights=False)
+    assert weights.shape[0] == 2
+    with qkvtrace.trace(mha.eval(), attention_maps=True) as t, torch.no_grad():
+        mha(x, x, x, need_weights=False)
+    assert torch.allclose(t.calls[0].attention_map, weights, atol=1e-5)
+
+    proc = qkv("trace", "demo:mha", "--maps", str(tmp_path / "maps"), "--json", str(tmp_path / "t.json"))
+    assert proc.returncode == 0, proc.stderr
+    saved = json.loads((tmp_path / "t.json").read_text())["calls"][0]["attention_map"]
+    assert saved["shape"] == list(weights.shape)
+    assert torch.allclose(torch.tensor(saved["values"]), weights, atol=1e-5)
+    helps = qkv("trace", "--help").stdout
+    assert "--map-batch LIST" in helps and "default: all, as batch_index= in Python" in " ".join(helps.split())
