@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import html
+import itertools
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -311,3 +314,126 @@ def test_cli_and_python_map_the_same_batch_items_by_default(tmp_path: Path) -> N
     assert torch.allclose(torch.tensor(saved["values"]), weights, atol=1e-5)
     helps = qkv("trace", "--help").stdout
     assert "--map-batch LIST" in helps and "default: all, as batch_index= in Python" in " ".join(helps.split())
+
+
+def _dejavu_width(text: str, size: float) -> float:
+    """Width of ``text`` in DejaVu Sans (the font librsvg and matplotlib draw with here), by matplotlib's metrics."""
+    from matplotlib.font_manager import FontProperties
+    from matplotlib.textpath import TextPath
+
+    return float(TextPath((0, 0), text, size=size, prop=FontProperties(family="DejaVu Sans")).get_extents().width)
+
+
+def test_map_grid_labels_clear_the_head_to_their_left(tmp_path: Path) -> None:
+    """In a call's grid, "query" is written once per row of heads, left of them, and no head's tick labels
+    reach into the head on its left.
+
+    Witness: the grid's own SVG (image and text positions, parsed here) and
+    DejaVu Sans widths measured by matplotlib's font metrics; the PNG beside it
+    is read for its size.
+    """
+    pytest.importorskip("matplotlib")
+    import matplotlib.image as mpimg
+
+    out = tmp_path / "maps"
+    proc = qkv("trace", "demo:tiny-lm", "--maps", str(out))
+    assert proc.returncode == 0, proc.stderr
+    svg = next(out.glob("call000_*_grid.svg")).read_text()
+    assert mpimg.imread(next(out.glob("call000_*_grid.png"))).shape[1] > 600
+    found = re.findall(r'<image[^>]* x="([-\d.]+)"[^>]* width="([\d.]+)"', svg)
+    heads = sorted((float(x), float(x) + float(w)) for x, w in found if float(w) > 20)  # not the thin colour bar
+    assert len(heads) == 4
+    texts = [(style, float(x), angle, html.unescape(t)) for style, x, angle, t in re.findall(
+        r'<text style="([^"]*)" x="([-\d.]+)" y="[-\d.]+" transform="rotate\((-?\d+) [^"]*"\s*>([^<]*)</text>', svg)]
+    queries = [x for _, x, _, t in texts if t == "query"]
+    assert len(queries) == 1 and queries[0] < heads[0][0], queries
+    for left, right in itertools.pairwise(heads):
+        ticks = [(float(re.search(r"font-size: ([\d.]+)px", style).group(1)), x, t)  # type: ignore[union-attr]
+                 for style, x, angle, t in texts
+                 if angle == "-0" and "text-anchor: end" in style and left[1] < x <= right[0]]  # fmt: skip
+        assert ticks, "each head has token tick labels on its left"
+        reach = min(x - _dejavu_width(t, size) for size, x, t in ticks)
+        assert reach >= left[1], (reach, left)
+
+
+def _svg_nodes(svg: str) -> list[tuple[str, list[tuple[float, float, float, str]], tuple[float, float, float, float]]]:
+    """(shape, texts (x, y, size, text), bounding box (x0, x1, y0, y1)) of each node of a Graphviz SVG."""
+    nodes = []
+    for body in re.findall(r'<g id="node\d+" class="node">(.*?)</g>', svg, flags=re.S):
+        texts = [(float(x), float(y), float(size), html.unescape(t)) for x, y, size, t in
+                 re.findall(r'<text[^>]*x="([-\d.]+)" y="([-\d.]+)"[^>]*font-size="([\d.]+)">([^<]*)</text>', body)]
+        ellipse = re.search(r'<ellipse[^>]*cx="([-\d.]+)" cy="([-\d.]+)" rx="([\d.]+)" ry="([\d.]+)"', body)
+        if ellipse:
+            cx, cy, rx, ry = map(float, ellipse.groups())
+            nodes.append(("ellipse", texts, (cx - rx, cx + rx, cy - ry, cy + ry)))
+            continue
+        shape = re.search(r'<(?:path|polygon)[^>]*(?:d|points)="([^"]+)"', body)
+        if shape is None:
+            continue  # plaintext (the legend)
+        nums = [float(v) for v in re.findall(r"-?\d+(?:\.\d+)?", shape.group(1))]
+        xs, ys = nums[0::2], nums[1::2]
+        nodes.append(("box", texts, (min(xs), max(xs), min(ys), max(ys))))
+    return nodes
+
+
+@pytest.fixture(scope="module")
+def grads_svg(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("grads") / "routes.svg"
+    proc = qkv("grads", "demo:tiny-lm", "--svg", str(path))
+    if "layout program" in proc.stderr or "Graphviz" in proc.stderr:
+        pytest.skip(proc.stderr.strip())
+    assert proc.returncode == 0, proc.stderr
+    return path
+
+
+def test_grads_svg_boxes_hold_their_text_in_a_wider_font(grads_svg: Path) -> None:
+    """Each node of the ``grads`` picture is wide enough for its text drawn in DejaVu Sans.
+
+    Witness: the SVG's own node outlines and text positions, parsed here, and
+    DejaVu Sans widths from matplotlib's font metrics (the font librsvg draws
+    Helvetica with where Helvetica is not installed).
+    """
+    pytest.importorskip("matplotlib")
+    nodes = _svg_nodes(grads_svg.read_text())
+    assert len([n for n in nodes if n[0] == "box"]) >= 5
+    for shape, texts, (x0, x1, y0, y1) in nodes:
+        for x, y, size, text in texts:
+            half = _dejavu_width(text, size) / 2
+            if shape == "ellipse":
+                rx, cy, ry = (x1 - x0) / 2, (y0 + y1) / 2, (y1 - y0) / 2
+                room = rx * max(0.0, 1 - ((y - size / 3 - cy) / ry) ** 2) ** 0.5  # the ellipse's half-width there
+                assert half <= room, (text, half, room)
+            else:
+                assert x0 <= x - half and x + half <= x1, (text, x - half, x + half, x0, x1)
+
+
+@pytest.mark.skipif(shutil.which("rsvg-convert") is None, reason="librsvg's rsvg-convert is not installed")
+def test_grads_svg_drawn_by_librsvg_keeps_text_inside_boxes(grads_svg: Path, tmp_path: Path) -> None:
+    """Drawn by a second renderer (librsvg), no text ink falls just outside any box of the ``grads`` picture.
+
+    Witness: the PNG ``rsvg-convert`` makes, read pixel by pixel; box outlines
+    and text rows come from the SVG, parsed here.
+    """
+    pytest.importorskip("matplotlib")
+    import matplotlib.image as mpimg
+
+    svg = grads_svg.read_text()
+    png = tmp_path / "routes.png"
+    subprocess.run(["rsvg-convert", str(grads_svg), "-o", str(png)], check=True, timeout=120)
+    pixels = mpimg.imread(png)[..., :3]
+    view_w = float(re.search(r'viewBox="[-\d.]+ [-\d.]+ ([\d.]+)', svg).group(1))  # type: ignore[union-attr]
+    tx, ty = map(float, re.search(r'class="graph" transform="[^"]*translate\(([-\d.]+) ([-\d.]+)\)', svg).groups())  # type: ignore[union-attr]
+    scale = pixels.shape[1] / view_w
+    dark = (pixels < 0.25).all(axis=-1)  # text is black; edges and outlines are coloured or grey
+    checked = 0
+    for shape, texts, (x0, x1, _, _) in _svg_nodes(svg):
+        if shape != "box":
+            continue
+        for _, y, size, _ in texts:
+            top, bottom = round((y - size + ty) * scale), round((y + ty) * scale)
+            for edge, step in ((x0, -1), (x1, 1)):
+                px = round((edge + tx) * scale)
+                band = range(px + 2 * step, px + 10 * step, step)
+                assert not dark[top:bottom, min(band):max(band) + 1].any(), (y, edge)
+                checked += 1
+    assert checked >= 10

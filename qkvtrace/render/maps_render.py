@@ -98,7 +98,7 @@ def write_map_pictures(result: TraceResult, directory: Path, tokens: list[list[s
     written: list[Path] = []
     cmap = matplotlib.colormaps["viridis"].with_extremes(bad="#bbbbbb")
 
-    def draw(ax: Any, call: AttentionCall, pos: int, head_pos: int, small: bool) -> Any:
+    def draw(ax: Any, call: AttentionCall, pos: int, head_pos: int, small: bool, ylabel: bool = True) -> Any:
         batch = (call.attention_map_batch or [0])[pos]
         w = call.attention_map[pos, head_pos].numpy()
         full = call.attention_map_fully_masked[pos, head_pos].numpy()
@@ -110,7 +110,8 @@ def write_map_pictures(result: TraceResult, directory: Path, tokens: list[list[s
         ax.set_yticks(range(0, len(queries), step_q), queries[::step_q], fontsize=size)
         ax.set_xticks(range(0, len(keys), step_k), keys[::step_k], fontsize=size, rotation=90)
         ax.set_xlabel("key", fontsize=size + 1)
-        ax.set_ylabel("query", fontsize=size + 1)
+        if ylabel:
+            ax.set_ylabel("query", fontsize=size + 1)
         for q in np.flatnonzero(full):
             ax.text(w.shape[1] / 2 - 0.5, q, "fully masked", ha="center", va="center", fontsize=size, color="black")
         return image
@@ -137,10 +138,11 @@ def write_map_pictures(result: TraceResult, directory: Path, tokens: list[list[s
             save(fig, f"{stem}_head{head}")
         cols = min(4, len(heads))
         rows = (len(heads) + cols - 1) // cols
-        fig, axes = plt.subplots(rows, cols, figsize=(3.0 * cols, 3.0 * rows), squeeze=False)
+        # constrained layout: each head's tick labels get their own room, clear of the head to their left
+        fig, axes = plt.subplots(rows, cols, figsize=(3.0 * cols, 3.0 * rows), squeeze=False, layout="constrained")
         for hp, head in enumerate(heads):
             ax = axes[hp // cols][hp % cols]
-            image = draw(ax, call, 0, hp, small=True)
+            image = draw(ax, call, 0, hp, small=True, ylabel=hp % cols == 0)  # "query" once per row of heads
             ax.set_title(f"head {head}", fontsize=8)
         for extra in range(len(heads), rows * cols):
             axes[extra // cols][extra % cols].axis("off")
