@@ -57,7 +57,8 @@ def register(sub: Any) -> None:
     p.add_argument("--python", action="append", metavar="PY", type=Path, default=[],
                    help="an interpreter with torch installed: collect its report into --out (repeatable)")  # fmt: skip
     p.add_argument("--out", metavar="DIR", type=Path,
-                   help="where reports and the timeline go (default: REPORTS if one folder, else reports)")  # fmt: skip
+                   help="where reports and the timeline go, created if missing (default: REPORTS if one folder, "
+                        "else reports)")  # fmt: skip
     p.add_argument("--json", metavar="FILE", type=Path, help="the qkvtrace.history/1 JSON (default OUT/history.json)")
     p.add_argument("--md", metavar="FILE", type=Path, help="the timeline as Markdown (default OUT/HISTORY.md)")
     p.add_argument("--chart", metavar="FILE", type=Path, help="the release x item chart (default OUT/history.png)")
@@ -129,11 +130,16 @@ def run(args: argparse.Namespace, console: Console) -> int:
     chart_path = None if args.no_chart else (args.chart or default("history.png"))
     if json_path is None and md_path is None and chart_path is None:
         raise InputError("several report folders: give --out DIR for the timeline (or --json/--md/--chart FILE)")
-    for path, flag in ((json_path, "--json"), (md_path, "--md"), (chart_path, "--chart")):
-        if path is not None:
-            check_output_file(path, flag)
-
     reports = find_reports(s for s in sources if s is not None)
+    if args.out is not None:  # --out names a folder to write into: made here, as inspect makes it
+        from qkvtrace.cli.inspect_cmd import prepare_out
+
+        prepare_out(args.out)
+    for path, given, flag in ((json_path, args.json, "--json"), (md_path, args.md, "--md"),
+                              (chart_path, args.chart, "--chart")):  # fmt: skip
+        if path is not None:
+            check_output_file(path, flag if given is not None else "--out")  # the option the user gave
+
     history = build_history(reports)
     chart_note = None
     chart_drawn = False

@@ -33,8 +33,11 @@ Secondary columns are asked for with --columns.
 {TARGET_HELP}
 By default the model runs as inference does: model.eval() under
 torch.no_grad(), where PyTorch's fast paths can be taken. --train switches to
-training mode; --backward runs with gradients on and calls backward() on the
-sum of the output.
+training mode; --backward runs with gradients on and backpropagates the loss
+`qkvtrace grads` uses: next-token cross-entropy for a language model (token
+ids in, one score per vocabulary entry out), else <output, R> with R a fixed
+random N(0, 1) tensor -- a plain sum of the output would have zero gradient
+through a final LayerNorm. The output says which one ran.
 """
 
 _EPILOG = """\
@@ -60,7 +63,8 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--backward",
         action="store_true",
-        help="enable grad, run backward on output.sum(), record Q/K/V gradients",
+        help="enable grad, backpropagate next-token cross-entropy (language models) or <output, R> "
+        "(R fixed random), record Q/K/V gradients",
     )
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--train", dest="mode", action="store_const", const="train", help="model.train() before the run")
@@ -89,8 +93,11 @@ def _add_map_options(p: Any) -> None:
                    help="write a heatmap per call and head and a grid per call (PNG and SVG) into DIR, and the "
                         'maps into --json; needs pip install "qkvtrace[plot]"')  # fmt: skip
     g.add_argument("--show-maps", action="store_true", help="print small maps (T <= 24) in the terminal")
-    g.add_argument("--map-heads", metavar="LIST", type=_indices, default=None, help="only these heads (e.g. 0,3)")
-    g.add_argument("--map-batch", metavar="N", type=int, default=0, help="batch item to map (default 0)")
+    g.add_argument("--map-heads", metavar="LIST", type=_indices, default=None,
+                   help="only these heads, e.g. 0,3 (default: all, as heads= in Python)")  # fmt: skip
+    g.add_argument("--map-batch", metavar="LIST", type=_indices, default=None,
+                   help="only these batch items, e.g. 0 (default: all, as batch_index= in Python); the terminal "
+                        "and the pictures draw the first of them")  # fmt: skip
     g.add_argument("--max-map-tokens", metavar="N", type=int, default=DEFAULT_MAX_MAP_TOKENS,
                    help=f"no map longer than N on a side (default {DEFAULT_MAX_MAP_TOKENS})")  # fmt: skip
     g.add_argument("--max-map-mb", metavar="MB", type=float, default=DEFAULT_MAX_MAP_MB,
@@ -101,7 +108,7 @@ def _indices(text: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated head indices, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected comma-separated indices, got {text!r}") from None
 
 
 def _columns(text: str) -> list[str]:
@@ -125,11 +132,15 @@ def run(args: argparse.Namespace, console: Console) -> int:
         loaded = load_with_inputs(args.target, args.input_shape, args.max_tokens, args.max_attention_mb,
                                   random_init=args.random_init)  # fmt: skip
         status(f"running {args.target}")
-        result = _run(args, loaded)
+        result, loss_kind = _run(args, loaded)
     mode = args.mode + (", backward" if args.backward else "")
     title = f"qkvtrace trace {args.target}  (torch {torch.__version__}, {mode})"
     console.print(trace_table(result, title=title, width=console.width, columns=args.columns), crop=False)
     console.print(summary_line(result, width=console.width), soft_wrap=True)
+    if loss_kind is not None:
+        from qkvtrace.grads import LOSS_TEXT
+
+        console.print(f"backward of {LOSS_TEXT[loss_kind]}", markup=False, highlight=False, soft_wrap=True)
     for line in blind_spots(result):  # silence is not absence: say what the trace could not see
         console.print(line, style="yellow", markup=False, highlight=False, soft_wrap=True)
     if args.show_maps or args.maps is not None:
@@ -162,10 +173,12 @@ def _maps_out(args: argparse.Namespace, result: Any, loaded: Any, console: Conso
         console.print(f"wrote {len(files)} map pictures (PNG and SVG) into {args.maps}")
 
 
-def _run(args: argparse.Namespace, loaded: Any) -> Any:
+def _run(args: argparse.Namespace, loaded: Any) -> tuple[Any, str | None]:
+    """The trace result, and the kind of loss backpropagated (``None`` without --backward)."""
     import torch
 
     import qkvtrace
+    from qkvtrace.grads import make_loss
     from qkvtrace.target import first_tensor
 
     model, call_args, call_kwargs = loaded.model, loaded.args, loaded.kwargs
@@ -177,6 +190,7 @@ def _run(args: argparse.Namespace, loaded: Any) -> Any:
         tracer = qkvtrace.trace(model, **options)  # type: ignore[arg-type]
     except ValueError as exc:
         raise InputError(f"attention map options: {exc}") from None
+    loss_kind = None
     with tracer as tr, torch.set_grad_enabled(args.backward):
         try:
             out = model(*call_args, **call_kwargs)
@@ -191,5 +205,6 @@ def _run(args: argparse.Namespace, loaded: Any) -> Any:
                 raise InputError(
                     f"{args.target}: the output does not require grad, so there is nothing to backward through"
                 )
-            first.float().sum().backward()
-    return tr.result
+            loss_kind, loss = make_loss(model, tuple(call_args), first)
+            loss.backward()
+    return tr.result, loss_kind

@@ -29,12 +29,18 @@ from qkvtrace.records import AttentionCall, GradientRecord, TraceResult, atomic_
 
 PARTS_ORDER = ("q", "k", "v")
 
-__all__ = ["GRADS_SCHEMA", "GradsResult", "NoBackward", "Route", "SliceGradient", "measure"]
+__all__ = ["GRADS_SCHEMA", "LOSS_TEXT", "GradsResult", "NoBackward", "Route", "SliceGradient", "make_loss", "measure"]
 
 GRADS_SCHEMA = "qkvtrace.grads/2"
 
 #: the path reported for attention the tracer does not wrap (a softmax written in the model's own code)
 HAND_WRITTEN = "hand-written"
+
+#: what each kind of loss made by :func:`make_loss` is, in words
+LOSS_TEXT = {
+    "lm": "next-token cross-entropy",
+    "probe": "<output, R>, R a fixed random N(0, 1) tensor of the output's shape",
+}
 
 
 class NoBackward(ValueError):
@@ -111,8 +117,10 @@ def make_loss(model: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> tup
 
     A language model (integer token ids in, one score per vocabulary entry
     out) gets its own loss, next-token cross-entropy. Anything else gets
-    ⟨output, R⟩ with R drawn once from N(0, 1) (seed 0): a plain ``sum``
-    would give a zero gradient through a final LayerNorm.
+    ⟨output, R⟩ with R drawn from N(0, 1) by a generator set to 0, so every
+    run backpropagates the same R: a plain ``sum`` would give a zero gradient
+    through a final LayerNorm (each row of its output sums to its bias, a
+    constant). :data:`LOSS_TEXT` says each kind in words.
     """
     ids = args[0] if args and isinstance(args[0], torch.Tensor) else None
     vocab = next((m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)), None)

@@ -282,27 +282,37 @@ def _unpack(label: str, produced: Any) -> Loaded:
 
 
 def synthesize_inputs(model: nn.Module, batch: int, length: int) -> tuple[Any, ...]:
-    """Inputs for a model that starts with an embedding or an attention layer.
+    """Inputs for a model whose first layer is an embedding or an attention layer.
 
-    * first leaf is ``nn.Embedding``: token ids ``(batch, length)``;
-    * otherwise the first attention layer fixes the width: ``(batch, length,
-      embed_dim)`` floats (``(length, batch, embed_dim)`` when it is not
-      ``batch_first``), passed three times to a bare ``MultiheadAttention``.
+    * first layer is ``nn.Embedding``: token ids ``(batch, length)``;
+    * first layer is an attention layer (``nn.MultiheadAttention``, or a layer
+      holding one as ``self_attn``): ``(batch, length, embed_dim)`` floats
+      (``(length, batch, embed_dim)`` when it is not ``batch_first``), passed
+      three times to a bare ``MultiheadAttention``.
+
+    "First" is the first layer in the model's registration order. Any other
+    first layer (an ``nn.Linear``, a convolution, a norm...) does not say what
+    shape the model takes, so nothing is guessed: :class:`InputError` says so.
     """
     if batch < 1 or length < 1:
         raise InputError(f"--input-shape needs positive B,T, got {batch},{length}")
-    first_leaf = next((m for m in model.modules() if not list(m.children())), None)
-    if isinstance(first_leaf, nn.Embedding):
-        return (torch.randint(0, first_leaf.num_embeddings, (batch, length)),)
-    mha = first_mha(model)
-    if mha is not None:
-        shape = (batch, length, mha.embed_dim) if mha.batch_first else (length, batch, mha.embed_dim)
-        x = torch.randn(*shape)
-        return (x, x, x) if model is mha else (x,)
-    raise InputError(
-        f"cannot make example inputs for {type(model).__name__}: it starts with neither "
-        "nn.Embedding nor an attention layer; return (model, example_inputs) from your factory"
-    )
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Embedding):
+            return (torch.randint(0, m.num_embeddings, (batch, length)),)
+        mha = m if isinstance(m, nn.MultiheadAttention) else getattr(m, "self_attn", None)
+        if isinstance(mha, nn.MultiheadAttention):
+            shape = (batch, length, mha.embed_dim) if mha.batch_first else (length, batch, mha.embed_dim)
+            x = torch.randn(*shape)
+            return (x, x, x) if model is mha else (x,)
+        if not list(m.children()):
+            where = f"its first layer, {name} ({type(m).__name__}), is" if name else "it is a single layer,"
+            raise InputError(
+                f"cannot make example inputs for {type(model).__name__}: {where} neither nn.Embedding nor "
+                "an attention layer, so its input shape is unknown and qkvtrace does not guess it; "
+                "return (model, example_inputs) from your factory"
+            )
+    raise InputError(f"cannot make example inputs for {type(model).__name__}: it has no layers; "
+                     "return (model, example_inputs) from your factory")  # fmt: skip
 
 
 def first_tensor(out: Any) -> torch.Tensor | None:

@@ -463,7 +463,8 @@ def test_cli_maps_writes_pictures_per_call_and_head_and_a_grid(tmp_path: Path) -
     first_token = int(demo_tiny_lm()[1][0][0, 0])
     assert "<svg" in svg and f">{html.escape(VOCABULARY[first_token])}</text>" in svg  # the demo's words label the axes
     data = load_json(tmp_path / "t.json", "qkvtrace.trace/2")
-    assert data["calls"][0]["attention_map"]["shape"] == [1, 2, 16, 16]  # batch item 0, heads 0 and 3
+    batch = demo_tiny_lm()[1][0].shape[0]  # every batch item by default, as in Python
+    assert data["calls"][0]["attention_map"]["shape"] == [batch, 2, 16, 16]  # heads 0 and 3
 
 
 def test_cli_maps_without_matplotlib_says_how_to_get_it(tmp_path: Path) -> None:

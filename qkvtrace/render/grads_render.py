@@ -21,11 +21,36 @@ from rich.text import Text
 from qkvtrace.grads import PARTS_ORDER, GradsResult, Route, SliceGradient
 from qkvtrace.records import rows_label
 
-__all__ = ["fmt", "grads_dot", "grads_table", "slice_label"]
+__all__ = ["fmt", "grads_dot", "grads_table", "node_width", "slice_label"]
 
 V_COLOUR = "#1565c0"  # the V route: straight from attention @ V
 QK_COLOUR = "#e65100"  # the Q and K routes: through softmax and the scores
 _SYMBOL = {"q": "Q", "k": "K", "v": "V"}
+
+
+_NARROW = set("ijlrtf.,:;|!'[]() ")
+_WIDE = set("mwMW")
+
+
+def _em(ch: str) -> float:
+    """A generous advance width of ``ch`` in ems: at least DejaVu Sans', the widest font renderers fall back to."""
+    if ch in _NARROW:
+        return 0.42
+    if ch in _WIDE:
+        return 1.0
+    return 0.8 if ch.isupper() else 0.66
+
+
+def node_width(label: str, fontsize: float = 11.0, shape: str = "box") -> str:
+    """The ``width`` (inches) a node needs for ``label`` (lines split by ``\\n``) in any sans-serif font.
+
+    Graphviz sizes a node from its own font metrics; a renderer that draws the
+    text with another font (librsvg substitutes DejaVu Sans for Helvetica) can
+    overflow a box sized that way. ``width`` is a minimum, so a node sized
+    here is never narrower than Graphviz would make it.
+    """
+    widest = max(sum(_em(ch) for ch in line) for line in label.split("\\n")) * fontsize / 72
+    return f"{widest * (1.45 if shape == 'ellipse' else 1.0) + 0.3:.2f}"
 
 
 def fmt(x: float | None) -> str:
@@ -75,13 +100,15 @@ def grads_dot(result: GradsResult, routes: list[Route]) -> str:
         edge_attr={"fontname": "Helvetica", "fontsize": "10", "arrowsize": "0.6"},
     )
     loss_text = "next-token cross-entropy" if result.loss_kind == "lm" else "<output, R>, R fixed random"
-    dot.node("loss", f"loss = {fmt(result.loss)}\\n{loss_text}", shape="ellipse", fillcolor="#eeeeee")
+    loss_label = f"loss = {fmt(result.loss)}\\n{loss_text}"
+    dot.node("loss", loss_label, shape="ellipse", fillcolor="#eeeeee", width=node_width(loss_label, shape="ellipse"))
     previous = "loss"
     for i, route in enumerate(reversed(routes)):  # backward order: the last call is nearest the loss
         module = f"m{i}"
         title = route.module or "(root)"
         call = f"call {route.call}" if route.call is not None else route.path
-        dot.node(module, f"{title}\\n{call}; rest of the module collapsed", fillcolor="#fafafa")
+        label = f"{title}\\n{call}; rest of the module collapsed"
+        dot.node(module, label, fillcolor="#fafafa", width=node_width(label))
         dot.edge(previous, module, color="#9e9e9e", style="dotted", label="" if previous != "loss" else "backward")
         previous = module
         _route_cluster(dot, i, module, route)
@@ -104,8 +131,10 @@ def _route_cluster(dot: graphviz.Digraph, i: int, module: str, route: Route) -> 
     core, scores = f"c{i}", f"s{i}"
     with dot.subgraph(name=f"cluster_{i}") as sub:
         sub.attr(label=f"{route.module or '(root)'} -- {route.path}", style="rounded,dashed", color="#bdbdbd")
-        sub.node(core, f"backward kernel\\n{route.backward_kernel}", shape="box", fillcolor="#f3e5f5")
-        sub.node(scores, "softmax(QKᵀ/√d)\\nand the scores", shape="ellipse", fillcolor="#fff3e0")
+        core_label, scores_label = f"backward kernel\\n{route.backward_kernel}", "softmax(QKᵀ/√d)\\nand the scores"
+        sub.node(core, core_label, shape="box", fillcolor="#f3e5f5", width=node_width(core_label))
+        sub.node(scores, scores_label, shape="ellipse", fillcolor="#fff3e0",
+                 width=node_width(scores_label, shape="ellipse"))  # fmt: skip
         sub.edge(core, scores, color=QK_COLOUR, style="dashed")
         for part in PARTS_ORDER:
             got = getattr(route, part)
@@ -127,7 +156,8 @@ def _route_cluster(dot: graphviz.Digraph, i: int, module: str, route: Route) -> 
             s = route.slices.get(part)
             if s is not None:
                 weight = f"w{i}{part}"
-                sub.node(weight, f"W_{_SYMBOL[part]}\\n{slice_label(s)}", fillcolor="#ffffff")
+                weight_label = f"W_{_SYMBOL[part]}\\n{slice_label(s)}"
+                sub.node(weight, weight_label, fillcolor="#ffffff", width=node_width(weight_label))
                 sub.edge(
                     act,
                     weight,

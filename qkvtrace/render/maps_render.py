@@ -98,7 +98,7 @@ def write_map_pictures(result: TraceResult, directory: Path, tokens: list[list[s
     written: list[Path] = []
     cmap = matplotlib.colormaps["viridis"].with_extremes(bad="#bbbbbb")
 
-    def draw(ax: Any, call: AttentionCall, pos: int, head_pos: int, small: bool) -> Any:
+    def draw(ax: Any, call: AttentionCall, pos: int, head_pos: int, small: bool, ylabel: bool = True) -> Any:
         batch = (call.attention_map_batch or [0])[pos]
         w = call.attention_map[pos, head_pos].numpy()
         full = call.attention_map_fully_masked[pos, head_pos].numpy()
@@ -110,7 +110,8 @@ def write_map_pictures(result: TraceResult, directory: Path, tokens: list[list[s
         ax.set_yticks(range(0, len(queries), step_q), queries[::step_q], fontsize=size)
         ax.set_xticks(range(0, len(keys), step_k), keys[::step_k], fontsize=size, rotation=90)
         ax.set_xlabel("key", fontsize=size + 1)
-        ax.set_ylabel("query", fontsize=size + 1)
+        if ylabel:
+            ax.set_ylabel("query", fontsize=size + 1)
         for q in np.flatnonzero(full):
             ax.text(w.shape[1] / 2 - 0.5, q, "fully masked", ha="center", va="center", fontsize=size, color="black")
         return image
@@ -137,10 +138,11 @@ def write_map_pictures(result: TraceResult, directory: Path, tokens: list[list[s
             save(fig, f"{stem}_head{head}")
         cols = min(4, len(heads))
         rows = (len(heads) + cols - 1) // cols
-        fig, axes = plt.subplots(rows, cols, figsize=(3.0 * cols, 3.0 * rows), squeeze=False)
+        # constrained layout: each head's tick labels get their own room, clear of the head to their left
+        fig, axes = plt.subplots(rows, cols, figsize=(3.0 * cols, 3.0 * rows), squeeze=False, layout="constrained")
         for hp, head in enumerate(heads):
             ax = axes[hp // cols][hp % cols]
-            image = draw(ax, call, 0, hp, small=True)
+            image = draw(ax, call, 0, hp, small=True, ylabel=hp % cols == 0)  # "query" once per row of heads
             ax.set_title(f"head {head}", fontsize=8)
         for extra in range(len(heads), rows * cols):
             axes[extra // cols][extra % cols].axis("off")
@@ -154,9 +156,12 @@ def terminal_maps(result: TraceResult, tokens: list[list[str]] | None = None,
                   max_tokens: int = TERMINAL_MAX_TOKENS) -> list[RenderableType]:  # fmt: skip
     """A compact rendering per call and head (first batch item): one shaded cell per weight.
 
-    Shades ``" ·░▒▓█"`` stand for 0 and up to 1/5 … 5/5 of the head's largest
-    weight (printed beside its name); a fully masked row reads ``fully masked``. Maps longer than
-    ``max_tokens`` on a side are named, not drawn.
+    Each row is one query's distribution over the keys, shaded on its own:
+    ``" ·░▒▓█"`` stand for 0 and up to 1/5 … 5/5 of that row's largest weight,
+    printed at the end of the row. (Against the head's largest weight a causal
+    map is all ``·``: row 0 holds a single weight of 1.) A fully masked row
+    reads ``fully masked``. Maps longer than ``max_tokens`` on a side are
+    named, not drawn.
     """
     out: list[RenderableType] = []
     for call in result.calls:
@@ -174,23 +179,26 @@ def terminal_maps(result: TraceResult, tokens: list[list[str]] | None = None,
         queries, keys = call_labels(call, batch, tokens)
         tables = []
         for hp, head in enumerate(heads):
-            top = float(w[0, hp].max())
-            scale = top if top > 0 else 1.0
-            title = f"head {head} (max {top:.2f})"
+            title = f"head {head}  (row max)"
             table = Table(title=title, box=None, pad_edge=False, show_header=False, padding=(0, 1),
                           min_width=len(title))  # fmt: skip
             table.add_column(justify="right", style="dim", no_wrap=True)
             table.add_column(no_wrap=True)
+            table.add_column(justify="right", style="dim", no_wrap=True)
             full = call.attention_map_fully_masked[0, hp].tolist()
             for q, row in enumerate(w[0, hp].tolist()):
+                top = max(row)
+                scale = top if top > 0 else 1.0
                 shades = "".join(_SHADES[min(5, int(x / scale * 5 + 0.9999))] for x in row)
-                cells = "fully masked" if full[q] else shades
-                table.add_row(queries[q][:10], cells)
+                if full[q]:
+                    table.add_row(queries[q][:10], "fully masked", "")
+                else:
+                    table.add_row(queries[q][:10], shades, f"{top:.2f}")
             tables.append(table)
         grid = Table.grid(padding=(0, 3))
         for _ in tables:
             grid.add_column()
-        per_row = max(1, 100 // (12 + len(keys)))
+        per_row = max(1, 100 // (17 + len(keys)))
         for start in range(0, len(tables), per_row):
             chunk = tables[start : start + per_row]
             grid.add_row(*chunk, *([""] * (len(tables) - len(chunk))))
@@ -198,7 +206,8 @@ def terminal_maps(result: TraceResult, tokens: list[list[str]] | None = None,
         out.append(Group(Text(f"attention map of {_title(call)}, batch item {batch}", style="bold"),
                          Text(f"keys (columns, in order): {key_line}", style="dim"), grid))  # fmt: skip
     if out:
-        out.append(Text("shades, as parts of the head's max: ' ' 0, '·' ≤1/5, '░' ≤2/5, '▒' ≤3/5, '▓' ≤4/5, "
-                        "'█' ≤1. A map is one layer's and one head's weighting, not an explanation of the "
-                        "model's decision.", style="dim"))  # fmt: skip
+        out.append(Text("shades, per row (one query's weights over the keys), as parts of that row's max "
+                        "(printed at its end): ' ' 0, '·' ≤1/5, '░' ≤2/5, '▒' ≤3/5, '▓' ≤4/5, '█' ≤1. "
+                        "A map is one layer's and one head's weighting, not an explanation of the model's "
+                        "decision.", style="dim"))  # fmt: skip
     return out

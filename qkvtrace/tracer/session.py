@@ -484,7 +484,8 @@ def trace(
     ``[B, H, T_query, T_key]``), recomputed on the side from the call's own
     inputs after it ran, without changing its path, kernel or outputs
     (:mod:`qkvtrace.maps`). ``heads`` / ``batch_index``: only these heads and
-    batch items. A map longer than ``max_map_tokens`` on a side (default
+    batch items (default: all of them, as ``--map-heads`` / ``--map-batch``
+    of ``qkvtrace trace``). A map longer than ``max_map_tokens`` on a side (default
     1024), or that would bring the trace's maps over ``max_map_mb`` (default
     256), is refused before it is allocated; the call says why in
     ``attention_map_reason``. The maps live in the result and go with it.
