@@ -114,8 +114,6 @@ def _maps_sample() -> str:
     pytest.fail("no Python sample of attention_maps=True, heads=[0, 3] in README.md or docs/")
 
 
-@pytest.mark.xfail(strict=True, reason="the README sample gains mha.eval() with the README restructure; "
-                   "remove this marker when it lands")  # fmt: skip
 def test_readme_maps_sample_prints_what_its_comment_says(capsys: pytest.CaptureFixture[str]) -> None:
     """The maps sample, run as written after the README's first Python sample, prints its own comment.
 
