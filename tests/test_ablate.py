@@ -308,19 +308,19 @@ def test_cli_plot_without_matplotlib_says_what_to_install(tmp_path: Path) -> Non
 # -- the outcome -------------------------------------------------------------------------------------------------
 
 
-def _retrained_full_lookup(seed: int) -> tuple[float, float]:
+def _retrained_full_lookup(run: int) -> tuple[float, float]:
     """Held-out accuracy and answer weight of ``full`` on lookup, trained and measured here: the model,
     data split and batch order of the run, AdamW as documented, then argmax and the last row's weight on
     the answer position read from the model's own outputs."""
     task = TASKS["lookup"]
-    x_tr, y_tr, x_ev, y_ev = task.split(seed)
+    x_tr, y_tr, x_ev, y_ev = task.split(run)
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+        torch.manual_seed(run)
         model = make_model(task.vocab_size, task.seq_len, task.n_classes, "full", d_model=task.d_model,
                            n_layers=task.n_layers, pool=task.pool)  # fmt: skip
     optimizer = torch.optim.AdamW(model.parameters(), lr=task.lr, weight_decay=0.01)
     model.train()
-    for idx in training_batches(x_tr.size(0), task.batch_size, task.default_steps, seed):
+    for idx in training_batches(x_tr.size(0), task.batch_size, task.default_steps, run):
         loss = F.cross_entropy(model(x_tr[idx]), y_tr[idx])
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -337,7 +337,7 @@ def _retrained_full_lookup(seed: int) -> tuple[float, float]:
 def test_full_beats_the_modes_that_cannot_route_on_lookup() -> None:
     """With the default steps, every full run beats every uniform / no_attention run by far.
 
-    Witness: the margin is recomputed here from the runs' accuracies, and seed 0's full model is trained
+    Witness: the margin is recomputed here from the runs' accuracies, and run 0's full model is trained
     again here; its accuracy and answer weight are measured on its own outputs.
     """
     result = run_ablation("lookup", seeds=[0, 1, 2], modes=["full", "uniform", "no_attention"])

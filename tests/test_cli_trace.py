@@ -229,7 +229,7 @@ def _packed_norms(weight: torch.Tensor) -> list[float]:
 
 def test_readme_trace_samples_are_what_trace_prints() -> None:
     """Change detector (the README's text is the tool's output), plus a witness: the ``|W| q/k/v``
-    numbers recomputed from the demos' weights, built here with the demos' documented seed and shapes."""
+    numbers recomputed from the demos' weights, built here with the demos' manual_seed(0) and shapes."""
     torch.manual_seed(0)
     mha = nn.MultiheadAttention(64, 8, batch_first=True)
     torch.manual_seed(0)

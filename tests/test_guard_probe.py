@@ -144,7 +144,7 @@ def test_fully_masked_rows_and_agreement_are_measured() -> None:
     assert rows[("seed section 3.2 (hand-written)", None)]["result"] == "nan"  # softmax over all -inf
 
     ag = agreement()
-    # SDPA, default backend, float32: the same inputs (seed 0, float64 drawn, cast), the error recomputed here
+    # SDPA, default backend, float32: the same inputs (manual_seed(0), float64 cast down), the error recomputed here
     torch.manual_seed(0)
     q64, k64, v64 = (torch.randn(2, 4, 16, 32, dtype=torch.float64) for _ in range(3))
     with torch.no_grad():

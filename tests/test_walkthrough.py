@@ -47,8 +47,8 @@ def test_every_check_holds(full: dict[str, Any]) -> None:
 
 
 def test_the_numbers_are_pytorchs_replayed_here(full: dict[str, Any]) -> None:
-    """Witness: the same run replayed here in plain PyTorch, no trace: the model built with the same
-    seed, PyTorch's own attention weights, logits, cross-entropy, ``.grad`` of the packed weight's
+    """Witness: the same run replayed here in plain PyTorch, no trace: the model built after the same
+    manual_seed, PyTorch's own attention weights, logits, cross-entropy, ``.grad`` of the packed weight's
     row blocks [0,8), [8,16), [16,24) (PyTorch's documented packing), the SGD step and 100 epochs."""
     vocab: dict[str, int] = {"<unk>": 0}
     for text in TEXTS:
@@ -71,7 +71,7 @@ def test_the_numbers_are_pytorchs_replayed_here(full: dict[str, Any]) -> None:
     assert torch.allclose(torch.tensor(full["matrices"]["attention"]), weights[0].detach(), rtol=0, atol=6e-5)
     assert torch.allclose(torch.tensor(full["logits"]), logits[0].detach(), rtol=0, atol=6e-5)
     loss = F.cross_entropy(logits, torch.tensor([full["label"]["index"]]))
-    assert full["checks"]["loss"] == pytest.approx(float(loss), abs=1e-6)
+    assert full["checks"]["loss"] == pytest.approx(float(loss.detach()), abs=1e-6)
     optimizer.zero_grad()
     loss.backward()
     assert w.grad is not None
