@@ -483,7 +483,8 @@ def print_memory(m: MemoryResult) -> None:
 
 def print_host_reads(workloads: Sequence[Workload]) -> None:
     """Host reads (device syncs on an accelerator) per unit of work, untraced and traced."""
-    print("\nHost reads per unit of work (.item/float/int/bool/index/tolist/numpy/cpu on tensors; target: +0)")
+    print("\nHost reads per unit of work (aten::_local_scalar_dense/nonzero/equal/is_nonzero seen by torch.profiler,"
+          " C++ callers included; target: +0)")
     print(f"  {'workload':<34} {'untraced':>9} {'traced':>7} {'added':>6}")
     for w in workloads:
         if w.maps:  # added_host_reads traces without maps; a map is copied to the CPU after each call

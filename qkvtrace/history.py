@@ -185,9 +185,9 @@ def build_history(reports: Sequence[tuple[Path | str, dict[str, Any]] | dict[str
         "reports": [
             {
                 "torch_version": v,
+                # facts about the release and what it could run, never the machine that measured it:
+                # a report made again with another Python (or on another machine) is the same release
                 "torch_git_version": r["environment"].get("torch_git_version", ""),
-                "platform": r["environment"].get("platform", ""),
-                "python_version": r["environment"].get("python_version", ""),
                 "cuda_available": bool(r["environment"].get("cuda_available", False)),
                 "missing": sorted(m["name"] for m in r.get("missing", [])),
             }

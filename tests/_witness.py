@@ -3,11 +3,13 @@
 ``profiled`` keeps the ``aten::`` attention ops a run executed, in order, and
 groups them per outermost attention op; ``learn_kernel_backends`` maps each
 SDPA kernel op to its ``SDPBackend`` by forcing every backend under the
-profiler. Nothing here asks qkvtrace anything.
+profiler; ``local_at_return`` reads PyTorch's own local variables (the fast-path
+reason strings) on an un-instrumented run. Nothing here asks qkvtrace anything.
 """
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections import deque
 from collections.abc import Callable
@@ -103,3 +105,29 @@ def attention_core(out: torch.Tensor) -> str:
     # the product with V is the first matmul met above the softmax, breadth first from the output
     matmul = next(n for n in names if n.startswith(("Bmm", "Mm", "Matmul")))
     return f"{softmax} + {matmul}"
+
+
+def local_at_return(code: Any, var: str, fn: Callable[[], Any]) -> tuple[Any, list[Any]]:
+    """Run ``fn`` un-instrumented except for a trace function reading local ``var``
+    of every frame of ``code`` as it returns (a second, independent reader of
+    PyTorch's own reason variables)."""
+    seen: list[Any] = []
+    previous = sys.gettrace()
+
+    def local(frame: Any, event: str, arg: Any) -> Any:
+        if event == "return":
+            seen.append(frame.f_locals.get(var))
+        return local
+
+    def global_(frame: Any, event: str, arg: Any) -> Any:
+        if event == "call" and frame.f_code is code:
+            frame.f_trace_lines = False
+            return local
+        return None
+
+    sys.settrace(global_)
+    try:
+        out = fn()
+    finally:
+        sys.settrace(previous)
+    return out, seen

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from _mha_reasons import reason_under
+from torch import nn
 
 import qkvtrace
 from qkvtrace.demos import demo_encoder
@@ -213,11 +214,40 @@ def _printed(proc: subprocess.CompletedProcess[str]) -> list[str]:
     return [line.rstrip() for line in proc.stdout.splitlines()]
 
 
+def _shown_weight_norms(lines: list[str]) -> list[list[float]]:
+    """The ``|W| q/k/v`` cell of each call row of a sample table, as numbers."""
+    header = next(line for line in lines if "|W| q/k/v" in line)
+    column = [c.strip() for c in header.split("┃")].index("|W| q/k/v")
+    rows = [[c.strip() for c in line.split("│")] for line in lines if line.startswith("│ #")]
+    return [[float(v) for v in row[column].split("/")] for row in rows]
+
+
+def _packed_norms(weight: torch.Tensor) -> list[float]:
+    """Norms of the three row blocks of a packed in_proj_weight, computed here."""
+    return [float(block.detach().norm()) for block in weight.chunk(3)]
+
+
 def test_readme_trace_samples_are_what_trace_prints() -> None:
+    """Change detector (the README's text is the tool's output), plus a witness: the ``|W| q/k/v``
+    numbers recomputed from the demos' weights, built here with the demos' manual_seed(0) and shapes."""
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(64, 8, batch_first=True)
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(64, 4, dim_feedforward=128, dropout=0.0, batch_first=True)
+    encoder = nn.TransformerEncoder(layer, num_layers=2)
+    witnessed = {
+        "qkvtrace trace demo:encoder --columns weights":
+            [_packed_norms(lay.self_attn.in_proj_weight) for lay in encoder.layers],
+        "qkvtrace trace demo:mha --train --backward --columns weights,grads": [_packed_norms(mha.in_proj_weight)],
+    }  # fmt: skip
+    for command, norms in witnessed.items():
+        shown = _shown_weight_norms(_readme_output(command))
+        assert len(shown) == len(norms)
+        for row, want in zip(shown, norms, strict=True):
+            assert row == pytest.approx(want, abs=0.005), (command, row, want)  # printed to 3 digits
     if not torch.__version__.startswith("2.13.0"):  # PyTorch's reasons and kernels differ by release
         pytest.skip("the documented samples were printed by torch 2.13.0, the release its commands install")
-    for command in ("qkvtrace trace demo:encoder --columns weights",
-                    "qkvtrace trace demo:mha --train --backward --columns weights,grads"):  # fmt: skip
+    for command in witnessed:
         proc = subprocess.run([sys.executable, "-m", "qkvtrace", *command.split()[1:]], capture_output=True,
                               text=True, env={**ENV, "COLUMNS": "100"}, timeout=300)  # fmt: skip
         assert _printed(proc) == _readme_output(command)

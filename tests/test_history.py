@@ -23,6 +23,7 @@ import pytest
 
 from qkvtrace.diff import diff_reports
 from qkvtrace.history import HISTORY_SCHEMA, build_history, find_reports, source_change, version_key
+from qkvtrace.reportio import load_report
 from qkvtrace.validation import check_document
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -217,6 +218,23 @@ def test_without_matplotlib_the_timeline_is_written_and_the_chart_names_the_extr
 # -- the committed history ---------------------------------------------------------
 
 
+def _committed_report_folders(root: Path = ROOT) -> list[Path]:
+    """The report folders under ``root/reports`` that git tracks (all of them outside a git checkout).
+
+    ``qkvtrace inspect``, the README's main command, writes ``reports/torch-<installed version>/``: on a
+    machine whose PyTorch build has no committed report (``2.13.0`` from PyPI beside the committed
+    ``2.13.0+cpu``) that is a new, untracked folder, which the committed history cannot know.
+    """
+    reports = root / "reports"
+    try:
+        listed = subprocess.run(["git", "ls-files", "-z", "--", "reports"], cwd=root, capture_output=True,
+                                check=True, timeout=60).stdout.decode()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):  # no git, or not a checkout (an unpacked source archive)
+        listed = ""
+    tracked = sorted({root / Path(n).parent for n in listed.split("\0") if n.endswith("/report.json")})
+    return tracked or sorted(p.parent for p in reports.glob("*/report.json"))
+
+
 @pytest.fixture(scope="module")
 def committed() -> dict[str, Any]:
     path = REPORTS / "history.json"
@@ -229,7 +247,7 @@ def committed() -> dict[str, Any]:
 def test_committed_history_is_what_the_tool_builds_from_the_committed_reports(committed: dict[str, Any]) -> None:
     from qkvtrace.render.history_render import history_markdown
 
-    rebuilt = build_history(find_reports([REPORTS]))
+    rebuilt = build_history(find_reports(_committed_report_folders()))
     assert rebuilt == committed, "reports/history.json is stale; run `qkvtrace history reports/`"
     md = (REPORTS / "HISTORY.md").read_text(encoding="utf-8")
     assert md == history_markdown(committed, chart_name="history.png")
@@ -242,7 +260,7 @@ def test_committed_history_covers_every_minor_release_from_2_0(committed: dict[s
 
 
 def test_committed_history_agrees_with_pairwise_diff(committed: dict[str, Any]) -> None:
-    reports = {r["environment"]["torch_version"]: r for _, r in find_reports([REPORTS])}
+    reports = {r["environment"]["torch_version"]: r for _, r in find_reports(_committed_report_folders())}
     releases = committed["releases"]
     assert releases == sorted(reports, key=version_key)
     for a, b in itertools.pairwise(releases):
@@ -337,3 +355,42 @@ def test_collect_under_an_interpreter_writes_a_report_folder(tmp_path: Path) -> 
     assert {p.name for p in folder.iterdir()} >= {"report.json", "report.md", "callgraph.dot"}
     ((_, report),) = find_reports([folder])
     assert report["environment"]["torch_version"] == torch.__version__
+
+
+@pytest.mark.slow
+def test_the_main_command_run_elsewhere_leaves_the_committed_checks_passing(tmp_path: Path) -> None:
+    """The README's main command, ``qkvtrace inspect``, run on another machine (here: this one, with
+    Python reporting another version and another platform) into a copy of reports/, must not make
+    the committed history stale nor change what any committed diff says.
+
+    Witness: the committed reports/history.json and reports/diffs/*.json, compared with what the tool
+    builds from the copy holding the freshly written report.
+    """
+    import shutil
+
+    import torch
+
+    copy = tmp_path / "reports"
+    shutil.copytree(REPORTS, copy)
+    code = (
+        "import platform, sys, torch\n"
+        "platform.python_version = lambda: '3.99.1'\n"  # another Python, another machine
+        "platform.machine = lambda: 'elsewhere64'\n"
+        "from qkvtrace.cli.main import main\n"
+        f"sys.exit(main(['inspect', '--out', {str(copy)!r}]))"
+    )
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "COLUMNS": "120"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    written = json.loads((copy / f"torch-{torch.__version__}" / "report.json").read_text(encoding="utf-8"))
+    assert written["environment"]["python_version"] == "3.99.1"  # the environment is recorded as it was
+    assert written["environment"]["platform"].endswith("-elsewhere64")
+
+    committed = json.loads((REPORTS / "history.json").read_text(encoding="utf-8"))
+    folders = [copy / p.name for p in _committed_report_folders()]
+    if (REPORTS / f"torch-{torch.__version__}").exists():  # this build has a committed report: now rewritten
+        assert build_history(find_reports(folders)) == committed
+    for path in sorted((REPORTS / "diffs").glob("*.json")):
+        old = json.loads(path.read_text(encoding="utf-8"))
+        a, b = (load_report(copy / f"torch-{v}") for v in (old["a"], old["b"]))
+        assert json.loads(json.dumps(diff_reports(a, b))) == old, path.name

@@ -130,6 +130,7 @@ class EncoderSubclass(nn.TransformerEncoderLayer):
 
 
 def test_torchscript_during_and_after_a_trace() -> None:
+    """Witness: the eager modules' own outputs, which each scripted or traced copy must reproduce."""
     x = torch.randn(B, L, E)
     mha = nn.MultiheadAttention(E, H, batch_first=True).eval()
     layer = _encoder_layer()
@@ -142,10 +143,14 @@ def test_torchscript_during_and_after_a_trace() -> None:
             assert torch.allclose(scripted_layer(x), layer(x), atol=1e-6)
             assert torch.allclose(traced_fn(x, x, x)[0], mha(x, x, x)[0], atol=1e-6)
     assert t.calls  # the eager calls were recorded
-    # afterwards the process is no worse: new classes script as usual
-    sub = torch.jit.script(EncoderSubclass(E, H, 32, dropout=0.0, batch_first=True).eval())
-    none_in_proj = torch.jit.script(nn.MultiheadAttention(E, H, kdim=8, vdim=8))
-    assert sub is not None and none_in_proj is not None
+    # afterwards the process is no worse: new classes script as usual and compute what eager PyTorch computes
+    sub_eager = EncoderSubclass(E, H, 32, dropout=0.0, batch_first=True).eval()
+    kv_eager = nn.MultiheadAttention(E, H, kdim=8, vdim=8).eval()  # in_proj_weight is None
+    sub, none_in_proj = torch.jit.script(sub_eager), torch.jit.script(kv_eager)
+    kv = torch.randn(B, L, 8)
+    with torch.no_grad():
+        assert torch.allclose(sub(x), sub_eager(x), atol=1e-6)
+        assert torch.allclose(none_in_proj(x, kv, kv)[0], kv_eager(x, kv, kv)[0], atol=1e-6)
 
 
 def test_scripted_model_is_reported_not_silent() -> None:

@@ -29,7 +29,13 @@ from qkvtrace.records import TraceResult
 from qkvtrace.validation import load_json
 
 B, L, E, H = 2, 5, 32, 4
-TOL = 1e-5  # float32, as the issue asks
+#: The README's claims (torch 2.13.0 CPU, float32), max abs error of a map against each witness; each test
+#: allows twice the claim (one more float32 rounding step on another CPU), far below the 1e-5 used before.
+README_CLAIM = {"mha": 6.0e-8, "math": 1.8e-7, "float64": 1.1e-7, "layer": 9.0e-8}
+MHA_TOL = 2 * README_CLAIM["mha"]  # against MultiheadAttention's own need_weights=True weights
+MATH_TOL = 2 * README_CLAIM["math"]  # against aten::_scaled_dot_product_attention_math's weights
+F64_TOL = 2 * README_CLAIM["float64"]  # against the float64 softmax written here
+LAYER_TOL = 2 * README_CLAIM["layer"]  # fused encoder layer against each layer's self_attn weights
 
 
 def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -83,8 +89,8 @@ def _check_rows(c: Any) -> None:
     w, full = c.attention_map, c.attention_map_fully_masked
     assert w.device.type == "cpu" and w.dtype == torch.float32
     assert not torch.isnan(w).any()
-    sums = w.sum(-1)
-    assert torch.allclose(sums[~full], torch.ones_like(sums[~full]), atol=1e-5)
+    sums = w.double().sum(-1)  # float32 rows of <= 12 weights: within a few float32 eps of 1
+    assert torch.allclose(sums[~full], torch.ones_like(sums[~full]), rtol=0, atol=4 * torch.finfo(torch.float32).eps)
     assert (w[full] == 0).all()
 
 
@@ -126,7 +132,7 @@ def test_mha_maps_equal_pytorchs_weights(case: str, masks: str) -> None:
     assert c.attention_map.shape == w.shape
     err = _max_err(c.attention_map, w)
     print(f"MHA {case}/{masks}: max abs error {err:.2e}")
-    assert err <= TOL, err
+    assert err <= MHA_TOL, err
     assert c.attention_map_heads == list(range(H)) and c.attention_map_batch == list(range(B))
     _check_rows(c)
     if masks == "bool":  # masked positions are exactly 0
@@ -147,7 +153,7 @@ def test_fast_path_map_equals_the_weights_pytorch_returns_on_its_fallback() -> N
         _, w = mha(x, x, x, key_padding_mask=kpm, need_weights=True, average_attn_weights=False)
     err = _max_err(c.attention_map, w)
     print(f"MHA fast path: max abs error {err:.2e}")
-    assert err <= TOL
+    assert err <= MHA_TOL
     assert (c.attention_map[0, :, :, -1] == 0).all()
 
 
@@ -163,7 +169,7 @@ def test_is_causal_fallback_uses_the_causal_mask_pytorch_uses() -> None:
     k = F.linear(x, mha.in_proj_weight[E : 2 * E], mha.in_proj_bias[E : 2 * E])
     k = k.reshape(B, L, H, E // H).transpose(1, 2)
     ref = _float64_weights(q.detach(), k.detach(), causal=True)
-    assert _max_err(c.attention_map, ref) <= TOL
+    assert _max_err(c.attention_map, ref) <= F64_TOL
     assert (c.attention_map.triu(1) == 0).all()
 
 
@@ -174,7 +180,7 @@ def test_unbatched_mha_call() -> None:
         _, w = mha(x, x, x, need_weights=True, average_attn_weights=False)
     (c,) = t.calls
     assert c.attention_map.shape == (1, H, L, L)
-    assert _max_err(c.attention_map[0], w) <= TOL
+    assert _max_err(c.attention_map[0], w) <= MHA_TOL
 
 
 def test_direct_multi_head_attention_forward_call() -> None:
@@ -197,7 +203,7 @@ def test_direct_multi_head_attention_forward_call() -> None:
         _, w = model(x)
     (c,) = t.calls
     assert c.path == "fallback"
-    assert _max_err(c.attention_map, w) <= TOL
+    assert _max_err(c.attention_map, w) <= MHA_TOL
 
 
 def test_a_fully_masked_row_is_reported_not_nan() -> None:
@@ -214,9 +220,10 @@ def test_a_fully_masked_row_is_reported_not_nan() -> None:
     assert full[:, :, 2].all() and int(full.sum()) == B * H
     assert (c.attention_map[:, :, 2] == 0).all()
     others = [i for i in range(L) if i != 2]
-    assert _max_err(c.attention_map[:, :, others], w[:, :, others]) <= TOL
+    assert _max_err(c.attention_map[:, :, others], w[:, :, others]) <= MHA_TOL
     _check_rows(c)
-    assert c.output["fully_masked_rows"] == int(full.any(dim=1).sum())  # the tracer counts rows per (batch, query) here
+    # rows per (batch, query) whose weights PyTorch returned as NaN in every head: PyTorch's count, not the map's
+    assert c.output["fully_masked_rows"] == int(torch.isnan(w).all(-1).all(1).sum())
 
 
 # -- direct SDPA against the MATH backend's weights -----------------------------------
@@ -261,7 +268,7 @@ def test_sdpa_maps_equal_the_math_backends_weights(case: str) -> None:
     err_math = _max_err(c.attention_map, math_w)
     err_ref = _max_err(c.attention_map[~full], ours[~full])
     print(f"SDPA {case}: max abs error {err_math:.2e} vs MATH, {err_ref:.2e} vs float64")
-    assert err_math <= TOL and err_ref <= TOL
+    assert err_math <= MATH_TOL and err_ref <= F64_TOL
     _check_rows(c)
 
 
@@ -277,7 +284,7 @@ def test_sdpa_fully_masked_row_and_masked_positions() -> None:
     assert full[:, :, 3].all() and int(full.sum()) == B * H
     assert (c.attention_map[..., ~mask] == 0).all()
     math_w = _math_weights(q, k, v, mask)  # MATH returns 0 in the fully-masked row (NaN before torch 2.5)
-    assert _max_err(c.attention_map[~full], math_w[~full]) <= TOL
+    assert _max_err(c.attention_map[~full], math_w[~full]) <= MATH_TOL
     assert bool(((math_w[full] == 0) | math_w[full].isnan()).all())
     _check_rows(c)
 
@@ -311,7 +318,7 @@ def test_fused_encoder_layer_maps(norm_first: bool, padding: bool) -> None:
             else:
                 err = _max_err(c.attention_map, w)
             print(f"fused layer norm_first={norm_first} padding={padding}: max abs error {err:.2e}")
-            assert err <= TOL
+            assert err <= LAYER_TOL
             h = lay(h, src_key_padding_mask=kpm if padding else None)
 
 
@@ -548,7 +555,7 @@ def test_causal_bias_override_mask_is_materialised() -> None:
         model(q, k, v, attn_mask=causal_lower_right(3, 6))
     (c,) = t.calls
     attend = torch.ones(3, 6, dtype=torch.bool).tril(diagonal=6 - 3)  # lower-right aligned, written out here
-    assert _max_err(c.attention_map, _float64_weights(q, k, attend)) <= TOL
+    assert _max_err(c.attention_map, _float64_weights(q, k, attend)) <= F64_TOL
     assert (c.attention_map[..., ~attend] == 0).all()
 
 
@@ -594,7 +601,7 @@ def test_fused_encoder_layer_merged_causal_mask(padding: bool) -> None:
             assert c.path == "fused_encoder_layer" and c.inputs["mask_type"] == 2
             _, w = lay.self_attn(h, h, h, attn_mask=causal, key_padding_mask=kpm if padding else None,
                                  need_weights=True, average_attn_weights=False)  # fmt: skip
-            assert _max_err(c.attention_map, w) <= TOL
+            assert _max_err(c.attention_map, w) <= LAYER_TOL
             assert (c.attention_map.triu(1) == 0).all()
             h = lay(h, src_mask=causal, src_key_padding_mask=kpm if padding else None)
 

@@ -27,6 +27,8 @@ def test_sdpa_backend_follows_the_enabled_kernels() -> None:
 
 
 def test_kernel_evidence_sees_the_kernel_and_caches_per_signature() -> None:
+    """Witness: the MATH kernel forced by PyTorch's sdpa_kernel; the cache key's switches read from
+    torch.backends.cuda."""
     ev = paths.KernelEvidence()
     q = torch.randn(1, 2, 8, 16)
     raw = torch._C._nn.scaled_dot_product_attention
@@ -39,7 +41,17 @@ def test_kernel_evidence_sees_the_kernel_and_caches_per_signature() -> None:
     with sdpa_kernel(SDPBackend.MATH):
         _, again, evidence = ev.run(("t", "math"), raw, q, q, q)
     assert again is ops and evidence == "cached"
-    assert paths.sdp_flags() != ()
+    # the switches in the cache key are PyTorch's own, read here through torch.backends.cuda
+    cuda = torch.backends.cuda
+    names = ("flash_sdp_enabled", "mem_efficient_sdp_enabled", "math_sdp_enabled", "cudnn_sdp_enabled")
+
+    def switches() -> tuple[bool | None, ...]:
+        return tuple(getattr(cuda, n)() if hasattr(cuda, n) else None for n in names)
+
+    assert paths.sdp_flags() == switches()
+    with sdpa_kernel(SDPBackend.MATH):
+        assert paths.sdp_flags() == switches() and paths.sdp_flags()[2] is True
+        assert paths.sdp_flags()[0] is False  # flash switched off: another key than outside
 
 
 def test_no_evidence_under_a_user_profiler() -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from _witness import learn_kernel_backends, local_at_return, profiled
 from torch import nn
 
 import qkvtrace
@@ -31,6 +32,7 @@ from qkvtrace.pytest_plugin import (
 pytest_plugins = ["pytester"]
 
 REPORTS = Path(__file__).resolve().parent.parent / "reports"
+NATIVE_MHA = "aten::_native_multi_head_attention"  # the MHA fast path's kernel
 
 #: shared by the generated test files: a user's own attention block calling SDPA
 MODELS = """
@@ -109,15 +111,16 @@ def suite(pytester: pytest.Pytester) -> pytest.Pytester:
 
 
 def _mha_reason_in_training() -> str:
-    """PyTorch's own reason for refusing the fast path to an MHA in training, as the tracer records it."""
+    """PyTorch's own reason for refusing the fast path to an MHA in training: its local
+    ``why_not_fast_path``, read with ``sys.settrace`` on an untraced run (no qkvtrace involved)."""
     torch.manual_seed(0)
     m = nn.MultiheadAttention(16, 2, batch_first=True).train()
     x = torch.randn(2, 5, 16)
-    with qkvtrace.trace(m) as t:
-        m(x, x, x, need_weights=False)
-    reason = t.calls[0].why_not_fast_path
-    assert reason, "a training-mode MHA call was recorded without PyTorch's reason"
-    return reason
+    _, reasons = local_at_return(nn.MultiheadAttention.forward.__code__, "why_not_fast_path",
+                                 lambda: m(x, x, x, need_weights=False))  # fmt: skip
+    (reason,) = reasons
+    assert reason, "PyTorch let a training-mode MHA call take its fast path"
+    return str(reason)
 
 
 def test_entry_point_is_registered() -> None:
@@ -403,17 +406,29 @@ def test_same_as_report_needs_a_scenario() -> None:
 
 
 def test_assertions_work_outside_pytest_on_saved_files(tmp_path: Path) -> None:
-    """Plain functions: a trace file written elsewhere (another job, another rank) can be asserted on."""
+    """Plain functions: a trace file written elsewhere (another job, another rank) can be asserted on.
+
+    Witness: torch.profiler on an untraced run of the same call: the fast path iff its outermost
+    attention op is ``_native_multi_head_attention``; the backend of an SDPA kernel inside it, if any.
+    """
     torch.manual_seed(0)
     m = nn.MultiheadAttention(16, 2, batch_first=True).eval()
     x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        (segment,) = profiled(lambda: m(x, x, x, need_weights=False)).segments
+    backends = learn_kernel_backends(2, 2, 5, 8)
+    path = "fast" if segment[0] == NATIVE_MHA else "fallback"
+    ran = [backends[op] for op in segment if op in backends]
+    backend = ran[0] if ran else None
     with torch.no_grad(), qkvtrace.trace(m) as t:
         m(x, x, x, need_weights=False)
     t.save(tmp_path / "t.json")
-    measured = t.calls[0].path
-    assert_paths(tmp_path / "t.json", {measured})
-    assert_backend(str(tmp_path / "t.json"), t.calls[0].sdpa_backend)
+    assert_paths(tmp_path / "t.json", {path})
+    assert_backend(str(tmp_path / "t.json"), backend)
     assert_no_nan_rows(tmp_path / "t.json")
+    other = "fallback" if path == "fast" else "fast"
+    with pytest.raises(AssertionError, match=rf"took a path outside \{{.{other}.\}}"):
+        assert_paths(tmp_path / "t.json", other)
     with pytest.raises(AssertionError, match=r"took a path outside \{.flex.\}"):
         assert_paths(t, "flex")
 
@@ -461,20 +476,27 @@ def test_no_nan_rows_fails_when_the_count_is_unknown() -> None:
 
 
 def test_format_calls_shows_the_encoder_layers_reason() -> None:
-    """An encoder's MHA call carries the layer's reason for refusing its fused path beside the MHA's."""
+    """An encoder's MHA call carries the layer's reason for refusing its fused path beside the MHA's.
+
+    Witness: PyTorch's own ``why_not_sparsity_fast_path`` (the layer) and ``why_not_fast_path`` (its
+    MHA), read with ``sys.settrace`` on an untraced run of the same layer and input.
+    """
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, batch_first=True).eval()
-    with qkvtrace.trace(layer) as t:  # grad on: the layer refuses its fused path, with its own reason
-        layer(torch.randn(2, 5, 16))
+    x = torch.randn(2, 5, 16)
+    # grad on: the layer refuses its fused path, with its own reason
+    _, (layer_reason,) = local_at_return(nn.TransformerEncoderLayer.forward.__code__,
+                                         "why_not_sparsity_fast_path", lambda: layer(x))  # fmt: skip
+    _, (mha_reason,) = local_at_return(nn.MultiheadAttention.forward.__code__, "why_not_fast_path",
+                                       lambda: layer(x))  # fmt: skip
+    assert layer_reason and mha_reason, "PyTorch was meant to refuse both fast paths with grad enabled"
+    with qkvtrace.trace(layer) as t:
+        layer(x)
     (call,) = t.calls
-    assert call.why_not_fused_layer, "the layer was meant to refuse its fused path"
+    assert (call.why_not_fused_layer, call.why_not_fast_path) == (layer_reason, mha_reason)
     row = format_calls([dataclasses.asdict(call)]).splitlines()[1]
-    if call.why_not_fast_path == call.why_not_fused_layer:
-        assert row.endswith(f"{call.why_not_fast_path} (layer: same)")
-    elif call.why_not_fast_path:
-        assert row.endswith(f"{call.why_not_fast_path} (layer: {call.why_not_fused_layer})")
-    else:
-        assert row.endswith(f"(layer: {call.why_not_fused_layer})")
+    shown = "same" if layer_reason == mha_reason else layer_reason
+    assert row.endswith(f"{mha_reason} (layer: {shown})"), row
 
 
 @pytest.mark.slow  # a new interpreter imports torch (~5-10 s); the in-process runs above load the same entry point

@@ -230,4 +230,19 @@ def test_readme_and_committed_report_hold_this_table(rows: list[dict[str, Any]])
         assert any(r["label"] in line and f"│ {dtype} " in line and err in line and f"│ {route} " in line
                    for line in lines), r  # fmt: skip
     if torch.__version__ == json.loads(REPORT.read_text())["environment"]["torch_version"]:
-        assert rows == committed  # deterministic: same PyTorch, same numbers
+        # same PyTorch: the same rows, paths and backends; the rounding errors themselves depend on the CPU's
+        # kernels and thread count (measured: 2.4e-7 here where the committed report, made on another
+        # machine, has 3.6e-7), so each must be within 4x of the committed one, the factor at which
+        # `qkvtrace diff` calls numerics moved
+        errors = ("forward_max_abs_err", "grad_max_abs_err")
+        assert [{k: v for k, v in r.items() if k not in errors} for r in rows] == [
+            {k: v for k, v in r.items() if k not in errors} for r in committed
+        ]
+        for now, then in zip(rows, committed, strict=True):
+            for key in errors:
+                if then[key] is None or now[key] is None:
+                    assert now[key] == then[key], (now["label"], key)
+                elif then[key] == 0 or now[key] == 0:
+                    assert max(now[key], then[key]) < 1e-6, (now["label"], key)
+                else:
+                    assert 1 / 4 <= now[key] / then[key] <= 4, (now["label"], key, now[key], then[key])

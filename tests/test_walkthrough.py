@@ -11,10 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+import torch.nn.functional as F
 
 from qkvtrace.cli.main import main
 from qkvtrace.validation import load_json
-from qkvtrace.walkthrough import TEXTS, run_walkthrough
+from qkvtrace.walkthrough import LABELS, TEXTS, SentimentAttention, run_walkthrough
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,6 +33,7 @@ def full() -> dict[str, Any]:
 
 
 def test_every_check_holds(full: dict[str, Any]) -> None:
+    """The module's own checks (a change detector); test_the_numbers_are_pytorchs_replayed_here is the witness."""
     assert full["problems"] == []
     c = full["checks"]
     assert c["attention_vs_pytorch"] < 1e-6 and c["logits_vs_pytorch"] < 1e-6
@@ -41,6 +44,57 @@ def test_every_check_holds(full: dict[str, Any]) -> None:
     assert math.isclose(c["loss"], c["minus_log_p"], abs_tol=1e-6)
     p = full["probabilities"][full["label"]["index"]]
     assert math.isclose(c["loss"], -math.log(p), abs_tol=1e-3)  # p is stored at 4 decimals
+
+
+def test_the_numbers_are_pytorchs_replayed_here(full: dict[str, Any]) -> None:
+    """Witness: the same run replayed here in plain PyTorch, no trace: the model built after the same
+    manual_seed, PyTorch's own attention weights, logits, cross-entropy, ``.grad`` of the packed weight's
+    row blocks [0,8), [8,16), [16,24) (PyTorch's documented packing), the SGD step and 100 epochs."""
+    vocab: dict[str, int] = {"<unk>": 0}
+    for text in TEXTS:
+        for word in text.split():
+            vocab.setdefault(word, len(vocab))
+    assert full["vocab"] == vocab
+    tokens = torch.tensor([[vocab[w] for w in TEXTS[0].split()]])
+    train_ids = torch.tensor([[vocab[w] for w in t.split()] for t in TEXTS])
+    train_labels = torch.tensor(LABELS)
+    torch.manual_seed(31)
+    model = SentimentAttention(len(vocab)).train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.3)
+    w = model.attention.in_proj_weight
+    rows = {"q": slice(0, 8), "k": slice(8, 16), "v": slice(16, 24)}
+    for part, r in rows.items():
+        assert full["packed"]["weight_norms"][part] == pytest.approx(float(w[r].detach().norm()), rel=1e-6), part
+
+    logits, weights = model(tokens, need_weights=True)
+    assert weights is not None
+    assert torch.allclose(torch.tensor(full["matrices"]["attention"]), weights[0].detach(), rtol=0, atol=6e-5)
+    assert torch.allclose(torch.tensor(full["logits"]), logits[0].detach(), rtol=0, atol=6e-5)
+    loss = F.cross_entropy(logits, torch.tensor([full["label"]["index"]]))
+    assert full["checks"]["loss"] == pytest.approx(float(loss.detach()), abs=1e-6)
+    optimizer.zero_grad()
+    loss.backward()
+    assert w.grad is not None
+    for part, r in rows.items():
+        assert full["gradients"]["grad_norms"][part] == pytest.approx(float(w.grad[r].norm()), rel=1e-5), part
+    optimizer.step()
+
+    curve = {r["epoch"]: r for r in full["curve"]}
+    for epoch in range(1, 101):
+        optimizer.zero_grad()
+        batch_loss = F.cross_entropy(model(train_ids)[0], train_labels)
+        batch_loss.backward()
+        optimizer.step()
+        if epoch in curve:
+            with torch.no_grad():
+                accuracy = float((model(train_ids)[0].argmax(dim=1) == train_labels).float().mean())
+            assert curve[epoch]["loss"] == pytest.approx(float(batch_loss), abs=6e-5), epoch
+            assert curve[epoch]["train_accuracy"] == accuracy, epoch
+    model.eval()
+    with torch.no_grad():
+        _, after = model(tokens, need_weights=True)
+    assert after is not None
+    assert torch.allclose(torch.tensor(full["after"]["attention_after"]), after[0], rtol=0, atol=6e-5)
 
 
 def test_vocabulary_tokens_and_the_packed_layout_from_the_tracer(full: dict[str, Any]) -> None:

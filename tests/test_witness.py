@@ -16,7 +16,6 @@ from __future__ import annotations
 import ast
 import inspect
 import re
-import sys
 import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ from typing import Any
 
 import pytest
 import torch
-from _witness import SDPA, Witness, learn_kernel_backends, profiled
+from _witness import SDPA, Witness, learn_kernel_backends, local_at_return, profiled
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -68,32 +67,6 @@ LAYER_REASONS = _literal_patterns(nn.TransformerEncoderLayer.forward)
 
 def in_source(reason: str, patterns: list[re.Pattern[str]]) -> bool:
     return any(p.fullmatch(reason) for p in patterns)
-
-
-def local_at_return(code: Any, var: str, fn: Callable[[], Any]) -> tuple[Any, list[Any]]:
-    """Run ``fn`` un-instrumented except for a trace function reading local ``var``
-    of every frame of ``code`` as it returns (a second, independent reader of
-    PyTorch's own reason variables)."""
-    seen: list[Any] = []
-    previous = sys.gettrace()
-
-    def local(frame: Any, event: str, arg: Any) -> Any:
-        if event == "return":
-            seen.append(frame.f_locals.get(var))
-        return local
-
-    def global_(frame: Any, event: str, arg: Any) -> Any:
-        if event == "call" and frame.f_code is code:
-            frame.f_trace_lines = False
-            return local
-        return None
-
-    sys.settrace(global_)
-    try:
-        out = fn()
-    finally:
-        sys.settrace(previous)
-    return out, seen
 
 
 # -- comparing outputs ------------------------------------------------------

@@ -203,7 +203,6 @@ def history_markdown(history: dict[str, Any], *, chart_name: str | None = None) 
     for r in history["reports"]:
         v = r["torch_version"]
         device = "with CUDA" if r["cuda_available"] else "CPU only"
-        out.append(f"- [torch {v}](torch-{v}/report.md) — {r['platform']}, {device}, Python {r['python_version']}, "
-                   f"git {r['torch_git_version'][:10] or 'unknown'}")  # fmt: skip
+        out.append(f"- [torch {v}](torch-{v}/report.md) — {device}, git {r['torch_git_version'][:10] or 'unknown'}")
     out.append("")
     return "\n".join(out)
