@@ -235,8 +235,8 @@ def test_check_calls_keep_names_whole(factory: Path, width: int) -> None:
 
 @pytest.mark.parametrize("width", WIDTHS)
 def test_diff_names_whole(width: int, tmp_path: Path) -> None:
-    """Function names in `diff` (call-graph edges, fast-path conditions) are never folded."""
-    proc = qkv("diff", str(REPORTS / "torch-2.4.1+cu121"), str(REPORTS / "torch-2.13.0+cpu"), "--json",
+    """Function names in `diff --full` (call-graph edges, fast-path conditions, sources) are never folded."""
+    proc = qkv("diff", str(REPORTS / "torch-2.4.1+cu121"), str(REPORTS / "torch-2.13.0+cpu"), "--full", "--json",
                str(tmp_path / "d.json"), columns=width)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     diff = json.loads((tmp_path / "d.json").read_text())
@@ -257,10 +257,10 @@ def test_diff_source_in_syntax_colour_on_a_terminal_plain_when_piped(tmp_path: P
     diff = json.loads((tmp_path / "d.json").read_text())
     name = diff["sources"]["changed"][0]
     unified = diff["source_diffs"][name].splitlines()
-    piped = qkv("diff", a, b, columns=100).stdout.splitlines()
+    piped = qkv("diff", a, b, "--full", columns=100).stdout.splitlines()
     start = piped.index(f"changed: {name}") + 1
     assert piped[start : start + len(unified)] == unified  # the unified diff, line for line, uncut
-    coloured = qkv("diff", a, b, columns=100, FORCE_COLOR="1").stdout
+    coloured = qkv("diff", a, b, "--full", columns=100, FORCE_COLOR="1").stdout
     added = next(line for line in unified if line.startswith("+") and "def " in line)
     row = next(line for line in coloured.splitlines() if SGR.sub("", line) == added)
     assert len(_colours(row)) >= 2, repr(row)  # the marker and the code in their own colours
@@ -273,7 +273,7 @@ def test_diff_renderable_tints_changed_lines_on_rich_terminals() -> None:
     for system in ("truecolor", "standard"):
         buf = io.StringIO()
         Console(file=buf, width=100, force_terminal=True, color_system=system).print(
-            diff_renderable(diff, width=100), crop=False
+            diff_renderable(diff, width=100, full=True), crop=False
         )
         renders[system] = buf.getvalue()
     assert "48;2;" in renders["truecolor"]  # a background tint on + / - lines
@@ -317,3 +317,19 @@ def test_compare_progress_on_stderr_only(tmp_path: Path) -> None:
     assert "collecting under" in proc.stderr and "(2 of 2)" in proc.stderr
     assert "collecting under" not in proc.stdout
     assert json.loads((tmp_path / "d.json").read_text())["schema"] == "qkvtrace.diff/1"
+
+
+def test_report_diff_leads_with_behaviour_and_names_sources_without_full() -> None:
+    """Without --full: behaviour before sources, changed functions named, no unified diff printed.
+
+    Witness: the committed 2.4.1 → 2.13.0 diff JSON (what changed), read here.
+    """
+    a, b = str(REPORTS / "torch-2.4.1+cu121"), str(REPORTS / "torch-2.13.0+cpu")
+    out = qkv("diff", a, b, columns=200).stdout
+    diff = json.loads((REPORTS / "diffs" / "torch-2.4.1+cu121..torch-2.13.0+cpu.json").read_text())
+    lines = out.splitlines()
+    sources = next(i for i, line in enumerate(lines) if line.startswith("source changed:"))
+    assert lines.index("behaviour that changed (measured)") < lines.index("fast-path conditions") < sources
+    for name in diff["sources"]["changed"]:
+        assert name in out and f"changed: {name}" not in out.splitlines()
+    assert not any(line.startswith("@@") for line in out.splitlines())

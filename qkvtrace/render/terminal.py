@@ -160,22 +160,21 @@ def _grad_norms(grads: list[GradientRecord], module: str) -> str:
 
 
 def _why(call: AttentionCall) -> Text:
+    """PyTorch's reason against the fast path, then its words against a faster SDPA kernel (one cell)."""
     if call.path in ("fast", "fused_encoder_layer"):
         return Text("(fast path taken)", style="dim")
+    kernel = kernel_refusal(call.sdpa_refusals)
     if call.why_not_fast_path is None:
-        return Text("-", style="dim")
-    text = Text(" ".join(call.why_not_fast_path.split()))
-    if call.why_not_fused_layer and call.why_not_fused_layer != call.why_not_fast_path:
-        text.append(f"\nlayer: {' '.join(call.why_not_fused_layer.split())}", style="dim")
+        text = Text("-", style="dim") if kernel is None else Text()
+    else:
+        text = Text(" ".join(call.why_not_fast_path.split()))
+        if call.why_not_fused_layer and call.why_not_fused_layer != call.why_not_fast_path:
+            text.append(f"\nlayer: {' '.join(call.why_not_fused_layer.split())}", style="dim")
+    if kernel is not None:  # PyTorch refused a backend it ranks above the one it chose, in its own words
+        text.append("\n" if text.plain else "")
+        text.append(f"not {kernel[0]}: ", style="dim")
+        text.append(kernel[1])
     return text
-
-
-def _kernel_why(call: AttentionCall) -> Text:
-    found = kernel_refusal(call.sdpa_refusals)
-    if found is None:
-        return Text("-", style="dim")
-    backend, reason = found
-    return Text.assemble((f"{backend}: ", "dim"), reason)
 
 
 def _path(path: str) -> Text:
@@ -206,9 +205,6 @@ def trace_table(
     cols = [Col("#", justify="right"), Col("module"), Col("path"), Col("backend")]
     cols += [Col(COLUMNS[c], justify="left" if c in ("type", "ops") else "right") for c in extra]
     cols.append(Col("why not fast", "text"))
-    kernel_why = any(kernel_refusal(c.sdpa_refusals) for c in result.calls)
-    if kernel_why:  # PyTorch refused a backend it ranks above the one it chose, in its own words
-        cols.append(Col("why not a faster kernel", "text"))
     rows: list[list[str | Text]] = []
     for call in result.calls:
         cells: dict[str, str | Text] = {
@@ -218,8 +214,7 @@ def trace_table(
             "ops": "\n".join(call.aten_ops) if call.aten_ops else Text(call.evidence or "-", style="dim"),
         }
         rows.append([Text(f"#{call.index}", style="dim"), call.module or "(root)", _path(call.path),
-                     _backend(call.sdpa_backend), *(cells[c] for c in extra), _why(call),
-                     *([_kernel_why(call)] if kernel_why else [])])  # fmt: skip
+                     _backend(call.sdpa_backend), *(cells[c] for c in extra), _why(call)])  # fmt: skip
     return records_view(title, cols, rows, width=width, title_cols=2)
 
 
@@ -296,21 +291,22 @@ def calls_table(calls: dict[str, list[dict[str, Any]]], title: str, *, width: in
 
 
 def scenarios_table(scenarios: list[dict[str, Any]], *, width: int = 200) -> RenderableType:
-    cols = [Col("scenario", "text"), Col("path"), Col("backend"), Col("why not fast (PyTorch's words)", "text"),
-            Col("why not a faster kernel", "text")]  # fmt: skip
+    cols = [Col("scenario", "text"), Col("path"), Col("backend"), Col("why not fast (PyTorch's words)", "text")]
     rows: list[list[str | Text]] = []
     for s in scenarios:
         if s.get("error"):
-            rows.append([s["description"], Text("error", style="red"), "", s["error"], ""])
+            rows.append([s["description"], Text("error", style="red"), "", s["error"]])
             continue
         calls = s["calls"]
-        kernel_whys = {": ".join(found) for c in calls if (found := kernel_refusal(c.get("sdpa_refusals")))}
+        whys = sorted({" ".join((c["why_not_fast_path"] or "").split()) for c in calls} - {""})
+        # and PyTorch's words against a faster SDPA kernel than the one it chose
+        whys += sorted({f"not {b}: {r}" for c in calls if (found := kernel_refusal(c.get("sdpa_refusals")))
+                        for b, r in [found]})  # fmt: skip
         rows.append([
             s["description"],
             "\n".join(sorted({c["path"] for c in calls})),
             "\n".join(sorted({c["sdpa_backend"] or "none" for c in calls})),
-            "; ".join(sorted({" ".join((c["why_not_fast_path"] or "").split()) for c in calls} - {""})) or "-",
-            "; ".join(sorted(kernel_whys)) or "-",
+            "; ".join(whys) or "-",
         ])  # fmt: skip
     return records_view("what runs when (measured)", cols, rows, width=width)
 
