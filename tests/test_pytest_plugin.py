@@ -230,7 +230,10 @@ def test_assert_backend_failure(suite: pytest.Pytester) -> None:
     result = suite.runpytest("-q")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*1 of 1 attention call ran another SDPA backend than {'FLASH_ATTENTION'}*"])
-    result.stdout.re_match_lines([r"E\s+0\s+attention\s+sdpa\s+MATH\s+-$"])
+    # the user forced MATH: PyTorch's flash switch is off, and the failure says so
+    result.stdout.re_match_lines(
+        [r"E\s+0\s+attention\s+sdpa\s+MATH\s+-\s+FLASH_ATTENTION: torch.backends.cuda.flash_sdp_enabled\(\) is False"]
+    )
 
 
 def test_assert_no_nan_rows_failure(suite: pytest.Pytester) -> None:

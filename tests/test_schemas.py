@@ -102,6 +102,25 @@ def test_every_file_the_tool_writes_validates(tmp_path: Path, capsys: pytest.Cap
     (tmp_path / "t-1.json").write_text(json.dumps(old))
     written["qkvtrace.trace/1"] = [tmp_path / "t-1.json"]
     assert load_trace(tmp_path / "t-1.json").calls[0].qkv.q.rows == [[0, 64]]  # MultiheadAttention(64, 8)
+    # a long run's stream: JSON Lines, one document a line (each kind of line, as its own file here)
+    import torch
+    from torch import nn
+
+    import qkvtrace
+
+    mha = nn.MultiheadAttention(16, 4, batch_first=True)
+    x = torch.randn(2, 5, 16)
+    with qkvtrace.trace(mha, keep="changes", stream_to=tmp_path / "run.jsonl") as t:
+        for step in range(2):
+            mha.train(step == 0)
+            with torch.set_grad_enabled(step == 0):
+                mha(x, x, x, need_weights=False)
+            t.step()
+    for n, line in enumerate((tmp_path / "run.jsonl").read_text().splitlines()):
+        (tmp_path / f"stream-{n}.json").write_text(line)
+        written.setdefault("qkvtrace.stream/1", []).append(tmp_path / f"stream-{n}.json")
+    kinds = [json.loads(p.read_text())["kind"] for p in written["qkvtrace.stream/1"]]
+    assert kinds[0] == "start" and kinds[-1] == "end" and {"first", "change", "step"} <= set(kinds)
 
     assert set(written) == set(schema_ids())  # every schema id has a writer here
     files = [p for paths in written.values() for p in paths]

@@ -51,7 +51,9 @@ def bert(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def test_hf_folder_loads_the_saved_weights(bert: dict[str, Path], tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
-    proc = qkv("trace", f"hf:{bert['weights']}", "--columns", "weights", "--json", str(tmp_path / "t.json"))
+    # --backward: with gradients on, the Q/K/V rows are derived from the call's graph (no graph, no rows)
+    proc = qkv("trace", f"hf:{bert['weights']}", "--backward", "--columns", "weights", "--json",
+               str(tmp_path / "t.json"))  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     calls = json.loads((tmp_path / "t.json").read_text())["calls"]
     assert [c["module"] for c in calls] == [f"bert.encoder.layer.{i}.attention.self" for i in range(2)]
@@ -66,7 +68,8 @@ def test_hf_folder_loads_the_saved_weights(bert: dict[str, Path], tmp_path: Path
 def test_hf_random_init_needs_only_the_config(bert: dict[str, Path], tmp_path: Path) -> None:
     assert not any(p.suffix in (".safetensors", ".bin") for p in bert["config"].iterdir())
     out = tmp_path / "t.json"
-    proc = qkv("trace", f"hf:{bert['config']}", "--random-init", "--input-shape", "3,11", "--json", str(out))
+    proc = qkv("trace", f"hf:{bert['config']}", "--random-init", "--backward", "--input-shape", "3,11", "--json",
+               str(out))  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     calls = json.loads(out.read_text())["calls"]
     assert len(calls) == 2 and {c["path"] for c in calls} == {"sdpa"}
