@@ -243,7 +243,6 @@ def _scenarios() -> list[Scenario]:
         Scenario("sdpa_default", "direct F.scaled_dot_product_attention, default choice", _sdpa(None)),
         Scenario("sdpa_causal", "direct SDPA, is_causal=True", _sdpa(None, causal=True)),
         Scenario("sdpa_bool_mask", "direct SDPA, bool attn_mask", _sdpa(None, masked=True)),
-        Scenario("sdpa_dropout", "direct SDPA, training with dropout_p=0.1", _sdpa(None, dropout=0.1)),
     ]
     for name in compat.sdp_backend_names().values():
         if name != "ERROR":
