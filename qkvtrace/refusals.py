@@ -26,6 +26,7 @@ back from the device.
 
 from __future__ import annotations
 
+import functools
 import re
 import threading
 import warnings
@@ -52,13 +53,20 @@ _TRIGGERED = re.compile(r"\s*\(Triggered internally at [^)]*\)\s*$")
 _MAX_LEN = 128
 
 
+_PRIORITY = getattr(torch._C, "_get_sdp_priority_order", None)
+
+
+@functools.lru_cache(maxsize=8)
+def _names(order: tuple[int, ...]) -> tuple[str, ...]:
+    names = [compat.sdp_backend_name(v) for v in order]
+    return tuple(n for n in names if n is not None)
+
+
 def priority_order() -> list[str]:
-    """PyTorch's own order of preference among SDPA backends (``SDPBackend`` names)."""
-    order = getattr(torch._C, "_get_sdp_priority_order", None)
-    if order is None:
+    """PyTorch's own order of preference among SDPA backends (``SDPBackend`` names), read at each call."""
+    if _PRIORITY is None:
         return []
-    names = [compat.sdp_backend_name(int(v)) for v in order()]
-    return [n for n in names if n is not None]
+    return list(_names(tuple(int(v) for v in _PRIORITY())))
 
 
 def better_backends(chosen: str | None) -> list[str]:
@@ -218,6 +226,8 @@ class RefusalCache:
 
     def get(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, dropout_p: float, is_causal: bool,
             scale: Any, gqa: bool, chosen: str | None) -> tuple[dict[str, list[str]] | None, str]:  # fmt: skip
+        if not better_backends(chosen):  # PyTorch's first choice ran: nothing to ask, and no signature to build
+            return {}, SOURCE_FORCED
         key = signature(q, k, v, mask, dropout_p, is_causal, scale, gqa, chosen)
         found = self._known.get(key)
         if found is None:
