@@ -9,11 +9,14 @@ reason strings) on an un-instrumented run. Nothing here asks qkvtrace anything.
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 import warnings
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -131,3 +134,15 @@ def local_at_return(code: Any, var: str, fn: Callable[[], Any]) -> tuple[Any, li
     finally:
         sys.settrace(previous)
     return out, seen
+
+
+#: the environment the CLI runs in for tests: a wide terminal, no warnings in its output
+ENV = {**os.environ, "COLUMNS": "200", "PYTHONWARNINGS": "ignore"}
+
+
+def qkv(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """``qkvtrace ARGS`` in a subprocess of this interpreter."""
+    return subprocess.run(
+        [sys.executable, "-m", "qkvtrace", *args],
+        capture_output=True, text=True, cwd=cwd, env=ENV, timeout=300,
+    )  # fmt: skip

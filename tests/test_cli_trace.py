@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -12,19 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 from _mha_reasons import reason_under
+from _witness import ENV, qkv
 from torch import nn
 
 import qkvtrace
 from qkvtrace.demos import demo_encoder
-
-ENV = {**os.environ, "COLUMNS": "200", "PYTHONWARNINGS": "ignore"}
-
-
-def qkv(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "qkvtrace", *args],
-        capture_output=True, text=True, cwd=cwd, env=ENV, timeout=300,
-    )  # fmt: skip
 
 
 def assert_usage_error(proc: subprocess.CompletedProcess[str], *needles: str) -> None:

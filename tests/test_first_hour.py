@@ -5,28 +5,18 @@ from __future__ import annotations
 import html
 import itertools
 import json
-import os
 import re
 import shutil
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+from _witness import qkv
 from torch import nn
 
 import qkvtrace
-
-ENV = {**os.environ, "COLUMNS": "200", "PYTHONWARNINGS": "ignore"}
-
-
-def qkv(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "qkvtrace", *args],
-        capture_output=True, text=True, cwd=cwd, env=ENV, timeout=300,
-    )  # fmt: skip
 
 
 class NormedAttention(nn.Module):
@@ -48,7 +38,7 @@ def normed_attention() -> tuple[nn.Module, torch.Tensor]:
 
 
 FACTORIES = textwrap.dedent(
-    '''
+    """
     import torch
     from torch import nn
 
@@ -65,7 +55,7 @@ FACTORIES = textwrap.dedent(
         torch.manual_seed(0)
         model = NormedAttention()
         return model, torch.randn(2, 5, 16)
-    '''
+    """
 )
 
 
@@ -91,7 +81,7 @@ def test_trace_backward_through_final_layernorm_is_not_rounding_noise(factories:
     (out * r).sum().backward()
     assert by_sum.norm() < 1e-4 * w.grad.norm(), "the witness model must make sum() gradient-free"
     e = 16
-    expected = {p: w.grad[i * e:(i + 1) * e].norm().item() for i, p in enumerate("qkv")}
+    expected = {p: w.grad[i * e : (i + 1) * e].norm().item() for i, p in enumerate("qkv")}
 
     proc = qkv("trace", "factories.py:normed_attention", "--backward", "--json", "t.json", cwd=factories)
     assert proc.returncode == 0, proc.stderr
@@ -341,8 +331,12 @@ def test_map_grid_labels_clear_the_head_to_their_left(tmp_path: Path) -> None:
     found = re.findall(r'<image[^>]* x="([-\d.]+)"[^>]* width="([\d.]+)"', svg)
     heads = sorted((float(x), float(x) + float(w)) for x, w in found if float(w) > 20)  # not the thin colour bar
     assert len(heads) == 4
-    texts = [(style, float(x), angle, html.unescape(t)) for style, x, angle, t in re.findall(
-        r'<text style="([^"]*)" x="([-\d.]+)" y="[-\d.]+" transform="rotate\((-?\d+) [^"]*"\s*>([^<]*)</text>', svg)]
+    texts = [
+        (style, float(x), angle, html.unescape(t))
+        for style, x, angle, t in re.findall(
+            r'<text style="([^"]*)" x="([-\d.]+)" y="[-\d.]+" transform="rotate\((-?\d+) [^"]*"\s*>([^<]*)</text>', svg
+        )
+    ]
     queries = [x for _, x, _, t in texts if t == "query"]
     assert len(queries) == 1 and queries[0] < heads[0][0], queries
     for left, right in itertools.pairwise(heads):
@@ -358,8 +352,12 @@ def _svg_nodes(svg: str) -> list[tuple[str, list[tuple[float, float, float, str]
     """(shape, texts (x, y, size, text), bounding box (x0, x1, y0, y1)) of each node of a Graphviz SVG."""
     nodes = []
     for body in re.findall(r'<g id="node\d+" class="node">(.*?)</g>', svg, flags=re.S):
-        texts = [(float(x), float(y), float(size), html.unescape(t)) for x, y, size, t in
-                 re.findall(r'<text[^>]*x="([-\d.]+)" y="([-\d.]+)"[^>]*font-size="([\d.]+)">([^<]*)</text>', body)]
+        texts = [
+            (float(x), float(y), float(size), html.unescape(t))
+            for x, y, size, t in re.findall(
+                r'<text[^>]*x="([-\d.]+)" y="([-\d.]+)"[^>]*font-size="([\d.]+)">([^<]*)</text>', body
+            )
+        ]
         ellipse = re.search(r'<ellipse[^>]*cx="([-\d.]+)" cy="([-\d.]+)" rx="([\d.]+)" ry="([\d.]+)"', body)
         if ellipse:
             cx, cy, rx, ry = map(float, ellipse.groups())
@@ -432,6 +430,6 @@ def test_grads_svg_drawn_by_librsvg_keeps_text_inside_boxes(grads_svg: Path, tmp
             for edge, step in ((x0, -1), (x1, 1)):
                 px = round((edge + tx) * scale)
                 band = range(px + 2 * step, px + 10 * step, step)
-                assert not dark[top:bottom, min(band):max(band) + 1].any(), (y, edge)
+                assert not dark[top:bottom, min(band) : max(band) + 1].any(), (y, edge)
                 checked += 1
     assert checked >= 10
