@@ -19,6 +19,17 @@ W3  1000 calls of ``nn.MultiheadAttention(64, 8)`` (default training mode,
 W2m, W3m  W2 and W3 traced with ``attention_maps=True``: every call's
     ``[B, H, T, T]`` weights recomputed on the side (:mod:`qkvtrace.maps`);
     the memory the maps hold per call is printed below the table.
+W3c W3 traced as a long run (``keep="changes"``): counts per combination
+    and the changes, not a record per call (:mod:`qkvtrace.monitor`).
+W5  1000 direct ``F.scaled_dot_product_attention`` calls in training with
+    ``dropout_p=0.1`` on ``(2, 4, 16, 32)`` tensors: PyTorch refuses its
+    first-choice kernel, so every traced call carries PyTorch's reason
+    (asked once per call signature on a stand-in, then looked up; the
+    one-off asking is in the first unit of work, listed below the table).
+W5n The same calls traced with ``refusals=False``. The calls are small
+    (~0.2 ms), so a record per call is a large share of them; W5 and W5n
+    have no target: the difference of their medians, printed below the
+    table, is what PyTorch's reasons cost per call.
 
 Method
 ------
@@ -104,12 +115,17 @@ class Workload:
     title: str
     model: nn.Module
     run: Callable[[], Outputs]
-    target: float
+    #: the traced/baseline ratio it should stay within; ``None``: measured, not judged
+    target: float | None
     gradients: bool = True
     #: record per-call gradient routes into Q, K, V (with ``gradients``)
     routes: bool = True
     #: compute each call's attention map on the side (``attention_maps=True``)
     maps: bool = False
+    #: ``"all"`` records every call; ``"changes"`` is the long-run mode
+    keep: str = "all"
+    #: ask PyTorch why it refused the kernels it ranks above the one it chose
+    refusals: bool = True
 
 
 def make_encoder(seed: int) -> nn.TransformerEncoder:
@@ -159,6 +175,25 @@ def small_mha_workload(calls: int = 1000) -> Workload:
     return Workload("W3", f"{calls} small MHA calls", mha, run, target=1.3)
 
 
+class DropoutAttention(nn.Module):
+    """Direct SDPA with dropout: on PyTorch's CPU and CUDA kernels this refuses the fused first choice."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.1 if self.training else 0.0)
+
+
+def refused_sdpa_workload(calls: int = 1000) -> Workload:
+    torch.manual_seed(3)
+    model = DropoutAttention().train()
+    q, k, v = (torch.randn(2, 4, 16, 32) for _ in range(3))
+
+    def run() -> Outputs:
+        torch.manual_seed(0)  # the same dropout masks in every arm, so the identity check can compare
+        return [model(q, k, v) for _ in range(calls)]
+
+    return Workload("W5", f"{calls} SDPA calls, dropout", model, run, target=None, gradients=False)
+
+
 def build_workloads() -> list[Workload]:
     train_model = make_encoder(seed=0)
     infer_model = copy.deepcopy(train_model)
@@ -173,6 +208,9 @@ def build_workloads() -> list[Workload]:
             inference_workload(infer_model, x), key="W2m", title="encoder inference, maps on", target=1.5, maps=True
         ),
         replace(small_mha_workload(), key="W3m", title="1000 small MHA calls, maps on", target=1.5, maps=True),
+        replace(small_mha_workload(), key="W3c", title="1000 small MHA calls, long run", target=1.3, keep="changes"),
+        refused_sdpa_workload(),
+        replace(refused_sdpa_workload(), key="W5n", title="the same, refusals=False", refusals=False),
     ]
 
 
@@ -196,15 +234,28 @@ class TracedSample:
     map_bytes_per_call: float = 0.0
 
 
+def open_trace(w: Workload) -> qkvtrace.Trace:
+    return qkv_trace(w.model, gradients=w.gradients, routes=w.routes, attention_maps=w.maps, keep=w.keep,
+                     refusals=w.refusals)  # fmt: skip
+
+
+def calls_seen(t: qkvtrace.Trace) -> int:
+    """Calls the trace saw: its records, or in a long run the calls its summary counts."""
+    if t.monitor is not None:
+        modules = t.summary()["modules"].values()
+        return sum(combo["calls"] for m in modules for combo in m["combinations"])
+    return len(t.calls)
+
+
 def time_traced(w: Workload) -> TracedSample:
-    t = qkv_trace(w.model, gradients=w.gradients, routes=w.routes, attention_maps=w.maps)
+    t = open_trace(w)
     gc.collect()
     t0 = time.perf_counter()
     with t:
         t1 = time.perf_counter()
         w.run()  # untimed: the first call of each signature is profiled here
         t2 = time.perf_counter()
-        first_calls = len(t.calls)
+        first_calls = calls_seen(t)
         gc.collect()
         t3 = time.perf_counter()
         w.run()
@@ -214,9 +265,9 @@ def time_traced(w: Workload) -> TracedSample:
         seconds=t4 - t3,
         first_unit_s=t2 - t1,
         enter_exit_s=(t1 - t0) + (t5 - t4),
-        calls_per_unit=len(t.calls) - first_calls,
+        calls_per_unit=calls_seen(t) - first_calls,
         map_bytes_per_call=sum(c.attention_map.nbytes for c in t.calls if c.attention_map is not None)
-        / max(len(t.calls), 1),
+        / max(calls_seen(t), 1),
     )
 
 
@@ -282,7 +333,7 @@ def all_equal(a: Outputs, b: Outputs) -> bool:
 
 def check_identity(w: Workload) -> Identity:
     plain = w.run()
-    with qkv_trace(w.model, gradients=w.gradients, routes=w.routes, attention_maps=w.maps) as t:
+    with open_trace(w) as t:
         first = w.run()
         steady = w.run()
     return Identity(
@@ -423,17 +474,23 @@ def print_table(workloads: Sequence[Workload], samples: dict[str, Samples]) -> N
     print("-" * len(header))
     for w in workloads:
         s = samples[w.key]
-        v = verdict(s.traced_ratios(), w.target)
+        if w.target is None:
+            target, word = "-", "measured"
+        else:
+            v = verdict(s.traced_ratios(), w.target)
+            target, word = "<= " + format(w.target, ".2f"), v.word + ("" if v.resolved else "*")
         print(
             f"{w.key + ' ' + w.title:<30} {statistics.median(s.baseline) * 1e3:>11.1f}  "
             f"{fmt_ratios(s.traced_ratios()):>24}  {fmt_ratios(s.profiler_ratios()):>26}  "
-            f"{'<= ' + format(w.target, '.2f'):>7}  {v.word + ('' if v.resolved else '*'):>11}"
+            f"{target:>7}  {word:>11}"
         )
     print()
     print("Verdicts: 'met' = every repetition within the target; 'median only' = the median is, some")
     print("repetitions are not; 'NOT met' = the median is above it. * = not established: the spread")
     print("(max - min of the traced ratios) is wider than the margin the target allows.")
     for w in workloads:
+        if w.target is None:
+            continue
         ratios = samples[w.key].traced_ratios()
         v = verdict(ratios, w.target)
         median = statistics.median(ratios)
@@ -460,12 +517,29 @@ def print_table(workloads: Sequence[Workload], samples: dict[str, Samples]) -> N
             f"(baseline {statistics.median(s.baseline) * 1e3:.1f} ms); "
             f"trace enter+exit {enter_exit:.2f} ms; {calls} calls recorded per unit of work"
         )
+    print_refusal_cost(samples)
     for w in workloads:
         if w.maps:
             per_call = samples[w.key].traced[0].map_bytes_per_call
             print(f"  {w.key}: attention maps held by the trace, {per_call / 2**20:.3f} MB per call (CPU float32)")
     print("  Profiler arm includes profiler start, stop and prof.key_averages().")
     print()
+
+
+def print_refusal_cost(samples: dict[str, Samples]) -> None:
+    """What asking PyTorch's reasons costs per call: W5 (refusals on) less W5n (off), same calls."""
+    if "W5" not in samples or "W5n" not in samples:
+        return
+    on = statistics.median(t.seconds for t in samples["W5"].traced)
+    off = statistics.median(t.seconds for t in samples["W5n"].traced)
+    calls = samples["W5"].traced[0].calls_per_unit
+    first_on = statistics.median(t.first_unit_s for t in samples["W5"].traced)
+    first_off = statistics.median(t.first_unit_s for t in samples["W5n"].traced)
+    print(
+        f"  W5 - W5n: PyTorch's reasons cost {(on - off) / max(calls, 1) * 1e6:+.1f} us per call in the steady "
+        f"state (medians {on * 1e3:.1f} ms vs {off * 1e3:.1f} ms for {calls} calls) and "
+        f"{(first_on - first_off) * 1e3:+.1f} ms once per call signature (first unit of work)"
+    )
 
 
 def print_memory(m: MemoryResult) -> None:
@@ -503,6 +577,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=None, help=f"repetitions (default {DEFAULT_REPEATS})")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
     parser.add_argument("--quick", action="store_true", help=f"{QUICK_REPEATS} repetitions unless --repeats is given")
+    parser.add_argument("--only", default=None, metavar="W1,W3,...", help="run only these workloads (default: all)")
     args = parser.parse_args(argv)
     if args.repeats is None:
         args.repeats = QUICK_REPEATS if args.quick else DEFAULT_REPEATS
@@ -517,6 +592,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     print_environment(args.threads, args.repeats)
     workloads = build_workloads()
+    if args.only:
+        keys = {k.strip().lower() for k in args.only.split(",")}
+        unknown = sorted(keys - {w.key.lower() for w in workloads})
+        if unknown:
+            print(f"unknown workloads {', '.join(unknown)}; known: {', '.join(w.key for w in workloads)}")
+            return 2
+        workloads = [w for w in workloads if w.key.lower() in keys]
     print(
         "Warm-up (untimed): the identity check runs each workload once plainly and twice traced, and\n"
         "the profiler is started, stopped and read once. In every traced repetition the first unit of\n"
@@ -528,7 +610,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print_identity(workloads, identity)
     samples = measure(workloads, args.repeats)
     print_table(workloads, samples)
-    print_memory(measure_record_memory())
+    if any(w.key == "W3" for w in workloads):
+        print_memory(measure_record_memory())
     print_host_reads(workloads)
     print(f"\nTotal wall time {time.perf_counter() - started:.0f} s; load average at the end {load_average()}")
     return 0

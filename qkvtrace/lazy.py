@@ -33,26 +33,49 @@ class Deferred:
 _Slot = tuple[Any, Any]
 
 
-def _collect(obj: Any, tensors: list[tuple[_Slot, torch.Tensor]], deferred: list[tuple[_Slot, Deferred]],
+#: types that never hold a pending value: skipped without a look inside
+_ATOMS = frozenset({str, int, float, bool, type(None), bytes})
+#: the field names of each dataclass met (``None``: not a dataclass); ``dataclasses.fields`` is slow per record
+_FIELDS: dict[type, tuple[str, ...] | None] = {}
+
+
+def _field_names(cls: type) -> tuple[str, ...] | None:
+    try:
+        return _FIELDS[cls]
+    except KeyError:
+        names = tuple(f.name for f in dataclasses.fields(cls)) if dataclasses.is_dataclass(cls) else None
+        _FIELDS[cls] = names
+        return names
+
+
+def _collect(root: Any, tensors: list[tuple[_Slot, torch.Tensor]], deferred: list[tuple[_Slot, Deferred]],
              seen: set[int]) -> None:  # fmt: skip
-    if id(obj) in seen:
-        return
-    seen.add(id(obj))
-    if isinstance(obj, dict):
-        items: Iterable[tuple[Any, Any]] = obj.items()
-    elif isinstance(obj, list):
-        items = enumerate(obj)
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        items = ((f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj))
-    else:
-        return
-    for key, value in list(items):
-        if isinstance(value, torch.Tensor):
-            tensors.append(((obj, key), value))
-        elif isinstance(value, Deferred):
-            deferred.append(((obj, key), value))
-        elif isinstance(value, (dict, list)) or (dataclasses.is_dataclass(value) and not isinstance(value, type)):
-            _collect(value, tensors, deferred, seen)
+    todo = [root]
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        items: Iterable[tuple[Any, Any]]
+        if isinstance(obj, dict):
+            items = list(obj.items())
+        elif isinstance(obj, list):
+            items = list(enumerate(obj))
+        else:
+            names = _field_names(type(obj))
+            if names is None:
+                continue
+            items = [(name, getattr(obj, name)) for name in names]
+        for key, value in items:
+            kind = type(value)
+            if kind in _ATOMS:
+                continue
+            if isinstance(value, torch.Tensor):
+                tensors.append(((obj, key), value))
+            elif isinstance(value, Deferred):
+                deferred.append(((obj, key), value))
+            elif isinstance(value, (dict, list)) or _field_names(kind) is not None:
+                todo.append(value)
 
 
 def _store(slot: _Slot, value: Any) -> None:
