@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,14 @@ records them under torch.distributed), else from its name (NAME.rankN.json).
 A folder stands for the *.rankN.json files in it. No PyTorch is needed:
 files copied from the job's machines merge anywhere.
 
+Long runs merge too: give the JSON Lines files the ranks streamed
+(qkvtrace.trace(model, keep="changes", stream_to="run.jsonl") writes
+run.rank0.jsonl, run.rank1.jsonl, ... under torch.distributed). Their
+changes are lined up by module and step, and every change or combination
+(path, kernel, PyTorch's reason, dtype, masks, training) that some ranks
+have and others do not is flagged: "rank 1: encoder.attn fast path → MATH
+at step 2", alone.
+
 Exit 0: every rank made the same calls the same way; 1: they disagree (the
 table shows where, with the ranks behind each value); 2: bad input (not a
 trace, two files of one rank, files of different jobs).
@@ -38,6 +47,7 @@ examples:
   torchrun --nproc-per-node 2 train.py          # each rank: save_per_rank(t, "traces")
   qkvtrace merge traces/ --json merged.json
   qkvtrace merge traces/trace.rank0.json traces/trace.rank1.json
+  qkvtrace merge run.rank0.jsonl run.rank1.jsonl   # long runs (keep="changes", stream_to=)
 """
 
 
@@ -46,8 +56,10 @@ def register(sub: Any) -> None:
                        description=_HELP, epilog=_EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("files", metavar="FILE", type=Path, nargs="+",
-                   help="a per-rank trace file (qkvtrace.trace/2 or /1), or a folder of NAME.rankN.json")  # fmt: skip
-    p.add_argument("--json", metavar="OUT", type=Path, help="write the qkvtrace.merge/1 JSON (all ranks' traces)")
+                   help="a per-rank trace file (qkvtrace.trace/2 or /1) or long-run stream (.jsonl), "
+                        "or a folder of NAME.rankN.json or NAME.rankN.jsonl")  # fmt: skip
+    p.add_argument("--json", metavar="OUT", type=Path,
+                   help="write the qkvtrace.merge/1 JSON (traces) or qkvtrace.streammerge/1 (streams)")  # fmt: skip
     p.set_defaults(run=run_merge)
 
 
@@ -105,11 +117,101 @@ def disagreements_table(merged: dict[str, Any]) -> Table:
     return table
 
 
+def _rank_groups(ranks: list[int], all_ranks: list[int]) -> str:
+    """``"1"`` alone, or ``"0-2 (not 3)"``: who did it, and who did not when some did not."""
+    missing = [r for r in all_ranks if r not in ranks]
+    return _ranks_text(ranks) + (f" (not {_ranks_text(missing)})" if missing else "")
+
+
+def run_stream_merge(args: argparse.Namespace, console: Console) -> int:
+    from qkvtrace.cli.summarize_cmd import describe_change, describe_combination
+    from qkvtrace.records import atomic_write_text
+    from qkvtrace.render.terminal import Col, records_view
+    from qkvtrace.streams import load_rank_streams, merge_streams
+
+    streams = load_rank_streams(args.files)
+    merged = merge_streams(streams)
+    ranks = [s.rank for s in streams]
+    world = merged["world_size"]
+    of_world = (
+        f" of world size {world}" if world is not None else " (no world size: streamed outside torch.distributed)"
+    )
+    steps = sorted({r["steps"] for r in merged["ranks"]})
+    shown_steps = f"{steps[0]} steps" if len(steps) == 1 else f"{steps[0]}-{steps[-1]} steps"
+    rows = [
+        [
+            str(c["step"]),
+            c["module"] or "(root)",
+            describe_change(c["was"], c["became"]),
+            _rank_groups(c["ranks"], ranks),
+        ]
+        for c in merged["changes"]
+    ]
+    if rows:
+        cols = [Col("step", justify="right"), Col("module"), Col("what changed", "text"), Col("ranks")]
+        console.print(
+            records_view("changes, lined up across ranks", cols, rows, width=console.width, title_cols=2), crop=False
+        )
+    odd = [
+        [
+            c["module"] or "(root)",
+            describe_combination(c["combo"]),
+            _rank_groups([r["rank"] for r in c["ranks"]], ranks),
+            ", ".join(f"{r['rank']}: {r['calls'] if r['calls'] is not None else '?'}" for r in c["ranks"]),
+        ]
+        for c in merged["combinations"]
+        if c["differs"]
+    ]
+    if odd:
+        cols = [Col("module"), Col("ran", "text"), Col("ranks"), Col("calls by rank")]
+        console.print(
+            records_view("combinations only some ranks used", cols, odd, width=console.width, title_cols=1), crop=False
+        )
+    versions = {r["torch_version"] for r in merged["ranks"]}
+    if len(versions) > 1:
+        seen = " · ".join(f"rank {r['rank']}: {r['torch_version']}" for r in merged["ranks"])
+        console.print(f"[bold red]torch_version differs[/]: {seen}", soft_wrap=True)
+    summary = f"{len(ranks)} ranks ({_ranks_text(ranks)}){of_world} · {shown_steps} · {_changes(len(rows))}"
+    if merged["agree"]:
+        console.print(
+            f"{summary} · [bold green]every rank ran the same kernels and changed at the same steps[/]", soft_wrap=True
+        )
+    else:
+        n = sum(c["differs"] for c in merged["changes"])
+        what = [_changes(n)] if n else []
+        what += [f"{len(odd)} combination{'' if len(odd) == 1 else 's'}"] if odd else []
+        what += ["the PyTorch version"] if len(versions) > 1 else []
+        console.print(f"{summary} · [bold red]ranks disagree on {' and '.join(what)}[/]", soft_wrap=True)
+    for r in merged["ranks"]:
+        if not r["ended"]:
+            console.print(
+                f"[yellow]rank {r['rank']} ({r['file']}): the run did not end (still running, or stopped)"
+                f"{'; ' + r['note'] if r['note'] else ''}[/]",
+                soft_wrap=True,
+            )
+    if merged["missing_ranks"]:
+        console.print(f"[yellow]no file for rank(s) {_ranks_text(merged['missing_ranks'])}[/]", soft_wrap=True)
+    if args.json is not None:
+        atomic_write_text(args.json, json.dumps(merged, indent=1) + "\n")
+    return 0 if merged["agree"] else 1
+
+
+def _changes(n: int) -> str:
+    return f"{n} change" if n == 1 else f"{n} changes"
+
+
 def run_merge(args: argparse.Namespace, console: Console) -> int:
     from qkvtrace.distributed import load_rank_traces, merge_traces, save_merged
+    from qkvtrace.errors import InputError
+    from qkvtrace.streams import is_stream
 
     if args.json is not None:
         check_output_file(args.json, "--json")
+    kinds = {is_stream(p) for p in args.files}
+    if kinds == {True}:
+        return run_stream_merge(args, console)
+    if len(kinds) > 1:
+        raise InputError("give either per-rank trace files (.json) or long-run streams (.jsonl), not both")
     traces = load_rank_traces(args.files)
     merged = merge_traces(traces)
     ranks = [t.rank for t in traces]

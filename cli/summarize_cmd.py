@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import json
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 
-from qkvtrace.errors import InputError
 from qkvtrace.render.terminal import Col, records_view
+from qkvtrace.streams import read_stream
 
-__all__ = ["read_stream", "register", "run"]
+__all__ = ["describe_change", "describe_combination", "register", "run"]
 
 _HELP = """\
 Read the JSON Lines file written by qkvtrace.trace(model, keep="changes",
@@ -34,33 +33,7 @@ def register(sub: Any) -> None:
     p.set_defaults(run=run)
 
 
-def read_stream(path: Path) -> tuple[list[dict[str, Any]], str | None]:
-    """The lines of the stream, each checked against ``qkvtrace.stream/1``; and a note on a cut last line."""
-    from qkvtrace.validation import check_document
-
-    if not path.is_file():
-        raise InputError(f"{path}: no such file; give the file written by stream_to=")
-    lines: list[dict[str, Any]] = []
-    note = None
-    raw = path.read_text(encoding="utf-8", errors="replace").splitlines()
-    for n, text in enumerate(raw, 1):
-        if not text.strip():
-            continue
-        try:
-            line = json.loads(text)
-        except ValueError:
-            if n == len(raw):  # a process killed mid-write leaves its last line cut
-                note = f"line {n} is cut short (the run was stopped while writing it); left out"
-                continue
-            raise InputError(f"{path}: line {n} is not JSON; is it a qkvtrace stream?") from None
-        check_document(line, name=f"{path}:{n}", expected="qkvtrace.stream/1")
-        lines.append(line)
-    if not lines or lines[0].get("kind") != "start":
-        raise InputError(f"{path}: does not begin with a qkvtrace stream's start line")
-    return lines, note
-
-
-def _combo(c: dict[str, Any] | None) -> str:
+def describe_combination(c: dict[str, Any] | None) -> str:
     if not c:
         return "-"
     masks = [f"{k}: {c[k]}" for k in ("attn_mask", "key_padding_mask", "merged_mask") if c.get(k)]
@@ -68,10 +41,10 @@ def _combo(c: dict[str, Any] | None) -> str:
             + "".join(f", {m}" for m in masks))  # fmt: skip
 
 
-def _what(was: dict[str, Any] | None, became: dict[str, Any]) -> str:
+def describe_change(was: dict[str, Any] | None, became: dict[str, Any]) -> str:
     """Each fact that differs: ``name: was → became``."""
     if not was:
-        return _combo(became)
+        return describe_combination(became)
     parts = [f"{k}: {was.get(k) if was.get(k) is not None else '-'} → {v if v is not None else '-'}"
              for k, v in became.items() if was.get(k) != v]  # fmt: skip
     return "; ".join(parts) or "-"
@@ -94,16 +67,31 @@ def run(args: argparse.Namespace, console: Console) -> int:
     last_step = max((s["step"] for s in steps), default=0)
     state = "ended" if end is not None else "did not end (still running, or stopped)"
     n_steps = last_step + 1 if steps else 0
-    console.print(f"{args.file}: torch {start.get('torch_version')}, {total} calls over {n_steps} steps, run {state}",
-                  soft_wrap=True)  # fmt: skip
+    console.print(
+        f"{args.file}: torch {start.get('torch_version')}, {total} calls over {n_steps} steps, run {state}",
+        soft_wrap=True,
+    )
     if total:
         console.print("kernels: " + ", ".join(f"{b} {n / total:.1%}" for b, n in backends.most_common()))
     changes = [e for e in events if e["kind"] == "change"]
-    rows: list[list[Any]] = [[str(e["step"]), f"#{e['call']}", e["module"] or "(root)", _what(e["was"], e["became"]),
-                              _reason(e["became"])] for e in changes]  # fmt: skip
+    rows: list[list[Any]] = [
+        [
+            str(e["step"]),
+            f"#{e['call']}",
+            e["module"] or "(root)",
+            describe_change(e["was"], e["became"]),
+            _reason(e["became"]),
+        ]
+        for e in changes
+    ]
     if rows:
-        cols = [Col("step", justify="right"), Col("call", justify="right"), Col("module"), Col("what changed", "text"),
-                Col("reason now (PyTorch's words)", "text")]  # fmt: skip
+        cols = [
+            Col("step", justify="right"),
+            Col("call", justify="right"),
+            Col("module"),
+            Col("what changed", "text"),
+            Col("reason now (PyTorch's words)", "text"),
+        ]
         console.print(records_view(f"{len(rows)} change(s)", cols, rows, width=console.width, title_cols=3), crop=False)
     else:
         console.print("no change: every module kept its first path, kernel and reason")
@@ -111,10 +99,22 @@ def run(args: argparse.Namespace, console: Console) -> int:
         table: list[list[Any]] = []
         for module, info in end["summary"]["modules"].items():
             for c in info["combinations"]:
-                table.append([module or "(root)", _combo(c["combo"]), str(c["calls"]), str(c["first_step"]),
-                              str(c["last_step"])])  # fmt: skip
-        cols = [Col("module"), Col("ran", "text"), Col("calls", justify="right"), Col("first step", justify="right"),
-                Col("last step", justify="right")]  # fmt: skip
+                table.append(
+                    [
+                        module or "(root)",
+                        describe_combination(c["combo"]),
+                        str(c["calls"]),
+                        str(c["first_step"]),
+                        str(c["last_step"]),
+                    ]
+                )
+        cols = [
+            Col("module"),
+            Col("ran", "text"),
+            Col("calls", justify="right"),
+            Col("first step", justify="right"),
+            Col("last step", justify="right"),
+        ]
         console.print(records_view("per module", cols, table, width=console.width, title_cols=2), crop=False)
     if note:
         console.print(note, style="yellow")

@@ -103,9 +103,19 @@ class Monitor:
         self._step_changes = 0
         self._writer = tensorboard
         self._stream = None
+        #: the file streamed to (under torch.distributed, this rank's: see :func:`qkvtrace.streams.rank_stream_path`)
+        self.stream_path: Path | None = None
         if stream_to is not None:
-            self._stream = Path(stream_to).open("w", encoding="utf-8")
-            self._write({"kind": "start", "torch_version": torch_version})
+            from qkvtrace.compat import distributed_rank
+            from qkvtrace.streams import rank_stream_path
+
+            rank, world = distributed_rank()
+            self.stream_path = rank_stream_path(stream_to, rank, world)
+            self._stream = self.stream_path.open("w", encoding="utf-8")
+            start: dict[str, Any] = {"kind": "start", "torch_version": torch_version}
+            if rank is not None:
+                start.update(rank=rank, world_size=world)
+            self._write(start)
 
     # -- per call (no host reads) ---------------------------------------------------
 

@@ -189,12 +189,23 @@ def worker(out: Path) -> None:
     save_per_rank(t, out / "ddp")
 
     # 2. inference where one rank forgot model.eval(): it falls off the fast path
+    (out / "streams").mkdir(exist_ok=True)
     model.train(rank == 1)
     with torch.no_grad(), qkvtrace.trace(ddp) as t2:
         ddp(x)
     save_per_rank(t2, out / "split")
 
-    # 3. the sharded wrappers, where this PyTorch has them on the CPU
+    # 3. a long run streamed per rank (run.jsonl -> run.rank{R}.jsonl): rank 1 switches to eval at step 2
+    with qkvtrace.trace(ddp, keep="changes", stream_to=out / "streams" / "run.jsonl") as t3:
+        for step in range(4):
+            model.train(not (rank == 1 and step >= 2))
+            with torch.set_grad_enabled(model.training):
+                ddp(x)
+            t3.step()
+    assert t3.monitor is not None
+    found["stream_path"] = str(t3.monitor.stream_path)
+
+    # 4. the sharded wrappers, where this PyTorch has them on the CPU
     for kind in SHARDED:
         found[kind] = _sharded_step(kind, x)
 
@@ -334,6 +345,26 @@ def test_merge_flags_the_rank_that_fell_off_the_fast_path(job: dict[int, dict[st
     merged = json.loads((tmp_path / "merged.json").read_text())
     flagged = {(d["module"], d["field"]) for d in merged["disagreements"]}
     assert ("encoder.attn", "path") in flagged and ("encoder.attn", "why_not_fast_path") in flagged
+
+
+def test_long_run_streams_one_file_per_rank_and_merge_flags_the_odd_rank(
+    job: dict[int, dict[str, Any]], tmp_path: Path
+) -> None:
+    """Each rank streamed ``run.jsonl`` as its own ``run.rank{R}.jsonl`` (rank and world size on its start line);
+    rank 1 alone switched to eval at step 2 (set by the worker): merged, exactly that change, on rank 1 only."""
+    folder = Path(job[0]["out"]) / "streams"
+    assert sorted(p.name for p in folder.iterdir()) == [f"run.rank{r}.jsonl" for r in range(WORLD)]
+    assert [job[r]["stream_path"] for r in range(WORLD)] == [str(folder / f"run.rank{r}.jsonl") for r in range(WORLD)]
+    for r in range(WORLD):
+        start = json.loads((folder / f"run.rank{r}.jsonl").read_text().splitlines()[0])
+        assert (start["rank"], start["world_size"]) == (r, WORLD)
+    proc = _merge(str(folder), "--json", str(tmp_path / "merged.json"))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    merged = json.loads((tmp_path / "merged.json").read_text())
+    assert merged["world_size"] == WORLD and merged["missing_ranks"] == []
+    moved = {(c["module"], c["step"], tuple(c["ranks"])) for c in merged["changes"]}
+    assert ("encoder.attn", 2, (1,)) in moved
+    assert all(step == 2 and ranks == (1,) for _, step, ranks in moved)
 
 
 def _sharded(job: dict[int, dict[str, Any]], kind: str) -> None:

@@ -88,7 +88,8 @@ def test_a_killed_run_leaves_a_stream_summarize_reads(tmp_path: Path) -> None:
     """A process killed by SIGKILL at step 40 (the test's own script): its stream is read back with the change."""
     stream = tmp_path / "killed.jsonl"
     script = tmp_path / "run.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import os, signal, torch, qkvtrace
         from torch import nn
         torch.manual_seed(0)
@@ -102,7 +103,8 @@ def test_a_killed_run_leaves_a_stream_summarize_reads(tmp_path: Path) -> None:
                 t.step()
                 if step == 40:
                     os.kill(os.getpid(), signal.SIGKILL)
-    """))
+    """)
+    )
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
     assert run.returncode < 0  # killed, not ended
     out = subprocess.run([sys.executable, "-m", "qkvtrace", "summarize", str(stream)], capture_output=True, text=True,
@@ -159,3 +161,83 @@ def test_keep_all_refuses_stream_options() -> None:
         qkvtrace.trace(nn.Linear(1, 1), stream_to="x.jsonl")
     with qkvtrace.trace(nn.Linear(1, 1)) as t, pytest.raises(RuntimeError, match="keep='changes'"):
         t.step()
+
+
+# -- the ranks of a job: per-rank streams merged ---------------------------------------------------
+
+
+def _rank_streams(folder: Path, eval_from: dict[int, int], steps: int = 4) -> None:
+    """Two ranks' long runs, streamed to ``run.rank{R}.jsonl``; rank R switches to eval + no_grad at its step."""
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(E, H, batch_first=True)
+    x = torch.randn(B, L, E)
+    for rank, switch in eval_from.items():
+        with qkvtrace.trace(
+            mha, keep="changes", stream_to=folder / f"run.rank{rank}.jsonl"
+        ) as t:
+            for step in range(steps):
+                mha.train(step < switch)
+                with torch.set_grad_enabled(mha.training):
+                    mha(x, x, x, need_weights=False)
+                t.step()
+
+
+def _merge(*args: object) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "qkvtrace", "merge", *map(str, args)], capture_output=True,
+                          text=True, env={"COLUMNS": "200", "NO_COLOR": "1", "PATH": "/usr/bin:/bin"})  # fmt: skip
+
+
+def test_merge_flags_the_rank_that_changed_alone(tmp_path: Path) -> None:
+    """Rank 1 switches to eval at step 2, rank 0 never (set by the test): exactly that change, on rank 1 only.
+
+    Witness: the steps chosen here, and the path PyTorch takes in eval (its
+    profiler on one untraced call: the fused fast-path kernel, no SDPA).
+    """
+    _rank_streams(tmp_path, {0: 99, 1: 2})
+    out = _merge(tmp_path, "--json", tmp_path / "merged.json")
+    assert out.returncode == 1, out.stdout + out.stderr
+    merged = json.loads((tmp_path / "merged.json").read_text())
+    assert merged["schema"] == "qkvtrace.streammerge/1" and merged["agree"] is False
+    [change] = merged["changes"]
+    assert (change["step"], change["ranks"], change["differs"]) == (2, [1], True)
+    assert (change["was"]["training"], change["became"]["training"]) == (True, False)
+    mha = nn.MultiheadAttention(E, H, batch_first=True).eval()
+    with torch.no_grad():
+        assert "aten::_native_multi_head_attention" in _attention_ops(mha, torch.randn(B, L, E))
+    assert change["became"]["path"] == "fast"
+    [odd] = [c for c in merged["combinations"] if c["differs"]]  # eval ran on rank 1 only, at steps 2 and 3
+    assert [(r["rank"], r["calls"], r["first_step"], r["last_step"]) for r in odd["ranks"]] == [(1, 2, 2, 3)]
+    row = next(line for line in out.stdout.splitlines() if "path: fallback → fast" in line)
+    assert [c.strip() for c in row.split("│")[1:5:3]] == ["2", "1 (not 0)"]
+    assert "ranks disagree on 1 change and 1 combination" in out.stdout
+
+
+def test_merge_of_ranks_that_changed_together_agrees(tmp_path: Path) -> None:
+    """Both ranks switch to eval at step 1 (set by the test): one change, made by both; exit 0."""
+    _rank_streams(tmp_path, {0: 1, 1: 1})
+    out = _merge(tmp_path / "run.rank0.jsonl", tmp_path / "run.rank1.jsonl", "--json", tmp_path / "m.json")
+    assert out.returncode == 0, out.stdout + out.stderr
+    merged = json.loads((tmp_path / "m.json").read_text())
+    assert [(c["step"], c["ranks"], c["differs"]) for c in merged["changes"]] == [(1, [0, 1], False)]
+    assert "every rank ran the same kernels and changed at the same steps" in out.stdout
+
+
+def test_merge_refuses_traces_and_streams_together(tmp_path: Path) -> None:
+    """A trace file beside a stream, and two streams of one rank: exit 2, one line, no traceback."""
+    _rank_streams(tmp_path, {0: 1})
+    (tmp_path / "trace.rank1.json").write_text("{}")
+    out = _merge(tmp_path / "run.rank0.jsonl", tmp_path / "trace.rank1.json")
+    assert out.returncode == 2 and "not both" in out.stderr and "Traceback" not in out.stderr
+    (tmp_path / "again.rank0.jsonl").write_bytes((tmp_path / "run.rank0.jsonl").read_bytes())
+    out = _merge(tmp_path / "run.rank0.jsonl", tmp_path / "again.rank0.jsonl")
+    assert out.returncode == 2 and "both rank 0" in out.stderr
+
+
+def test_rank_placeholder_names_the_stream(tmp_path: Path) -> None:
+    """``stream_to`` holding ``{rank}`` is filled in (rank 0 outside torch.distributed); the file is where it says."""
+    mha = nn.MultiheadAttention(E, H, batch_first=True)
+    x = torch.randn(B, L, E)
+    with qkvtrace.trace(mha, keep="changes", stream_to=tmp_path / "r{rank}.jsonl") as t:
+        mha(x, x, x)
+    assert t.monitor is not None and t.monitor.stream_path == tmp_path / "r0.jsonl"
+    assert json.loads((tmp_path / "r0.jsonl").read_text().splitlines()[0])["kind"] == "start"

@@ -120,6 +120,8 @@ def test_every_file_the_tool_writes_validates(tmp_path: Path, capsys: pytest.Cap
         (tmp_path / f"stream-{n}.json").write_text(line)
         written.setdefault("qkvtrace.stream/1", []).append(tmp_path / f"stream-{n}.json")
     kinds = [json.loads(p.read_text())["kind"] for p in written["qkvtrace.stream/1"]]
+    (tmp_path / "run.rank0.jsonl").write_bytes((tmp_path / "run.jsonl").read_bytes())
+    write("qkvtrace.streammerge/1", "sm.json", "merge", tmp_path / "run.rank0.jsonl")
     assert kinds[0] == "start" and kinds[-1] == "end" and {"first", "change", "step"} <= set(kinds)
 
     assert set(written) == set(schema_ids())  # every schema id has a writer here
