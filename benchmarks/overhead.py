@@ -21,6 +21,10 @@ W2m, W3m  W2 and W3 traced with ``attention_maps=True``: every call's
     the memory the maps hold per call is printed below the table.
 W3c W3 traced as a long run (``keep="changes"``): counts per combination
     and the changes, not a record per call (:mod:`qkvtrace.monitor`).
+W4  W1's training step on ``torch.compile(model)`` (inductor where a C++
+    compiler is found, else aot_eager; compiled during the untimed identity
+    check). The trace stands aside while compiled code runs, so it must add
+    nothing: target 1.02.
 W5  1000 direct ``F.scaled_dot_product_attention`` calls in training with
     ``dropout_p=0.1`` on ``(2, 4, 16, 32)`` tensors: PyTorch refuses its
     first-choice kernel, so every traced call carries PyTorch's reason
@@ -194,6 +198,15 @@ def refused_sdpa_workload(calls: int = 1000) -> Workload:
     return Workload("W5", f"{calls} SDPA calls, dropout", model, run, target=None, gradients=False)
 
 
+def compiled_train_workload(model: nn.TransformerEncoder, x: torch.Tensor) -> Workload:
+    import shutil
+
+    backend = "inductor" if any(shutil.which(c) for c in ("g++", "c++", "clang++")) else "aot_eager"
+    compiled = torch.compile(model, backend=backend)
+    w = train_step_workload(compiled, x)  # type: ignore[arg-type]
+    return replace(w, key="W4", title=f"compiled train step ({backend})", target=1.02)
+
+
 def build_workloads() -> list[Workload]:
     train_model = make_encoder(seed=0)
     infer_model = copy.deepcopy(train_model)
@@ -203,6 +216,7 @@ def build_workloads() -> list[Workload]:
         train_step_workload(train_model, x),
         train_step_workload(train_model, x, routes=False),
         inference_workload(infer_model, x),
+        compiled_train_workload(copy.deepcopy(train_model), x),
         small_mha_workload(),
         replace(
             inference_workload(infer_model, x), key="W2m", title="encoder inference, maps on", target=1.5, maps=True

@@ -42,6 +42,18 @@ Why the identity of PyTorch's functions survives (DESIGN.md, principle 8):
   wrapper does nothing but call what it wrapped -- no host reads, no thread
   ids, no caches, no profiler ranges -- so the graphs are the same as
   without the trace.
+* A compiled module must also *find* what it was compiled with: Dynamo
+  guards every compiled graph on the identity of the functions it loaded
+  (``___check_obj_id(F.scaled_dot_product_attention)``), so a module
+  compiled before a trace would be recompiled inside it, and one compiled
+  inside it recompiled after. So the installation stands aside while a
+  compiled module runs (:meth:`Installation.stand_aside`): PyTorch's own
+  functions are put back for the call and the wrappers return after it.
+  That covers ``torch.compile(module)`` (``OptimizedModule.__call__``,
+  patched while wrappers are installed; ``torch.compile`` itself is wrapped
+  only to patch it once Dynamo is imported) and a traced model's modules
+  compiled in place with ``module.compile()`` before the trace. While one
+  runs, no thread's attention calls are observed.
 
 Why a trace never raises into a call: an observer reads a great deal
 (frames, masks, shapes, norms) around the one call it must make. Each
@@ -57,10 +69,11 @@ read.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import sys
 import threading
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -201,6 +214,10 @@ class Installation:
         self._targets: list[_Target] | None = None
         #: (id(globals), name) -> [globals, name, original, wrapper, count]
         self._bound: dict[tuple[int, str], list[Any]] = {}
+        #: compiled modules running now (the wrappers stand aside while > 0)
+        self._aside = 0
+        #: ``torch.compile`` and ``OptimizedModule.__call__`` as PyTorch has them, while patched
+        self._compile_patches: list[tuple[Any, str, Any, bool]] = []
 
     # -- the wrappers, made once ---------------------------------------------
 
@@ -243,6 +260,9 @@ class Installation:
         with self._lock:
             if self._count == 0:
                 self._install()
+                self._patch_compile()
+                if self._aside:  # a compiled module is running: the wrappers come when it returns
+                    self._unset()
             self._count += 1
 
     def release(self) -> None:
@@ -288,6 +308,7 @@ class Installation:
     def _remove(self) -> None:
         table = compat.torchscript_builtins()
         assert self._targets is not None
+        self._unpatch_compile()
         _SHIMS.remove()
         for t in self._targets:
             self._restore(t, table)
@@ -295,6 +316,84 @@ class Installation:
             if globs.get(name) is wrapper:
                 globs[name] = original
         self._bound.clear()
+
+    # -- standing aside while compiled code runs -------------------------------
+
+    @contextlib.contextmanager
+    def stand_aside(self) -> Iterator[None]:
+        """PyTorch's own functions in place for the block (a compiled module's call), the wrappers after."""
+        with self._lock:
+            self._aside += 1
+            if self._aside == 1 and self._count > 0:
+                self._unset()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._aside -= 1
+                if self._aside == 0 and self._count > 0:
+                    self._reset()
+
+    def _unset(self) -> None:
+        _SHIMS.remove()
+        for t in self._targets or ():
+            if _current(t.owner, t.attr) is t.wrapper:
+                setattr(t.owner, t.attr, t.original)
+        for globs, name, original, wrapper, _ in self._bound.values():
+            if globs.get(name) is wrapper:
+                globs[name] = original
+
+    def _reset(self) -> None:
+        done = []
+        for t in self._targets or ():
+            if _current(t.owner, t.attr) is t.original:
+                setattr(t.owner, t.attr, t.wrapper)
+                done.append(t)
+        for globs, name, original, wrapper, _ in self._bound.values():
+            if globs.get(name) is original:
+                globs[name] = wrapper
+        _SHIMS.install((t.owner, t.attr, t.original) for t in done if t.aten is not None)
+
+    def _patch_compile(self) -> None:
+        """Make compiled modules run with PyTorch's own functions: patch ``OptimizedModule.__call__`` if Dynamo
+        is imported, else wrap ``torch.compile`` so that its first use patches it."""
+        patched = {(id(owner), attr) for owner, attr, _, _ in self._compile_patches}
+        optimized = compat.compiled_module_types()
+        if optimized and (id(optimized[0]), "__call__") not in patched:
+            self._patch(optimized[0], "__call__", _standing_aside_call(self, optimized[0].__call__))
+        elif not optimized and (id(torch), "compile") not in patched:
+            self._patch(torch, "compile", _compile_then_patch(self, torch.compile))
+
+    def _patch(self, owner: Any, attr: str, replacement: Any) -> None:
+        own = attr in vars(owner)
+        self._compile_patches.append((owner, attr, getattr(owner, attr), own))
+        setattr(owner, attr, replacement)
+
+    def _unpatch_compile(self) -> None:
+        for owner, attr, original, own in reversed(self._compile_patches):
+            if own:
+                setattr(owner, attr, original)
+            else:
+                delattr(owner, attr)
+        self._compile_patches.clear()
+
+    def stand_aside_in(self, model: nn.Module) -> list[tuple[nn.Module, Any]]:
+        """Modules of ``model`` compiled in place (``module.compile()``): their compiled call stands aside too.
+
+        Returns what :meth:`restore_compiled` puts back when the trace ends."""
+        changed = []
+        for m in model.modules():
+            compiled = m.__dict__.get("_compiled_call_impl")
+            if compiled is not None and not getattr(compiled, "_qkv_stands_aside", False):
+                m._compiled_call_impl = _standing_aside_fn(self, compiled)
+                changed.append((m, compiled))
+        return changed
+
+    @staticmethod
+    def restore_compiled(changed: list[tuple[nn.Module, Any]]) -> None:
+        for m, compiled in changed:
+            if getattr(m.__dict__.get("_compiled_call_impl"), "_qkv_stands_aside", False):
+                m._compiled_call_impl = compiled
 
     # -- names a model's own modules bound ------------------------------------
 
@@ -327,7 +426,8 @@ class Installation:
                             entry = self._bound.get(key)
                             if entry is None:
                                 entry = self._bound[key] = [globs, gname, value, target.wrapper, 0]
-                                globs[gname] = target.wrapper
+                                if not self._aside:  # else when the compiled module running now returns
+                                    globs[gname] = target.wrapper
                             entry[4] += 1
                             keys.append(key)
             return keys
@@ -344,6 +444,42 @@ class Installation:
                     if globs.get(name) is wrapper:
                         globs[name] = original
                     del self._bound[key]
+
+
+def _standing_aside_call(inst: Installation, call: Callable[..., Any]) -> Callable[..., Any]:
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with inst.stand_aside():
+            return call(self, *args, **kwargs)
+
+    __call__._qkv_stands_aside = True  # type: ignore[attr-defined]
+    __call__.__wrapped__ = call  # type: ignore[attr-defined]
+    return __call__
+
+
+def _standing_aside_fn(inst: Installation, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def compiled_call(*args: Any, **kwargs: Any) -> Any:
+        with inst.stand_aside():
+            return fn(*args, **kwargs)
+
+    compiled_call._qkv_stands_aside = True  # type: ignore[attr-defined]
+    compiled_call.__wrapped__ = fn  # type: ignore[attr-defined]
+    return compiled_call
+
+
+def _compile_then_patch(inst: Installation, compile_fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.compile`` that, once Dynamo is imported, patches ``OptimizedModule.__call__``."""
+
+    def compile_(*args: Any, **kwargs: Any) -> Any:
+        result = compile_fn(*args, **kwargs)
+        with inst._lock:
+            if inst._count > 0:
+                inst._patch_compile()
+        return result
+
+    compile_.__wrapped__ = compile_fn  # type: ignore[attr-defined]
+    compile_.__doc__ = compile_fn.__doc__
+    compile_.__name__ = compile_.__qualname__ = "compile"
+    return compile_
 
 
 def _flex_module() -> Any:

@@ -170,11 +170,13 @@ class Trace:
             stack.callback(inst.release)
             keys = inst.bind_names(model)
             stack.callback(inst.unbind, keys)
+            stack.callback(inst.restore_compiled, inst.stand_aside_in(model))
             stack.callback(self._grads.close)
             self._grads.gather = self._fsdp1_gather() if self.record_gradients else None
             if self.record_gradients:  # MultiheadAttention modules are known up front; others when they call SDPA
+                compiled = _inside_compiled(model)  # not observed there: no hooks that would cost a compiled step
                 for _, m in self._names.values():
-                    if isinstance(m, nn.MultiheadAttention):
+                    if isinstance(m, nn.MultiheadAttention) and id(m) not in compiled:
                         found = self.projection(m)
                         if isinstance(found, Projection):
                             self._grads.watch(m, found)
@@ -368,9 +370,15 @@ class Trace:
                     "compiled graphs and were recorded; calls inside compiled graphs are not observed"
                 )
                 continue
+            stands_aside = (
+                " (the trace stands aside while it runs: PyTorch's own functions stay in place, so nothing is "
+                "recompiled)"
+                if kind == "torch.compile"
+                else ""
+            )
             self._result.warnings.append(
-                f"{name or '(root)'} runs through {kind}: attention calls inside it are not observed "
-                "(its modules are listed as unobserved)"
+                f"{name or '(root)'} runs through {kind}: attention calls inside it are not observed{stands_aside}; "
+                "its modules are listed as unobserved"
             )
         seen_names = [self._names[i][0] for i in self._seen if i in self._names]
         for name, m in sorted(self._names.values(), key=lambda e: e[0]):
@@ -388,6 +396,16 @@ class Trace:
                     "torch.compile or TorchScript, an entry point the tracer does not wrap, or not run in the trace"
                 )
             self._result.unobserved.append(Unobserved(module=name, module_type=type(m).__name__, reason=reason))
+
+
+def _inside_compiled(model: nn.Module) -> set[int]:
+    """Ids of the modules that run inside ``torch.compile`` (an ``OptimizedModule`` or ``module.compile()``)."""
+    optimized = compat.compiled_module_types()
+    inside: set[int] = set()
+    for m in model.modules():
+        if (optimized and isinstance(m, optimized)) or m.__dict__.get("_compiled_call_impl") is not None:
+            inside.update(id(sub) for sub in m.modules())
+    return inside
 
 
 def _user_names(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
