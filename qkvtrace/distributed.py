@@ -39,6 +39,7 @@ __all__ = [
     "RankTrace",
     "load_rank_traces",
     "merge_traces",
+    "one_per_rank",
     "rank_file_name",
     "rank_files_in",
     "save_merged",
@@ -147,18 +148,23 @@ def load_rank_traces(paths: Iterable[str | os.PathLike[str]]) -> list[RankTrace]
     files: list[Path] = []
     for p in map(Path, paths):
         files.extend(rank_files_in(p) if p.is_dir() else [p])
-    traces = [_read_one(p) for p in files]
-    if not traces:
-        raise InputError("no trace files given")
-    by_rank: dict[int, RankTrace] = {}
-    for t in traces:
-        other = by_rank.get(t.rank)
+    return one_per_rank([_read_one(p) for p in files], "trace")
+
+
+def one_per_rank(files: Sequence[Any], what: str) -> list[Any]:
+    """``files`` (each with ``rank``, ``world_size`` and ``name``) sorted by rank; refused when two share a
+    rank or they come from jobs of different world sizes. ``what`` names them in messages."""
+    if not files:
+        raise InputError(f"no {what} files given")
+    by_rank: dict[int, Any] = {}
+    for f in files:
+        other = by_rank.get(f.rank)
         if other is not None:
-            raise InputError(f"{other.name} and {t.name} are both rank {t.rank}; give one file per rank")
-        by_rank[t.rank] = t
-    worlds = {t.world_size for t in traces if t.world_size is not None}
+            raise InputError(f"{other.name} and {f.name} are both rank {f.rank}; give one file per rank")
+        by_rank[f.rank] = f
+    worlds = {f.world_size for f in files if f.world_size is not None}
     if len(worlds) > 1:
-        shown = ", ".join(f"{t.name}: {t.world_size}" for t in traces if t.world_size is not None)
+        shown = ", ".join(f"{f.name}: {f.world_size}" for f in files if f.world_size is not None)
         raise InputError(f"the files come from jobs of different world sizes ({shown}); give the files of one job")
     return [by_rank[r] for r in sorted(by_rank)]
 

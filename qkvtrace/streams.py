@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from qkvtrace.distributed import one_per_rank
 from qkvtrace.errors import InputError
 
 __all__ = [
@@ -131,20 +132,7 @@ def load_rank_streams(paths: Iterable[str | os.PathLike[str]]) -> list[RankStrea
             files.extend(sorted(found))
         else:
             files.append(p)
-    streams = [_read_rank(f) for f in files]
-    if not streams:
-        raise InputError("no stream files given")
-    by_rank: dict[int, RankStream] = {}
-    for s in streams:
-        other = by_rank.get(s.rank)
-        if other is not None:
-            raise InputError(f"{other.name} and {s.name} are both rank {s.rank}; give one file per rank")
-        by_rank[s.rank] = s
-    worlds = {s.world_size for s in streams if s.world_size is not None}
-    if len(worlds) > 1:
-        shown = ", ".join(f"{s.name}: {s.world_size}" for s in streams if s.world_size is not None)
-        raise InputError(f"the files come from jobs of different world sizes ({shown}); give the files of one job")
-    return [by_rank[r] for r in sorted(by_rank)]
+    return one_per_rank([_read_rank(f) for f in files], "stream")
 
 
 def _key(*parts: Any) -> str:
@@ -190,9 +178,7 @@ def merge_streams(streams: Sequence[RankStream]) -> dict[str, Any]:
             for c in info["combinations"]:
                 used = combos.get(_key(module, c["combo"]))
                 if used is not None and s.rank in used["ranks"]:
-                    used["ranks"][s.rank].update(
-                        calls=c["calls"], first_step=c["first_step"], last_step=c["last_step"]
-                    )
+                    used["ranks"][s.rank].update(calls=c["calls"], first_step=c["first_step"], last_step=c["last_step"])
     combo_rows = [
         {**c, "ranks": [c["ranks"][r] for r in sorted(c["ranks"])], "differs": sorted(c["ranks"]) != ranks}
         for c in combos.values()
