@@ -247,6 +247,8 @@ def test_readme_trace_samples_are_what_trace_prints() -> None:
 def test_readme_library_model_sample_is_what_trace_prints(tmp_path: Path) -> None:
     """docs/trace.md's tiny BERT, made from its config alone as the page says, traced by name."""
     transformers = pytest.importorskip("transformers")
+    if not torch.__version__.startswith("2.13.0"):  # the header names the release; reasons differ by release
+        pytest.skip("the documented samples were printed by torch 2.13.0, the release its commands install")
     transformers.BertConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                             intermediate_size=128).save_pretrained(tmp_path / "tiny-bert")  # fmt: skip
     env = {**ENV, "HF_HUB_OFFLINE": "1"}

