@@ -69,10 +69,23 @@ def priority_order() -> list[str]:
     return list(_names(tuple(int(v) for v in _PRIORITY())))
 
 
+#: what a backend that is no kernel of its own is called (MATH is every release's last resort)
+_NOT_FUSED = ("MATH", "ERROR", "OVERRIDEABLE")
+
+
 def better_backends(chosen: str | None) -> list[str]:
-    """The backends PyTorch ranks above ``chosen`` (none where it has no order or chose none)."""
+    """The backends PyTorch ranks above ``chosen`` (none where it chose none).
+
+    Releases without ``torch._C._get_sdp_priority_order`` (before 2.5) rank
+    every fused kernel above MATH and have no order among them to read: there,
+    when MATH ran, every fused backend is asked (in ``SDPBackend`` order)."""
+    if chosen is None:
+        return []
     order = priority_order()
-    if chosen is None or chosen not in order:
+    if _PRIORITY is None and chosen == "MATH":
+        names = compat.sdp_backend_names()
+        return [names[v] for v in sorted(names) if names[v] not in _NOT_FUSED]
+    if chosen not in order:
         return []
     return order[: order.index(chosen)]
 

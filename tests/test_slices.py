@@ -88,8 +88,16 @@ class GroupedFused(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.wqkv(x).split([H * D, KV * D, KV * D], dim=-1)
-        out = F.scaled_dot_product_attention(_heads(q), _heads(k, KV), _heads(v, KV), enable_gqa=True)
+        k, v = _heads(k, KV), _heads(v, KV)
+        if not _HAS_GQA:  # before 2.5 SDPA has no enable_gqa: each K/V head is repeated for its queries by hand
+            k, v = k.repeat_interleave(H // KV, dim=1), v.repeat_interleave(H // KV, dim=1)
+            out = F.scaled_dot_product_attention(_heads(q), k, v)
+        else:
+            out = F.scaled_dot_product_attention(_heads(q), k, v, enable_gqa=True)
         return self.wo(_merge(out))
+
+
+_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
 
 class Permuted(nn.Module):
