@@ -192,7 +192,8 @@ def collect_in(python: Path, env_extra: dict[str, str] | None = None, module: st
     """Run a collector (the report's, or a trace's) under another interpreter and return what it printed."""
     import qkvtrace
 
-    exe = shutil.which(str(python)) or str(python)
+    # absolute (the collector runs in another folder), but not resolved: a venv's python is a link that must stay one
+    exe = os.path.abspath(shutil.which(str(python)) or str(python))
     if not Path(exe).is_file() or not os.access(exe, os.X_OK):
         raise InputError(f"--python {str(python)!r} is not an executable file; give the path to a python binary")
     probe = subprocess.run([exe, "-c", "import sys; print(sys.version_info[:2] >= (3, 10))"],

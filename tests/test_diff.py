@@ -162,8 +162,11 @@ def test_collector_runs_without_rendering_libraries() -> None:
 
 
 def test_compare_same_interpreter_twice(tmp_path: Path) -> None:
-    proc = qkv("compare", "--python", sys.executable, "--python", sys.executable, "--out", str(tmp_path),
-               "--md", str(tmp_path / "d.md"))  # fmt: skip
+    """The second interpreter given by a path relative to the working directory, as people type it."""
+    here = Path(sys.executable).parent
+    proc = subprocess.run([sys.executable, "-m", "qkvtrace", "compare", "--python", sys.executable, "--python",
+                           f"./{Path(sys.executable).name}", "--out", str(tmp_path), "--md", str(tmp_path / "d.md")],
+                          capture_output=True, text=True, env=ENV, cwd=here, timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert "no change in the attention path" in proc.stdout
     assert (tmp_path / "diffs").is_dir() and (tmp_path / "d.md").exists()
