@@ -146,6 +146,24 @@ def test_module_compiled_in_place_before_the_trace_is_not_recompiled() -> None:
     assert not getattr(model._compiled_call_impl, "_qkv_stands_aside", False)  # put back as it was
 
 
+def test_module_compiled_in_place_inside_the_trace_is_reused_after_it() -> None:
+    """``module.compile()`` inside the trace: no new graph after it closes; outputs equal an untraced twin's."""
+    torch._dynamo.reset()
+    model, x = _fresh("packed-sdpa+mha", True)
+    twin = _fresh("packed-sdpa+mha", True)[0]
+    counting = Counting("eager")
+    with qkvtrace.trace(model):
+        model.compile(backend=counting)
+        inside = _step(model, x, True)
+    graphs = counting.graphs
+    after = _step(model, x, True)
+    assert counting.graphs == graphs, "closing the trace made Dynamo compile again"
+    assert not getattr(model._compiled_call_impl, "_qkv_stands_aside", False)  # what PyTorch made, put back
+    twin.compile(backend=Counting("eager"))
+    untraced = _step(twin, x, True)
+    assert _same(inside, untraced) and _same(after, untraced)
+
+
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
 def test_explain_counts_graphs_and_breaks_alike_traced_and_untraced(train: bool) -> None:
     """``torch._dynamo.explain`` of a compiled call: the same graph and break counts inside a trace as outside."""

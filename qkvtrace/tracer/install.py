@@ -51,8 +51,10 @@ Why the identity of PyTorch's functions survives (DESIGN.md, principle 8):
   functions are put back for the call and the wrappers return after it.
   That covers ``torch.compile(module)`` (``OptimizedModule.__call__``,
   patched while wrappers are installed; ``torch.compile`` itself is wrapped
-  only to patch it once Dynamo is imported) and a traced model's modules
-  compiled in place with ``module.compile()`` before the trace. While one
+  only to patch it once Dynamo is imported), a traced model's modules
+  compiled in place with ``module.compile()`` before the trace, and any
+  module compiled in place while a trace is open (``nn.Module.compile``
+  patched; what it made is put back when the last trace closes). While one
   runs, no thread's attention calls are observed.
 
 Why a trace never raises into a call: an observer reads a great deal
@@ -73,6 +75,7 @@ import contextlib
 import sys
 import threading
 import types
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -218,6 +221,8 @@ class Installation:
         self._aside = 0
         #: ``torch.compile`` and ``OptimizedModule.__call__`` as PyTorch has them, while patched
         self._compile_patches: list[tuple[Any, str, Any, bool]] = []
+        #: modules compiled in place (``module.compile()``) while wrappers were installed, and what PyTorch made
+        self._compiled_here: list[tuple[weakref.ref[nn.Module], Any]] = []
 
     # -- the wrappers, made once ---------------------------------------------
 
@@ -358,6 +363,8 @@ class Installation:
         """Make compiled modules run with PyTorch's own functions: patch ``OptimizedModule.__call__`` if Dynamo
         is imported, else wrap ``torch.compile`` so that its first use patches it."""
         patched = {(id(owner), attr) for owner, attr, _, _ in self._compile_patches}
+        if (id(nn.Module), "compile") not in patched:
+            self._patch(nn.Module, "compile", _compile_in_place(self, nn.Module.compile))
         optimized = compat.compiled_module_types()
         if optimized and (id(optimized[0]), "__call__") not in patched:
             self._patch(optimized[0], "__call__", _standing_aside_call(self, optimized[0].__call__))
@@ -370,6 +377,11 @@ class Installation:
         setattr(owner, attr, replacement)
 
     def _unpatch_compile(self) -> None:
+        for ref, compiled in self._compiled_here:  # compiled in place during a trace: as PyTorch made it again
+            module = ref()
+            if module is not None and getattr(module.__dict__.get("_compiled_call_impl"), "_qkv_stands_aside", False):
+                module._compiled_call_impl = compiled
+        self._compiled_here.clear()
         for owner, attr, original, own in reversed(self._compile_patches):
             if own:
                 setattr(owner, attr, original)
@@ -464,6 +476,23 @@ def _standing_aside_fn(inst: Installation, fn: Callable[..., Any]) -> Callable[.
     compiled_call._qkv_stands_aside = True  # type: ignore[attr-defined]
     compiled_call.__wrapped__ = fn  # type: ignore[attr-defined]
     return compiled_call
+
+
+def _compile_in_place(inst: Installation, compile_method: Callable[..., Any]) -> Callable[..., Any]:
+    """``nn.Module.compile`` whose compiled call stands aside while a trace is open (undone when the last closes)."""
+
+    def compile(self: nn.Module, *args: Any, **kwargs: Any) -> None:
+        compile_method(self, *args, **kwargs)
+        compiled = self.__dict__.get("_compiled_call_impl")
+        if compiled is not None and not getattr(compiled, "_qkv_stands_aside", False):
+            with inst._lock:
+                if inst._count > 0:
+                    self._compiled_call_impl = _standing_aside_fn(inst, compiled)
+                    inst._compiled_here.append((weakref.ref(self), compiled))
+
+    compile.__wrapped__ = compile_method  # type: ignore[attr-defined]
+    compile.__doc__ = compile_method.__doc__
+    return compile
 
 
 def _compile_then_patch(inst: Installation, compile_fn: Callable[..., Any]) -> Callable[..., Any]:
