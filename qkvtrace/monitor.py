@@ -27,12 +27,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from qkvtrace import lazy
 from qkvtrace.records import AttentionCall
 
 __all__ = ["STREAM_SCHEMA", "Event", "Monitor", "combination"]
 
 STREAM_SCHEMA = "qkvtrace.stream/1"
+
+#: device-side counts kept per module before they are summed (bounds memory when steps are long or unmarked)
+_PENDING = 256
 
 #: the facts whose change is an event
 _FIELDS = ("path", "sdpa_backend", "why_not_fast_path", "why_not_fused_layer")
@@ -84,6 +89,15 @@ class _Module:
     seen: dict[tuple[Any, ...], _Seen] = field(default_factory=dict)
     nan_count: Any = 0
     fully_masked_rows: Any = 0
+    #: device-side counts of this step's calls, summed once at the step's end (one op, not one per call)
+    pending: dict[str, list[Any]] = field(default_factory=dict)
+
+    def collapse(self) -> None:
+        for name, values in self.pending.items():
+            if values:
+                total = torch.stack(values).sum() if len(values) > 1 else values[0]
+                setattr(self, name, getattr(self, name) + total)
+                values.clear()
 
 
 class Monitor:
@@ -136,8 +150,13 @@ class Monitor:
         output = call.output
         for name in ("nan_count", "fully_masked_rows"):
             value = output.get(name)
-            if value is not None:
-                setattr(entry, name, getattr(entry, name) + value)  # a device-side sum
+            if isinstance(value, torch.Tensor):
+                waiting = entry.pending.setdefault(name, [])
+                waiting.append(value)  # summed on the device at the step's end, or every _PENDING calls
+                if len(waiting) >= _PENDING:
+                    entry.collapse()
+            elif value is not None:
+                setattr(entry, name, getattr(entry, name) + value)
         changed = entry.last is not None and entry.last != key
         was = None if entry.last is None else self._combo_of(entry, entry.last)
         entry.last = key
@@ -167,6 +186,8 @@ class Monitor:
         return self.step_number
 
     def _flush_step(self) -> None:
+        for entry in self.modules.values():
+            entry.collapse()
         pending, self._pending = self._pending, []
         records = [e.record for e in pending if e.record is not None]
         lazy.resolve([records])
@@ -192,6 +213,8 @@ class Monitor:
         return float(sum(v["nan_count"] or 0 for v in resolved.values()))
 
     def _resolved_counts(self) -> dict[str, dict[str, Any]]:
+        for entry in self.modules.values():
+            entry.collapse()
         counts = {m: {"nan_count": e.nan_count, "fully_masked_rows": e.fully_masked_rows}
                   for m, e in self.modules.items()}  # fmt: skip
         lazy.resolve([counts])
