@@ -81,10 +81,10 @@ def better_backends(chosen: str | None) -> list[str]:
     when MATH ran, every fused backend is asked (in ``SDPBackend`` order)."""
     if chosen is None:
         return []
-    order = priority_order()
     if _PRIORITY is None and chosen == "MATH":
         names = compat.sdp_backend_names()
         return [names[v] for v in sorted(names) if names[v] not in _NOT_FUSED]
+    order = priority_order()
     if chosen not in order:
         return []
     return order[: order.index(chosen)]

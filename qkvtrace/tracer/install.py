@@ -221,7 +221,7 @@ class Installation:
         self._aside = 0
         #: ``torch.compile`` and ``OptimizedModule.__call__`` as PyTorch has them, while patched
         self._compile_patches: list[tuple[Any, str, Any, bool]] = []
-        #: modules compiled in place (``module.compile()``) while wrappers were installed, and what PyTorch made
+        #: modules compiled in place (``module.compile()``) whose compiled call stands aside, and what PyTorch made
         self._compiled_here: list[tuple[weakref.ref[nn.Module], Any]] = []
 
     # -- the wrappers, made once ---------------------------------------------
@@ -367,7 +367,7 @@ class Installation:
             self._patch(nn.Module, "compile", _compile_in_place(self, nn.Module.compile))
         optimized = compat.compiled_module_types()
         if optimized and (id(optimized[0]), "__call__") not in patched:
-            self._patch(optimized[0], "__call__", _standing_aside_call(self, optimized[0].__call__))
+            self._patch(optimized[0], "__call__", _standing_aside(self, optimized[0].__call__))
         elif not optimized and (id(torch), "compile") not in patched:
             self._patch(torch, "compile", _compile_then_patch(self, torch.compile))
 
@@ -377,7 +377,7 @@ class Installation:
         setattr(owner, attr, replacement)
 
     def _unpatch_compile(self) -> None:
-        for ref, compiled in self._compiled_here:  # compiled in place during a trace: as PyTorch made it again
+        for ref, compiled in self._compiled_here:  # compiled in place: as PyTorch made it again
             module = ref()
             if module is not None and getattr(module.__dict__.get("_compiled_call_impl"), "_qkv_stands_aside", False):
                 module._compiled_call_impl = compiled
@@ -389,23 +389,18 @@ class Installation:
                 delattr(owner, attr)
         self._compile_patches.clear()
 
-    def stand_aside_in(self, model: nn.Module) -> list[tuple[nn.Module, Any]]:
-        """Modules of ``model`` compiled in place (``module.compile()``): their compiled call stands aside too.
+    def stand_aside_in(self, model: nn.Module) -> None:
+        """Modules of ``model`` compiled in place (``module.compile()``): their compiled call stands aside too,
+        until the last trace closes."""
+        with self._lock:
+            for m in model.modules():
+                self._wrap_compiled(m)
 
-        Returns what :meth:`restore_compiled` puts back when the trace ends."""
-        changed = []
-        for m in model.modules():
-            compiled = m.__dict__.get("_compiled_call_impl")
-            if compiled is not None and not getattr(compiled, "_qkv_stands_aside", False):
-                m._compiled_call_impl = _standing_aside_fn(self, compiled)
-                changed.append((m, compiled))
-        return changed
-
-    @staticmethod
-    def restore_compiled(changed: list[tuple[nn.Module, Any]]) -> None:
-        for m, compiled in changed:
-            if getattr(m.__dict__.get("_compiled_call_impl"), "_qkv_stands_aside", False):
-                m._compiled_call_impl = compiled
+    def _wrap_compiled(self, module: nn.Module) -> None:
+        compiled = module.__dict__.get("_compiled_call_impl")
+        if compiled is not None and not getattr(compiled, "_qkv_stands_aside", False):
+            module._compiled_call_impl = _standing_aside(self, compiled)
+            self._compiled_here.append((weakref.ref(module), compiled))
 
     # -- names a model's own modules bound ------------------------------------
 
@@ -458,17 +453,9 @@ class Installation:
                     del self._bound[key]
 
 
-def _standing_aside_call(inst: Installation, call: Callable[..., Any]) -> Callable[..., Any]:
-    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
-        with inst.stand_aside():
-            return call(self, *args, **kwargs)
+def _standing_aside(inst: Installation, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` run with PyTorch's own functions in place (as a class attribute too: ``self`` is passed on)."""
 
-    __call__._qkv_stands_aside = True  # type: ignore[attr-defined]
-    __call__.__wrapped__ = call  # type: ignore[attr-defined]
-    return __call__
-
-
-def _standing_aside_fn(inst: Installation, fn: Callable[..., Any]) -> Callable[..., Any]:
     def compiled_call(*args: Any, **kwargs: Any) -> Any:
         with inst.stand_aside():
             return fn(*args, **kwargs)
@@ -483,12 +470,9 @@ def _compile_in_place(inst: Installation, compile_method: Callable[..., Any]) ->
 
     def compile(self: nn.Module, *args: Any, **kwargs: Any) -> None:
         compile_method(self, *args, **kwargs)
-        compiled = self.__dict__.get("_compiled_call_impl")
-        if compiled is not None and not getattr(compiled, "_qkv_stands_aside", False):
-            with inst._lock:
-                if inst._count > 0:
-                    self._compiled_call_impl = _standing_aside_fn(inst, compiled)
-                    inst._compiled_here.append((weakref.ref(self), compiled))
+        with inst._lock:
+            if inst._count > 0:
+                inst._wrap_compiled(self)
 
     compile.__wrapped__ = compile_method  # type: ignore[attr-defined]
     compile.__doc__ = compile_method.__doc__

@@ -170,7 +170,7 @@ class Trace:
             stack.callback(inst.release)
             keys = inst.bind_names(model)
             stack.callback(inst.unbind, keys)
-            stack.callback(inst.restore_compiled, inst.stand_aside_in(model))
+            inst.stand_aside_in(model)
             stack.callback(self._grads.close)
             self._grads.gather = self._fsdp1_gather() if self.record_gradients else None
             if self.record_gradients:  # MultiheadAttention modules are known up front; others when they call SDPA
@@ -356,9 +356,7 @@ class Trace:
         scripted_types = compat.scripted_module_types()
         regions: list[tuple[str, str]] = []
         for name, m in self._names.values():
-            if compiled_types and isinstance(m, compiled_types):
-                regions.append((name, "torch.compile"))
-            elif getattr(m, "_compiled_call_impl", None) is not None:
+            if _runs_compiled(m, compiled_types):
                 regions.append((name, "torch.compile"))
             elif scripted_types and isinstance(m, scripted_types):
                 regions.append((name, "TorchScript"))
@@ -398,12 +396,17 @@ class Trace:
             self._result.unobserved.append(Unobserved(module=name, module_type=type(m).__name__, reason=reason))
 
 
+def _runs_compiled(m: nn.Module, optimized: tuple[type, ...]) -> bool:
+    """``m`` runs through ``torch.compile``: an ``OptimizedModule``, or compiled in place (``module.compile()``)."""
+    return (bool(optimized) and isinstance(m, optimized)) or getattr(m, "_compiled_call_impl", None) is not None
+
+
 def _inside_compiled(model: nn.Module) -> set[int]:
-    """Ids of the modules that run inside ``torch.compile`` (an ``OptimizedModule`` or ``module.compile()``)."""
+    """Ids of the modules that run inside ``torch.compile``."""
     optimized = compat.compiled_module_types()
     inside: set[int] = set()
     for m in model.modules():
-        if (optimized and isinstance(m, optimized)) or m.__dict__.get("_compiled_call_impl") is not None:
+        if _runs_compiled(m, optimized):
             inside.update(id(sub) for sub in m.modules())
     return inside
 
