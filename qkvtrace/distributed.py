@@ -42,6 +42,7 @@ __all__ = [
     "one_per_rank",
     "rank_file_name",
     "rank_files_in",
+    "rank_in_name",
     "save_merged",
     "save_per_rank",
 ]
@@ -103,12 +104,18 @@ class RankTrace:
     data: dict[str, Any]
 
 
-def rank_files_in(folder: Path) -> list[Path]:
-    """The per-rank trace files in ``folder`` (``*.rank<N>.json``), by rank."""
-    found = [p for p in folder.iterdir() if p.suffix == ".json" and _RANK_IN_NAME.search(p.name)]
+def rank_in_name(path: Path) -> int | None:
+    """The ``N`` of ``NAME.rankN.json`` (or ``.jsonl``), ``None`` for a name with no rank."""
+    named = _RANK_IN_NAME.findall(path.name)
+    return int(named[-1]) if named else None
+
+
+def rank_files_in(folder: Path, suffix: str = ".json", what: str = "trace files") -> list[Path]:
+    """The per-rank files in ``folder`` (``*.rank<N>`` + ``suffix``), by rank."""
+    found = [p for p in folder.iterdir() if p.suffix == suffix and rank_in_name(p) is not None]
     if not found:
-        raise InputError(f"{folder}: no per-rank trace files (NAME.rankN.json) in this folder")
-    return sorted(found, key=lambda p: (int(_RANK_IN_NAME.findall(p.name)[-1]), p.name))
+        raise InputError(f"{folder}: no per-rank {what} (NAME.rankN{suffix}) in this folder")
+    return sorted(found, key=lambda p: (rank_in_name(p), p.name))
 
 
 def _record_values(data: dict[str, Any], key: str) -> set[int]:
@@ -129,13 +136,13 @@ def _read_one(path: Path) -> RankTrace:
     if ranks:
         rank = ranks.pop()
     else:  # a trace with no records, or from outside torch.distributed: the file name says
-        named = _RANK_IN_NAME.findall(path.name)
-        if not named:
+        named = rank_in_name(path)
+        if named is None:
             raise InputError(
                 f"{path}: its records carry no rank and its name has none (NAME.rankN.json); "
                 "write it with qkvtrace.distributed.save_per_rank or rename it"
             )
-        rank = int(named[-1])
+        rank = named
     return RankTrace(rank, worlds.pop() if worlds else None, path.name, data)
 
 

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qkvtrace.distributed import one_per_rank
+from qkvtrace.distributed import one_per_rank, rank_files_in, rank_in_name
 from qkvtrace.errors import InputError
 
 __all__ = [
@@ -34,8 +33,6 @@ __all__ = [
 ]
 
 STREAM_MERGE_SCHEMA = "qkvtrace.streammerge/1"
-
-_RANK_IN_NAME = re.compile(r"rank(\d+)")
 
 
 def rank_stream_path(path: str | os.PathLike[str], rank: int | None, world_size: int | None) -> Path:
@@ -79,7 +76,7 @@ def read_stream(path: Path) -> tuple[list[dict[str, Any]], str | None]:
 def is_stream(path: Path) -> bool:
     """A long run's JSON Lines file (or a folder of per-rank ones), rather than a trace file."""
     if path.is_dir():
-        return any(p.suffix == ".jsonl" and _RANK_IN_NAME.search(p.name) for p in path.iterdir())
+        return any(p.suffix == ".jsonl" and rank_in_name(p) is not None for p in path.iterdir())
     return path.suffix == ".jsonl"
 
 
@@ -114,10 +111,9 @@ def _read_rank(path: Path) -> RankStream:
     start = lines[0]
     rank = start.get("rank")
     if rank is None:  # streamed outside torch.distributed: the file name says
-        named = _RANK_IN_NAME.findall(path.name)
-        if not named:
+        rank = rank_in_name(path)
+        if rank is None:
             raise InputError(f"{path}: its start line carries no rank and its name has none (NAME.rankN.jsonl)")
-        rank = int(named[-1])
     return RankStream(int(rank), start.get("world_size"), path.name, lines, note)
 
 
@@ -125,13 +121,7 @@ def load_rank_streams(paths: Iterable[str | os.PathLike[str]]) -> list[RankStrea
     """Read per-rank streams (a folder stands for its ``*.rankN.jsonl``), sorted by rank; one per rank."""
     files: list[Path] = []
     for p in map(Path, paths):
-        if p.is_dir():
-            found = [f for f in p.iterdir() if f.suffix == ".jsonl" and _RANK_IN_NAME.search(f.name)]
-            if not found:
-                raise InputError(f"{p}: no per-rank streams (NAME.rankN.jsonl) in this folder")
-            files.extend(sorted(found))
-        else:
-            files.append(p)
+        files.extend(rank_files_in(p, ".jsonl", "streams") if p.is_dir() else [p])
     return one_per_rank([_read_rank(f) for f in files], "stream")
 
 
