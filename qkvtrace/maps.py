@@ -150,29 +150,15 @@ def _weights(
     ``additive`` is a float mask and ``blocked`` a boolean one (True = the
     key is removed), each broadcastable to ``[B, H, L, S]``.
     """
-    opts = budget.options
     b, h, length, _ = q.shape
     s = k.shape[-2]
     hk = k.shape[1]
     if h % hk:
         return MapResult(reason=f"{h} query heads cannot share {hk} key heads")
-    batch = _select(b, opts.batch_index, "batch items")
-    heads = _select(h, opts.heads, "heads")
-    if isinstance(batch, str) or isinstance(heads, str):
-        return MapResult(reason=batch if isinstance(batch, str) else heads)  # type: ignore[arg-type]
-    size = map_bytes(len(batch), len(heads), length, s)
-    floats = f"{len(batch)}x{len(heads)}x{length}x{s} = {size // _FLOAT:,} floats, {_size(size)}"
-    if max(length, s) > opts.max_map_tokens:
-        return MapResult(reason=(
-            f"not computed: T_query={length}, T_key={s} is over max_map_tokens={opts.max_map_tokens} "
-            f"(a map of B·H·T_q·T_k = {floats}); ask for fewer tokens, heads= or batch_index=, "
-            "or raise max_map_tokens"))  # fmt: skip
-    if budget.used_bytes + size > opts.max_map_mb * 2**20:
-        return MapResult(reason=(
-            f"not computed: this map ({floats}) would bring the trace's maps to "
-            f"{_size(budget.used_bytes + size)}, over max_map_mb={opts.max_map_mb:g}; "
-            "ask for heads= or batch_index=, or raise max_map_mb"))  # fmt: skip
-    budget.used_bytes += size
+    admitted = _admit(b, h, length, s, budget)
+    if isinstance(admitted, MapResult):
+        return admitted
+    batch, heads = admitted
     group = h // hk
     every_item, every_head = len(batch) == b, heads == list(range(h))
     bi = None if every_item else torch.tensor(batch, device=q.device)
@@ -201,6 +187,55 @@ def _weights(
         full = torch.isneginf(scores).all(dim=-1)  # every key removed: softmax would be 0/0
         weights = weights.masked_fill(full.unsqueeze(-1), 0.0)
     return MapResult(weights=weights.cpu(), fully_masked=full.cpu(), heads=heads, batch=batch)
+
+
+def _admit(b: int, h: int, length: int, s: int, budget: MapBudget) -> tuple[list[int], list[int]] | MapResult:
+    """The batch items and heads of a ``[b, h, length, s]`` map to keep, or why none is made (the budget is charged)."""
+    opts = budget.options
+    batch = _select(b, opts.batch_index, "batch items")
+    heads = _select(h, opts.heads, "heads")
+    if isinstance(batch, str) or isinstance(heads, str):
+        return MapResult(reason=batch if isinstance(batch, str) else heads)  # type: ignore[arg-type]
+    size = map_bytes(len(batch), len(heads), length, s)
+    floats = f"{len(batch)}x{len(heads)}x{length}x{s} = {size // _FLOAT:,} floats, {_size(size)}"
+    if max(length, s) > opts.max_map_tokens:
+        return MapResult(reason=(
+            f"not computed: T_query={length}, T_key={s} is over max_map_tokens={opts.max_map_tokens} "
+            f"(a map of B·H·T_q·T_k = {floats}); ask for fewer tokens, heads= or batch_index=, "
+            "or raise max_map_tokens"))  # fmt: skip
+    if budget.used_bytes + size > opts.max_map_mb * 2**20:
+        return MapResult(reason=(
+            f"not computed: this map ({floats}) would bring the trace's maps to "
+            f"{_size(budget.used_bytes + size)}, over max_map_mb={opts.max_map_mb:g}; "
+            "ask for heads= or batch_index=, or raise max_map_mb"))  # fmt: skip
+    budget.used_bytes += size
+    return batch, heads
+
+
+def from_weights(weights: torch.Tensor, blocked: torch.Tensor | None, budget: MapBudget, dropout_p: float) -> MapResult:
+    """The map of weights a model computed itself (``[B, H, T_q, T_k]``): the asked items and heads, as they are.
+
+    ``blocked`` (broadcastable to ``weights``, True = key removed) marks the
+    query rows whose keys were all removed.
+    """
+    b, h, length, s = weights.shape
+    admitted = _admit(b, h, length, s, budget)
+    if isinstance(admitted, MapResult):
+        return admitted
+    batch, heads = admitted
+    with torch.no_grad():
+        w = weights.detach()[batch][:, heads].float().cpu()
+        if blocked is None:
+            full = torch.zeros(w.shape[:-1], dtype=torch.bool)
+        else:
+            rows = blocked.all(dim=-1)
+            while rows.dim() < 3:
+                rows = rows.unsqueeze(0)
+            rows = rows.expand(b, h, length)
+            full = rows[batch][:, heads].cpu()
+    notes = _float_note(weights.dtype) + _dropout_note(dropout_p)
+    return MapResult(weights=w, fully_masked=full, heads=heads, batch=batch, notes=[
+        "the weights the model's own softmax computed", *notes])
 
 
 def _size(n: int) -> str:

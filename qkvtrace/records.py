@@ -45,7 +45,7 @@ TRACE_SCHEMAS = ("qkvtrace.trace/1", TRACE_SCHEMA)
 
 #: The paths an attention call can take (DESIGN.md, "Vocabulary"). A call
 #: whose wrapper evidence is missing (a future PyTorch routing elsewhere) says "unknown".
-PATHS = ("fast", "fallback", "fused_encoder_layer", "sdpa", "flex")
+PATHS = ("fast", "fallback", "fused_encoder_layer", "sdpa", "flex", "hand_written")
 
 #: ``evidence`` of a call's ``aten_ops``: seen by qkvtrace's own profiler run of
 #: this call, or of an identical call signature earlier in this process; else
@@ -141,7 +141,8 @@ class AttentionCall:
     #: Dotted module name inside the traced model, ``""`` for the root.
     module: str
     module_type: str
-    #: ``fast``, ``fallback``, ``fused_encoder_layer``, ``sdpa`` or ``flex``.
+    #: ``fast``, ``fallback``, ``fused_encoder_layer``, ``sdpa``, ``flex`` or ``hand_written``
+    #: (matmul, softmax, matmul in the model's own code).
     path: str
     #: PyTorch's own reason, verbatim; ``None`` when the fast path ran or the
     #: call never went through ``MultiheadAttention.forward``.

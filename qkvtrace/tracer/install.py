@@ -86,6 +86,7 @@ from torch import nn
 
 from qkvtrace import compat
 from qkvtrace.tracer import identity, registry
+from qkvtrace.tracer.observers import handwritten
 
 __all__ = ["Installation", "installation", "observed", "relevant_overrides"]
 
@@ -95,6 +96,8 @@ _SDPA_TENSORS = ("query", "key", "value", "attn_mask")
 #: what ``F.scaled_dot_product_attention`` is without qkvtrace: overrides are handed this, as PyTorch's C++ does
 _SDPA_BUILTIN = F.scaled_dot_product_attention
 _SHIMS = identity.Shims()
+#: threads watching for hand-written attention now (read without a call while 0)
+_HAND_WRITTEN_ON = handwritten.watching
 
 
 def relevant_overrides(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
@@ -138,7 +141,20 @@ class _Once:
 def observed(
     label: str, observe: Observer, original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
-    """``observe(original, args, kwargs)``, with the caller getting what ``original`` gives if observing fails."""
+    """``observe(original, args, kwargs)``, with the caller getting what ``original`` gives if observing fails.
+
+    Inside a module watched for hand-written attention the watching mode steps
+    aside for the call (:mod:`qkvtrace.tracer.observers.handwritten`).
+    """
+    if _HAND_WRITTEN_ON[0] and handwritten.entry_point_called():
+        with handwritten.suspended():
+            return _observed(label, observe, original, args, kwargs)
+    return _observed(label, observe, original, args, kwargs)
+
+
+def _observed(
+    label: str, observe: Observer, original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
     once = _Once(original)
     stack = registry.open_calls()
     depth = len(stack)

@@ -37,6 +37,7 @@ from qkvtrace.slices import NormCache, Projection, guess_projection, mha_project
 from qkvtrace.tracer import registry
 from qkvtrace.tracer.gradients import GradientRecorder
 from qkvtrace.tracer.install import installation
+from qkvtrace.tracer.observers import handwritten
 from qkvtrace.tracer.routes import Core
 
 __all__ = ["Trace", "trace"]
@@ -182,6 +183,7 @@ class Trace:
                             self._grads.watch(m, found)
             registry.register(self)
             stack.callback(registry.unregister, self)
+            self._watch_hand_written(model, stack)
         except BaseException:
             stack.close()
             raise
@@ -310,6 +312,14 @@ class Trace:
 
     # -- internals -----------------------------------------------------------
 
+    def _watch_hand_written(self, model: nn.Module, stack: contextlib.ExitStack) -> None:
+        """Hooks that watch the model's own attention-looking modules for attention written by hand."""
+        compiled = _inside_compiled(model)
+        named = [(n, m) for n, m in self._names.values() if id(m) not in compiled]
+        for m in handwritten.candidate_modules(named, _looks_like_attention):
+            for handle in handwritten.hooks_for(m):
+                stack.callback(handle.remove)
+
     def _fsdp1_gather(self) -> Callable[[], Any] | None:
         """For a model wrapped in FSDP1 (``FullyShardedDataParallel``): whole parameters and ``.grad`` on
         every rank, through its own ``summon_full_params(root, with_grads=True)``."""
@@ -390,8 +400,9 @@ class Trace:
                 reason = f"inside {where}, which runs through {region[1]}; the tracer does not see inside it"
             else:
                 reason = (
-                    "made no recorded call: attention written by hand (softmax of QK^T), run inside "
-                    "torch.compile or TorchScript, an entry point the tracer does not wrap, or not run in the trace"
+                    "made no recorded call: no entry point the tracer wraps ran in it, and no attention written "
+                    "by hand (matmul of two activations, softmax over the last axis, matmul with a third) was "
+                    "recognised in its forward; or it did not run in the trace"
                 )
             self._result.unobserved.append(Unobserved(module=name, module_type=type(m).__name__, reason=reason))
 

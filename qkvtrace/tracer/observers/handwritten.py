@@ -1,0 +1,439 @@
+"""Attention written by hand: ``softmax(q @ kᵀ · scale + mask) @ v`` in a model's own code (path ``hand_written``).
+
+No PyTorch entry point runs such attention, so no wrapper sees it. While a
+traced model's *candidate* modules run -- modules that look like attention
+(their name, their class, their projections) and hold none of PyTorch's own
+attention modules -- a :class:`~torch.overrides.TorchFunctionMode` watches
+the torch functions they call and follows the dataflow:
+
+1. a matmul of two activations (``@``, ``torch.matmul``, ``bmm``,
+   ``baddbmm``, a two-operand ``einsum``; never a parameter: that is a
+   projection) makes *scores*, remembering its two operands (Q and K);
+2. what is done to the scores is kept in order: scalar scaling, masks and
+   biases added, ``masked_fill`` and ``where``, soft-capping (``/ c``,
+   ``tanh``, ``· c``), casts, reshapes;
+3. a softmax over their last axis makes *probabilities* (dropout, casts and
+   reshapes keep them so);
+4. a matmul of probabilities with an activation (V) is the attention: it is
+   recorded now, owned by the innermost traced module on the Python stack,
+   with its Q/K/V slices derived from the dataflow like any SDPA call's.
+
+Why a mode, and why only there: an active ``TorchFunctionMode`` makes
+``nn.MultiheadAttention`` and the encoder layers refuse their fast paths, so
+the mode is switched on only by forward hooks of the candidate modules, and
+no module holding (or held by) PyTorch's attention modules is a candidate.
+A candidate that turns out to call an entry point the tracer wraps (SDPA,
+flex, MHA's function) is no longer watched after that call; while the
+wrapper runs, the mode steps off the stack, so PyTorch decides the kernel as
+it would without it. The mode calls every function with the very arguments
+it was given and returns its result untouched; it reads no values (masks and
+biases are named when the trace resolves, :mod:`qkvtrace.patterns`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import sys
+import threading
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from qkvtrace import compat, maps, patterns
+from qkvtrace.records import AttentionCall, QKVInfo, SliceInfo
+from qkvtrace.tracer import registry, routes
+from qkvtrace.tracer.build import Target, deliver, modes, nan_count, shape, wants_backward, wants_maps
+
+__all__ = ["PATH", "candidate_modules", "entry_point_called", "hooks_for", "suspended"]
+
+PATH = "hand_written"
+EVIDENCE = "recognised: matmul → softmax → matmul in the module's own code (torch functions, as called)"
+
+_MATMUL = frozenset({"matmul", "bmm", "__matmul__"})
+_SCALE = frozenset({"mul", "mul_", "__mul__", "__rmul__", "multiply", "div", "div_", "__truediv__", "true_divide",
+                    "divide"})  # fmt: skip
+_DIVIDES = frozenset({"div", "div_", "__truediv__", "true_divide", "divide"})
+_ADD = frozenset({"add", "add_", "__add__", "__radd__", "__iadd__", "sub", "sub_", "__sub__", "subtract"})
+_FILL = frozenset({"masked_fill", "masked_fill_"})
+_CAST = frozenset({"to", "float", "half", "bfloat16", "double", "type", "type_as"})
+_SAME = frozenset({"view", "reshape", "contiguous", "clone", "view_as", "reshape_as", "flatten", "unflatten",
+                   "squeeze", "unsqueeze", "detach", "tanh", "tanh_", "clamp", "clamp_", "nan_to_num"})  # fmt: skip
+_SOFTMAX = frozenset({"softmax", "_softmax"})
+_DROPOUT = frozenset({"dropout", "dropout_", "native_dropout"})
+
+#: PyTorch's modules whose fast paths an active mode refuses: never inside or around a candidate
+_TORCH_ATTENTION = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer,
+                    nn.TransformerEncoder, nn.TransformerDecoder, nn.Transformer)  # fmt: skip
+
+_local = threading.local()
+#: modules that called an entry point the tracer wraps while watched: their attention is recorded there
+_entry_users: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+#: threads with the mode on now (a wrapper looks no further while 0)
+watching = [0]
+
+
+@dataclass(slots=True)
+class _Node:
+    """What a tensor is on the way from QKᵀ to the attention's output."""
+
+    ref: weakref.ref[torch.Tensor]
+    stage: str  # "scores" or "probs"
+    q: torch.Tensor
+    #: K as the product received it (``kᵀ`` for ``q @ kᵀ``; ``transposed`` says so)
+    k: torch.Tensor
+    transposed: bool
+    form: tuple[str, ...]
+    #: scalar factors applied to the scores, in order (Python numbers or 0-dim tensors)
+    steps: tuple[tuple[str, Any], ...] = ()
+    terms: tuple[patterns.Term, ...] = ()
+    probs: torch.Tensor | None = None
+    dropout_p: float = 0.0
+    softmax_dtype: str | None = None
+
+
+@dataclass
+class _State:
+    mode: _Recogniser | None = None
+    #: candidate modules open in this thread (innermost last)
+    active: list[nn.Module] = field(default_factory=list)
+    nodes: dict[int, _Node] = field(default_factory=dict)
+
+
+def _state() -> _State:
+    st = getattr(_local, "state", None)
+    if st is None:
+        st = _local.state = _State()
+    return st
+
+
+# -- which modules are watched -------------------------------------------------------------
+
+
+def candidate_modules(named: list[tuple[str, nn.Module]], looks_like_attention: Any) -> list[nn.Module]:
+    """The modules to watch: attention-looking modules of the model's own code, apart from PyTorch's attention."""
+    torch_attention = [n for n, m in named if isinstance(m, _TORCH_ATTENTION)]
+    scripted = compat.scripted_module_types()
+    out = []
+    for name, m in named:
+        if type(m).__module__.startswith("torch.") or (scripted and isinstance(m, scripted)):
+            continue
+        if any(_related(name, t) for t in torch_attention):
+            continue
+        if looks_like_attention(name, m):
+            out.append(m)
+    return out
+
+
+def _related(a: str, b: str) -> bool:
+    return a == b or not a or not b or a.startswith(b + ".") or b.startswith(a + ".")
+
+
+def hooks_for(module: nn.Module) -> list[Any]:
+    """Register the hooks that switch the mode on around ``module``'s forward; their handles."""
+    pre = module.register_forward_pre_hook(_enter)
+    try:
+        post = module.register_forward_hook(_leave, always_call=True)
+    except TypeError:  # a PyTorch without always_call
+        post = module.register_forward_hook(_leave)
+    return [pre, post]
+
+
+def _enter(module: nn.Module, args: Any) -> None:
+    if compat.is_compiling() or compat.is_jit_tracing() or module in _entry_users:
+        return
+    if not registry.covering(module):
+        return
+    st = _state()
+    st.active.append(module)
+    if st.mode is None:
+        mode = _Recogniser()
+        mode.__enter__()
+        st.mode = mode
+        watching[0] += 1
+
+
+def _leave(module: nn.Module, args: Any, output: Any) -> None:
+    st = getattr(_local, "state", None)
+    if st is None or not st.active or st.active[-1] is not module:
+        return
+    st.active.pop()
+    if st.active or st.mode is None:
+        return
+    mode, st.mode = st.mode, None
+    watching[0] -= 1
+    st.nodes.clear()
+    if torch.overrides._get_current_function_mode() is mode:  # type: ignore[attr-defined]
+        mode.__exit__(None, None, None)
+
+
+def entry_point_called() -> bool:
+    """An entry point's wrapper runs: the watched modules around it use that entry point. True when watching."""
+    if not watching[0]:
+        return False
+    st = getattr(_local, "state", None)
+    if st is None or st.mode is None:
+        return False
+    for m in st.active:
+        _entry_users.add(m)
+    return True
+
+
+@contextlib.contextmanager
+def suspended() -> Iterator[None]:
+    """The mode off the stack while a wrapped entry point runs (PyTorch picks its path as without it)."""
+    st = getattr(_local, "state", None)
+    if st is None or st.mode is None or torch.overrides._get_current_function_mode() is not st.mode:  # type: ignore[attr-defined]
+        yield
+        return
+    with torch.overrides._pop_mode_temporarily():  # type: ignore[attr-defined]
+        yield
+
+
+# -- the mode ---------------------------------------------------------------------------------------
+
+
+class _Recogniser(TorchFunctionMode):
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        try:
+            _see(getattr(func, "__name__", ""), args, kwargs, out)
+        except Exception as exc:  # the model's call goes on whatever happens here
+            _state().nodes.clear()
+            registry.report_failure("hand-written attention", exc)
+        return out
+
+
+def _node(nodes: dict[int, _Node], t: Any) -> _Node | None:
+    if not isinstance(t, torch.Tensor):
+        return None
+    n = nodes.get(id(t))
+    if n is None or n.ref() is not t:
+        return None
+    return n
+
+
+def _activation(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter) and t.dim() >= 2 and t.is_floating_point()
+
+
+def _keep(nodes: dict[int, _Node], out: Any, node: _Node, **changes: Any) -> None:
+    if isinstance(out, torch.Tensor):
+        nodes[id(out)] = dataclasses.replace(node, ref=weakref.ref(out), **changes)
+
+
+def _see(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+    nodes = _state().nodes
+    if name in _MATMUL or name == "baddbmm" or name == "einsum":
+        _product(nodes, name, args, kwargs, out)
+        return
+    if not nodes:
+        return
+    if name == "where":
+        _where(nodes, args, out)
+        return
+    first = args[0] if args else kwargs.get("input")
+    node = _node(nodes, first)
+    if node is None:
+        if name in _ADD and len(args) > 1:  # mask + scores
+            node = _node(nodes, args[1])
+            if node is not None and node.stage == "scores" and isinstance(first, torch.Tensor):
+                term = patterns.Term("add", first, tuple(node.ref().shape))  # type: ignore[union-attr]
+                _keep(nodes, out, node, form=(*node.form, name), terms=(*node.terms, term))
+        return
+    form = (*node.form, name)
+    if node.stage == "probs":
+        if name in _DROPOUT:
+            p = float(kwargs.get("p", args[1] if len(args) > 1 else 0.5))
+            training = bool(kwargs.get("training", args[2] if len(args) > 2 else True))
+            dropped = p if training else 0.0
+            _keep(nodes, out[0] if isinstance(out, tuple) else out, node, form=form, dropout_p=dropped)
+        elif name in _CAST or name in _SAME or name in _SCALE or name in _FILL:
+            if isinstance(out, torch.Tensor) and out.shape[-1:] == node.ref().shape[-1:]:  # type: ignore[union-attr]
+                _keep(nodes, out, node, form=form)
+        return
+    scores = node.ref()
+    assert scores is not None
+    other = args[1] if len(args) > 1 else kwargs.get("other")
+    here = tuple(scores.shape)
+    if name in _SOFTMAX:
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+        if isinstance(dim, int) and isinstance(out, torch.Tensor) and dim % scores.dim() == scores.dim() - 1:
+            _keep(nodes, out, node, form=form, stage="probs", probs=out, softmax_dtype=str(out.dtype))
+        return
+    if name in _SCALE and not isinstance(other, torch.Tensor) or (isinstance(other, torch.Tensor) and other.dim() == 0
+                                                                  and name in _SCALE):  # fmt: skip
+        factor = ("div" if name in _DIVIDES else "mul", other)
+        _keep(nodes, out, node, form=form, steps=(*node.steps, factor))
+    elif name in _ADD and isinstance(other, torch.Tensor) and _node(nodes, other) is None:
+        alpha = float(kwargs.get("alpha", 1.0))
+        sign = -alpha if name.startswith("sub") or name == "__sub__" else alpha
+        term = patterns.Term("add", other, here, sign=sign)
+        _keep(nodes, out, node, form=form, terms=(*node.terms, term))
+    elif name in _FILL:
+        mask = args[1] if len(args) > 1 else kwargs.get("mask")
+        value = args[2] if len(args) > 2 else kwargs.get("value")
+        term = patterns.Term("fill", mask, here, value=value)
+        _keep(nodes, out, node, form=form, terms=(*node.terms, term))
+    elif name in ("tanh", "tanh_"):
+        _keep(nodes, out, node, form=form, steps=(*node.steps, ("tanh", None)))
+    elif name in _CAST or name in _SAME:
+        if isinstance(out, torch.Tensor) and out.numel() == scores.numel() and out.shape[-1:] == scores.shape[-1:]:
+            _keep(nodes, out, node, form=form)
+
+
+def _where(nodes: dict[int, _Node], args: tuple[Any, ...], out: Any) -> None:
+    if len(args) != 3:
+        return
+    cond, x, y = args
+    for keep, scores, value in ((True, x, y), (False, y, x)):
+        node = _node(nodes, scores)
+        if node is not None and node.stage == "scores" and isinstance(cond, torch.Tensor):
+            term = patterns.Term("where", cond, tuple(scores.shape), value=value, keep=keep)
+            _keep(nodes, out, node, form=(*node.form, "where"), terms=(*node.terms, term))
+            return
+
+
+def _product(nodes: dict[int, _Node], name: str, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+    if name == "einsum":
+        operands = args[1:] if len(args) > 2 else (tuple(args[1]) if len(args) == 2 else ())
+        if len(operands) != 2:
+            return
+        a, b, transposed = operands[0], operands[1], False
+    elif name == "baddbmm":
+        a, b = kwargs.get("batch1", args[1] if len(args) > 1 else None), kwargs.get("batch2",
+                                                                                   args[2] if len(args) > 2 else None)
+        transposed = True
+    else:
+        a, b = args[0] if args else kwargs.get("input"), args[1] if len(args) > 1 else kwargs.get("other")
+        transposed = True
+    if not (_activation(a) and _activation(b) and isinstance(out, torch.Tensor)):
+        return
+    probs = _node(nodes, a)
+    if probs is not None and probs.stage == "probs":
+        nodes.pop(id(a), None)
+        _record(probs, (*probs.form, name), b, out)
+        return
+    node = _Node(weakref.ref(out), "scores", a, b, transposed, (name,))
+    if name == "baddbmm":
+        bias = args[0] if args else kwargs.get("input")
+        beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
+        if isinstance(bias, torch.Tensor) and beta != 0:
+            node.terms = (patterns.Term("add", bias, tuple(out.shape), sign=float(beta)),)
+        if alpha != 1:
+            node.steps = (("mul", alpha),)
+    nodes[id(out)] = node
+
+
+# -- the record ---------------------------------------------------------------------------------------
+
+
+def _scale_and_cap(steps: tuple[tuple[str, Any], ...]) -> tuple[Any, Any]:
+    """The scale applied to QKᵀ and the soft-cap (``c · tanh(s / c)``), as numbers or 0-dim tensors."""
+    cap = None
+    factors = list(steps)
+    tanh = next((i for i, (kind, _) in enumerate(factors) if kind == "tanh"), None)
+    if tanh is not None:
+        after = factors[tanh + 1] if tanh + 1 < len(factors) else None
+        cap = after[1] if after is not None and after[0] == "mul" else None
+        drop = {tanh, tanh + 1} if cap is not None else {tanh}
+        if cap is not None and tanh > 0 and factors[tanh - 1][0] == "div":
+            drop.add(tanh - 1)
+        factors = [f for i, f in enumerate(factors) if i not in drop and i < tanh]
+    scale: Any = 1.0
+    for kind, value in factors:
+        if kind == "tanh":
+            continue
+        scale = scale / value if kind == "div" else scale * value
+    if isinstance(scale, torch.Tensor):
+        scale = scale.detach().float()
+    if isinstance(cap, torch.Tensor):
+        cap = cap.detach().float()
+    return scale, cap
+
+
+def _record(node: _Node, form: tuple[str, ...], v: torch.Tensor, out: torch.Tensor) -> None:
+    found = registry.owner_module(sys._getframe())
+    if found is None:
+        return
+    owner, covering = found
+    targets: list[Target] = [(t, name, t.take_index()) for t, name in covering]
+    q, k, probs = node.q, node.k, node.probs
+    assert probs is not None
+    first = targets[0][0]
+    projection = first.projection(owner, (q, k, v))
+    final = tuple(probs.shape)
+    blocked, bias = patterns.combine(list(node.terms), final)
+    scale, cap = _scale_and_cap(node.steps)
+    with torch.no_grad():
+        base = first.norms.qkv(projection)
+        parts = {}
+        for part, t in (("q", q), ("k", k), ("v", v)):
+            info = getattr(base, part) or SliceInfo(None, None, None, None)
+            parts[part] = dataclasses.replace(info, activation_norm=torch.linalg.vector_norm(t.detach().float()))  # type: ignore[arg-type]
+        qkv = QKVInfo(layout=base.layout, holder=base.holder, reason=base.reason, **parts)
+        rows: Any = 0
+        if blocked is not None:
+            rows = blocked.all(dim=-1).expand(final[:-1]).sum()
+        mask = None
+        if blocked is not None:
+            dtypes = sorted({str(t.tensor.dtype) for t in node.terms})
+            mask = {"kind": "bool" if all(t.kind != "add" for t in node.terms) else "float", "dtype": dtypes[0],
+                    "shape": list(blocked.shape), "true_means": None, "blocked": blocked.sum(),
+                    "total": blocked.numel(), "blocked_positions": None,
+                    "pattern": patterns.mask_kind(blocked)}  # fmt: skip
+    call = AttentionCall(
+        index=-1,
+        module="",
+        module_type=type(owner).__name__,
+        path=PATH,
+        why_not_fast_path=None,
+        why_not_fused_layer=None,
+        sdpa_backend=None,
+        aten_ops=None,
+        inputs={
+            "query_shape": shape(q),
+            "key_shape": shape(k.transpose(-2, -1) if node.transposed else k),
+            "value_shape": shape(v),
+            "dtype": str(q.dtype),
+            "device": q.device.type,
+            "attn_mask": mask,
+            "bias": patterns.bias_kind(bias, blocked),
+            "is_causal": None,
+            "dropout_p": node.dropout_p,
+            "scale": scale,
+            "softcap": cap,
+            "softmax_dtype": node.softmax_dtype,
+            "form": " → ".join(form),
+            **modes(owner),
+        },
+        qkv=qkv,
+        output={"nan_count": nan_count(out), "fully_masked_rows": rows},
+        evidence=EVIDENCE,
+    )
+    core = routes.sdpa_core(out, q, k, v) if wants_backward(targets) else None
+    source = _ProbsSource(probs, blocked, node.dropout_p) if wants_maps(targets) else None
+    deliver(call, targets, owner, projection, core, source)
+
+
+@dataclass
+class _ProbsSource:
+    """The probabilities the model computed itself: its map is them, not a recomputation."""
+
+    probs: torch.Tensor
+    blocked: torch.Tensor | None
+    dropout_p: float
+
+    def compute(self, budget: maps.MapBudget, name: str) -> maps.MapResult:
+        p = self.probs.detach()
+        while p.dim() < 4:
+            p = p.unsqueeze(0)
+        if p.dim() > 4:
+            return maps.MapResult(reason=f"not computed: probabilities of {p.dim()} dims (maps are [B, H, T, T])")
+        return maps.from_weights(p, self.blocked, budget, self.dropout_p)
