@@ -15,8 +15,9 @@ projections held by the *parent* of the module that calls SDPA
 per K/V group (Falcon), or in contiguous parts of unequal widths (Phi-3 with
 grouped K/V heads, GPTBigCode with one K/V head); the recorded rows must be
 the ones each library's own forward gives Q, K and V. The same models with attention written by hand (softmax of
-QKᵀ, "eager") make no SDPA call: the trace must say so by listing them as
-``unobserved`` rather than stay silent.
+QKᵀ, "eager") make no SDPA call: the trace records them as ``hand_written``
+calls, with the probabilities the library itself returns (``output_attentions``)
+and the same Q/K/V rows.
 
 A library that is not installed skips its models (``pip install -e ".[models]"``).
 """
@@ -349,9 +350,10 @@ def untraced(name: str, mode: str, *, hand_written: bool = False) -> tuple[Witne
     return w, grads_of(run.model)
 
 
-def traced(name: str, mode: str, *, hand_written: bool = False) -> tuple[Run, Any, qkvtrace.Trace]:
+def traced(name: str, mode: str, *, hand_written: bool = False, maps: bool = False
+           ) -> tuple[Run, Any, qkvtrace.Trace]:  # fmt: skip
     run = build(name, mode, hand_written=hand_written)
-    with qkvtrace.trace(run.model) as t:
+    with qkvtrace.trace(run.model, attention_maps=maps) as t:
         out = run.forward()
         if run.train:
             run.backward(out)
@@ -439,25 +441,42 @@ def test_library_model_qkv_slices_and_gradients(name: str) -> None:
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", list(MODELS))
-def test_hand_written_attention_is_listed_unobserved(name: str, mode: str) -> None:
+def test_hand_written_attention_is_recorded(name: str, mode: str) -> None:
+    """Witnesses: the untraced run (no attention kernel in the profiler; outputs and gradients bit for bit); in
+    training the Q/K/V rows read from the model's own parameters; in eval the probabilities the library itself
+    returns with ``output_attentions=True`` (a separate untraced run)."""
     witness, witness_grads = untraced(name, mode, hand_written=True)
     assert witness.segments == [], "the hand-written variant ran an attention kernel after all"
-    run, out, t = traced(name, mode, hand_written=True)
+    run, out, t = traced(name, mode, hand_written=True, maps=True)
 
     assert_same_results(witness, witness_grads, run, out)
-    assert t.calls == []
-    # every attention layer is listed: the module doing the attention, or the one holding its Q/K/V
-    listed = {u.module for u in t.result.unobserved}
-    for module in attention_modules(name, run.model):
-        owner = MODELS[name].qkv_owner(module)
-        assert module in listed or owner in listed, (module, sorted(listed))
+    spec = MODELS[name]
+    modules = attention_modules(name, run.model)
+    assert [c.module for c in t.calls] == modules  # one record per attention layer, in the order they ran
+    assert_paths(t, {"hand_written"})
+    assert not {u.module for u in t.result.unobserved} & set(modules)
     real = dict(run.model.named_modules())
-    for u in t.result.unobserved:
-        assert type(real[u.module]).__name__ == u.module_type
-        assert isinstance(u.reason, str) and u.reason
-    data = t.to_dict()["unobserved"]
-    assert [d["module"] for d in data] == [u.module for u in t.result.unobserved]
-    assert all({"module", "module_type", "reason"} <= d.keys() for d in data)
+    for c in t.calls:
+        assert type(real[c.module]).__name__ == c.module_type
+        assert c.inputs["training"] is run.train
+        assert c.attention_map is not None, c.attention_map_reason
+    if run.train:
+        for c in t.calls:
+            for part, (weight, _) in spec.parts(run.model, spec.qkv_owner(c.module)).items():
+                info = getattr(c.qkv, part)
+                assert info is not None, (c.module, part, c.qkv.reason)
+                recorded = [i for lo, hi in (info.rows or []) for i in range(lo, hi)]
+                assert sorted(recorded) == sorted(weight.rows()), (c.module, part, info.rows)
+        assert sorted(g.module for g in t.gradients) == sorted(modules)
+        return
+    if getattr(run.model, "config", None) is None:
+        return  # no output_attentions to compare with
+    library = build(name, mode, hand_written=True)
+    with torch.no_grad():
+        returned = library.model(**library.inputs, output_attentions=True).attentions
+    assert len(returned) == len(t.calls)
+    for c, probs in zip(t.calls, returned, strict=True):
+        assert torch.equal(c.attention_map, probs.float()), c.module
 
 
 @pytest.mark.parametrize("name", list(MODELS))

@@ -316,7 +316,7 @@ class Trace:
         """Hooks that watch the model's own attention-looking modules for attention written by hand."""
         compiled = _inside_compiled(model)
         named = [(n, m) for n, m in self._names.values() if id(m) not in compiled]
-        for m in handwritten.candidate_modules(named, _looks_like_attention):
+        for m in handwritten.candidate_modules(named, _may_attend):
             for handle in handwritten.hooks_for(m):
                 stack.callback(handle.remove)
 
@@ -467,6 +467,13 @@ def _looks_like_attention(name: str, module: nn.Module) -> bool:
     if _ATTENTION_NAME.search(last) or _ATTENTION_NAME.search(type(module).__name__):
         return True
     return isinstance(guess_projection(module), Projection)
+
+
+def _may_attend(name: str, module: nn.Module) -> bool:
+    """Watched for attention written by hand: looks like attention, or is a leaf named for it (``Attend``)."""
+    if _looks_like_attention(name, module):
+        return True
+    return bool(_ATTENTION_NAME.search(name.rpartition(".")[2]) or _ATTENTION_NAME.search(type(module).__name__))
 
 
 def _calibrate(model: nn.Module) -> None:

@@ -53,7 +53,8 @@ from qkvtrace.tracer.build import Target, deliver, modes, nan_count, shape, want
 __all__ = ["PATH", "candidate_modules", "entry_point_called", "hooks_for", "suspended"]
 
 PATH = "hand_written"
-EVIDENCE = "recognised: matmul → softmax → matmul in the module's own code (torch functions, as called)"
+#: ``aten_ops`` stay empty: no attention kernel runs; ``inputs["form"]`` lists the torch functions the module called
+EVIDENCE = "unavailable: attention written by hand runs no attention kernel; inputs.form lists the torch functions it called"
 
 _MATMUL = frozenset({"matmul", "bmm", "__matmul__"})
 _SCALE = frozenset({"mul", "mul_", "__mul__", "__rmul__", "multiply", "div", "div_", "__truediv__", "true_divide",
@@ -418,7 +419,7 @@ def _record(node: _Node, form: tuple[str, ...], v: torch.Tensor, out: torch.Tens
         evidence=EVIDENCE,
     )
     core = routes.sdpa_core(out, q, k, v) if wants_backward(targets) else None
-    source = _ProbsSource(probs, blocked, node.dropout_p) if wants_maps(targets) else None
+    source = _ProbsSource(probs, blocked, node.dropout_p, _heads(owner)) if wants_maps(targets) else None
     deliver(call, targets, owner, projection, core, source)
 
 
@@ -429,11 +430,26 @@ class _ProbsSource:
     probs: torch.Tensor
     blocked: torch.Tensor | None
     dropout_p: float
+    #: the module's number of heads (its own attribute), to unfold ``[B*H, T, T]`` probabilities
+    heads: int | None
 
     def compute(self, budget: maps.MapBudget, name: str) -> maps.MapResult:
-        p = self.probs.detach()
+        p, blocked = self.probs.detach(), self.blocked
+        if p.dim() == 3 and self.heads and p.shape[0] % self.heads == 0:
+            p = p.view(p.shape[0] // self.heads, self.heads, *p.shape[1:])
+            if blocked is not None and blocked.dim() == 3 and blocked.shape[0] == self.probs.shape[0]:
+                blocked = blocked.view(p.shape[0], self.heads, *blocked.shape[1:])
         while p.dim() < 4:
             p = p.unsqueeze(0)
         if p.dim() > 4:
             return maps.MapResult(reason=f"not computed: probabilities of {p.dim()} dims (maps are [B, H, T, T])")
-        return maps.from_weights(p, self.blocked, budget, self.dropout_p)
+        return maps.from_weights(p, blocked, budget, self.dropout_p)
+
+
+def _heads(module: nn.Module) -> int | None:
+    """The module's own count of heads, where it keeps one under a usual name."""
+    for attr in ("num_heads", "n_heads", "n_head", "heads", "num_attention_heads"):
+        value = getattr(module, attr, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
