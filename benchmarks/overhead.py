@@ -34,6 +34,11 @@ W5n The same calls traced with ``refusals=False``. The calls are small
     (~0.2 ms), so a record per call is a large share of them; W5 and W5n
     have no target: the difference of their medians, printed below the
     table, is what PyTorch's reasons cost per call.
+W6  A transformers GPT-2 (``n_embd=256``, 6 layers, 8 heads) with
+    ``attn_implementation="eager"``, attention written by hand: one forward
+    of ``(4, 128)`` token ids in ``eval()`` under ``torch.no_grad()``. Each
+    attention is recognised and recorded (path ``hand_written``); target
+    1.10. Skipped when transformers is not installed.
 
 Method
 ------
@@ -207,6 +212,24 @@ def compiled_train_workload(model: nn.TransformerEncoder, x: torch.Tensor) -> Wo
     return replace(w, key="W4", title=f"compiled train step ({backend})", target=1.02)
 
 
+def gpt2_eager_workload() -> Workload | None:
+    try:
+        import transformers
+    except ImportError:
+        return None
+    torch.manual_seed(4)
+    config = transformers.GPT2Config(n_embd=256, n_layer=6, n_head=8, n_positions=256, vocab_size=1000,
+                                     attn_implementation="eager")  # fmt: skip
+    model = transformers.GPT2Model(config).eval()
+    ids = torch.randint(0, 1000, (4, 128))
+
+    def run() -> Outputs:
+        with torch.no_grad():
+            return [model(input_ids=ids, use_cache=False).last_hidden_state]
+
+    return Workload("W6", "GPT-2 eager forward (hand-written)", model, run, target=1.10, gradients=False)
+
+
 def build_workloads() -> list[Workload]:
     train_model = make_encoder(seed=0)
     infer_model = copy.deepcopy(train_model)
@@ -225,6 +248,7 @@ def build_workloads() -> list[Workload]:
         replace(small_mha_workload(), key="W3c", title="1000 small MHA calls, long run", target=1.3, keep="changes"),
         refused_sdpa_workload(),
         replace(refused_sdpa_workload(), key="W5n", title="the same, refusals=False", refusals=False),
+        *([w] if (w := gpt2_eager_workload()) is not None else []),
     ]
 
 

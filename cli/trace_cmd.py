@@ -23,7 +23,8 @@ __all__ = ["register", "run"]
 
 _HELP = """\
 Run a model once under qkvtrace and show, for every attention call, the path
-PyTorch took (fast / fallback / fused_encoder_layer / sdpa), PyTorch's own
+PyTorch took (fast / fallback / fused_encoder_layer / sdpa / flex, or
+hand_written: softmax(QKᵀ)V written in the model's own code), PyTorch's own
 reason for refusing the fast path, the SDPA kernel that ran, the norms of the
 Q/K/V slices of the projection and, with --backward, of their gradients.
 Module names, paths, backends and reasons are printed whole at any terminal

@@ -7,9 +7,8 @@ softmax and the scores into Q and K -- and each route ends in its slice of
 the projection weight. :func:`measure` runs the model once under
 :func:`qkvtrace.trace` (which records each call's backward kernel, the
 gradients reaching its Q, K and V, and the slice gradients), and adds the
-attention that the tracer cannot see because it is written by hand (a
-softmax of QKᵀ in a module of the model's own): for those modules a
-forward hook reads the same backward core from the module's output.
+attention written by hand (a softmax of QKᵀ in a module of the model's
+own), which the tracer records as calls of path ``hand_written``.
 
 Every number comes from this pass: norms of PyTorch's own gradients, read
 by hooks that only read.
@@ -25,16 +24,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from qkvtrace.records import AttentionCall, GradientRecord, TraceResult, atomic_write_text, squared_shares
+from qkvtrace.records import AttentionCall, GradientRecord, TraceResult, atomic_write_text
 
 PARTS_ORDER = ("q", "k", "v")
 
 __all__ = ["GRADS_SCHEMA", "LOSS_TEXT", "GradsResult", "NoBackward", "Route", "SliceGradient", "make_loss", "measure"]
 
 GRADS_SCHEMA = "qkvtrace.grads/2"
-
-#: the path reported for attention the tracer does not wrap (a softmax written in the model's own code)
-HAND_WRITTEN = "hand-written"
 
 #: what each kind of loss made by :func:`make_loss` is, in words
 LOSS_TEXT = {
@@ -66,9 +62,9 @@ class SliceGradient:
 
 @dataclass(slots=True)
 class Route:
-    """One attention call (or hand-written attention module) seen from the backward pass."""
+    """One attention call seen from the backward pass."""
 
-    #: the call's index in the trace; ``None`` for hand-written attention
+    #: the call's index in the trace (``None`` only in files written before attention written by hand was traced)
     call: int | None
     module: str
     path: str
@@ -139,8 +135,7 @@ def measure(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | No
     from qkvtrace.target import first_tensor
 
     kwargs = kwargs or {}
-    hand = _HandWritten(model)
-    with hand, qkvtrace.trace(model) as t, torch.enable_grad():
+    with qkvtrace.trace(model) as t, torch.enable_grad():
         out = first_tensor(model(*args, **kwargs))
         if out is None or out.grad_fn is None:
             raise NoBackward(
@@ -151,13 +146,7 @@ def measure(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | No
         loss.backward()
     result = t.result
     routes = [_route_of_call(call, result) for call in result.calls]
-    seen = {c.module for c in result.calls} | {c.qkv.holder for c in result.calls if c.qkv.holder is not None}
-    routes += [r for r in hand.routes() if not any(_related(r.module, s) for s in seen)]
     return GradsResult(target, str(torch.__version__), kind, float(loss.detach()), routes, result)
-
-
-def _related(a: str, b: str) -> bool:
-    return a == b or a.startswith(b + ".") or b.startswith(a + ".")
 
 
 def _route_of_call(call: AttentionCall, result: TraceResult) -> Route:
@@ -185,83 +174,4 @@ def _slices(call: AttentionCall, holder: str, grad: GradientRecord) -> dict[str,
             continue
         name = f"{holder}.{info.param}" if holder else info.param
         out[part] = SliceGradient(name, info.rows, info.dim, g.grad_norm, g.pass_share, info.evidence)
-    return out
-
-
-class _HandWritten:
-    """Forward hooks on the model's own attention modules, reading their backward core and routes.
-
-    Only modules written outside ``torch.nn`` get a hook (PyTorch's own
-    modules are traced, and a hook on an encoder layer would change its path).
-    """
-
-    def __init__(self, model: nn.Module) -> None:
-        from qkvtrace.slices import Projection, guess_projection
-
-        self._candidates: dict[int, tuple[str, nn.Module, Any]] = {}
-        for name, m in model.named_modules():
-            if type(m).__module__.startswith("torch."):
-                continue
-            found = guess_projection(m)  # no kernel call of its own to derive the rows from: a hypothesis
-            if isinstance(found, Projection):
-                self._candidates[id(m)] = (name, m, found)
-        self._handles: list[Any] = []
-        self._seen: list[tuple[str, Any, dict[str, Any]]] = []
-
-    def __enter__(self) -> _HandWritten:
-        for _, m, _ in self._candidates.values():
-            self._handles.append(m.register_forward_hook(self._hook))
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-
-    def _hook(self, module: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
-        from qkvtrace.target import first_tensor
-        from qkvtrace.tracer import routes
-
-        name, _, projection = self._candidates[id(module)]
-        out = first_tensor(output)
-        heads = next((getattr(module, a) for a in ("num_heads", "n_heads", "n_head", "heads")
-                      if isinstance(getattr(module, a, None), int)), None)  # fmt: skip
-        core = routes.find_core(out, inputs, heads=heads)
-        got: dict[str, Any] = {}
-
-        def on_grad(part: str, layout: routes.Layout, grad: torch.Tensor) -> None:
-            norm, per_head = routes.grad_norms(grad, layout)
-            got[part] = {"norm": float(norm), "per_head": per_head.tolist() if per_head is not None else None}
-
-        routes.register(core, on_grad)
-        self._seen.append((name, core.kernel, {"reason": core.reason or core.route_reason, "got": got,
-                                               "projection": projection, "module": module}))  # fmt: skip
-
-    def routes(self) -> list[Route]:
-        out = []
-        for name, kernel, extra in self._seen:
-            got = extra["got"]
-            route = Route(None, name, HAND_WRITTEN, kernel, extra["reason"] if not got else None)
-            parts = list(got)
-            for part, share in zip(parts, squared_shares([got[p]["norm"] for p in parts]), strict=True):
-                setattr(route, part, {**got[part], "share": share})
-            route.slices = _real_slices(name, extra["module"], extra["projection"])
-            out.append(route)
-        return out
-
-
-def _real_slices(name: str, module: nn.Module, projection: Any) -> dict[str, SliceGradient]:
-    """Slices of the real ``.grad`` of a hand-written module's projection (no tracer record exists)."""
-    from qkvtrace.slices import grad_slices
-
-    parts = grad_slices(projection, {})  # 0-dim tensors: read once the pass is over
-    norms: dict[str, float | None] = {}
-    for p in PARTS_ORDER:
-        value: Any = parts[p].grad_norm
-        norms[p] = float(value) if value is not None else None
-    shares = dict(zip(PARTS_ORDER, squared_shares([norms[p] for p in PARTS_ORDER]), strict=True))
-    out = {}
-    for part, ps in projection.spec.parts():
-        param = f"{name}.{ps.param}" if name else ps.param
-        out[part] = SliceGradient(param, [list(r) for r in ps.rows], ps.dim, norms[part], shares[part], ps.evidence)
     return out

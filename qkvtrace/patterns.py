@@ -34,7 +34,7 @@ import torch
 
 from qkvtrace.lazy import Deferred
 
-__all__ = ["BLOCKING", "Term", "combine", "mask_kind", "bias_kind"]
+__all__ = ["BLOCKING", "Term", "bias_kind", "combine", "mask_kind"]
 
 #: an additive value at or below this removes the key: exp(-1e4) is 0 in every floating dtype
 BLOCKING = -1e4

@@ -435,17 +435,17 @@ class Block(nn.Module):
         return self.attn_dropout(self.cross(y, y, y)[0])
 
 
-def test_hand_written_attention_is_listed_unobserved() -> None:
+def test_hand_written_attention_beside_mha_is_recorded() -> None:
+    """Witness: the module order of this Block's forward, and the untraced run (bit for bit)."""
     model = Block()
     x = torch.randn(B, L, E)
+    plain = model(x)
     with qkvtrace.trace(model) as t:
-        model(x)
-    assert [c.module for c in t.calls] == ["cross"]
-    assert [(u.module, u.module_type) for u in t.result.unobserved] == [("self_attn", "HandWritten")]
-    assert "by hand" in t.result.unobserved[0].reason
-    assert t.to_dict()["unobserved"] == [
-        {"module": "self_attn", "module_type": "HandWritten", "reason": t.result.unobserved[0].reason}
-    ]
+        traced = model(x)
+    assert torch.equal(plain, traced)
+    assert [(c.module, c.path) for c in t.calls] == [("self_attn", "hand_written"), ("cross", "fallback")]
+    assert t.result.unobserved == []
+    assert t.calls[0].inputs["scale"] == pytest.approx(1 / E**0.5)
 
 
 class FlexBlock(nn.Module):

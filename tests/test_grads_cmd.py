@@ -77,7 +77,7 @@ def test_hand_written_attention_gets_its_backward_node_and_routes() -> None:
     witness = model(x)  # un-instrumented: the nodes PyTorch builds
     result = measure(model, (x,))
     (route,) = result.routes
-    assert route.path == "hand-written" and route.call is None
+    assert route.path == "hand_written" and route.call == 0
     assert route.backward_kernel == attention_core(witness) == "SoftmaxBackward0 + BmmBackward0"
     # the routes equal autograd.grad with respect to Q, K, V of the same computation
     q, k, v = (p(x).detach().requires_grad_() for p in (model.q_proj, model.k_proj, model.v_proj))

@@ -260,7 +260,7 @@ class _Reads(TorchDispatchMode):
 
 @pytest.mark.parametrize("form", ["matmul_causal", "softcap_where", "einsum_padding", "baddbmm_alibi"])
 def test_recording_reads_nothing_back_while_the_model_runs(form: str) -> None:
-    """Witness: PyTorch's own dispatcher, counting ``_local_scalar_dense`` calls during the untraced and traced forward."""
+    """Witness: PyTorch's dispatcher, counting ``_local_scalar_dense`` calls in the untraced and traced forward."""
     model, x = build(form)
     with _Reads() as untraced, torch.no_grad():
         model(x)

@@ -233,7 +233,8 @@ def test_trace_schema_allows_fields_added_later(trace_file: Path, tmp_path: Path
         (lambda t: t["calls"][0].update(evidence="guessed"),
          '/calls/0/evidence: expected a string matching ^(witnessed|cached|unavailable: .*)$, got "guessed"'),
         (lambda t: t["calls"][0].update(path="warp"), '/calls/0/path: expected "fast", "fallback", '
-                                                      '"fused_encoder_layer", "sdpa", "flex", "hand_written" or "unknown", got "warp"'),
+                                                      '"fused_encoder_layer", "sdpa", "flex", "hand_written" or '
+                                                      '"unknown", got "warp"'),
         (lambda t: t["calls"][0]["qkv"].update(k=[]),
          "/calls/0/qkv/k: expected an object or null, got an array (0 items)"),
         (lambda t: t["gradients"][0].pop("backward_index"), "/gradients/0/backward_index: missing (a required key)"),

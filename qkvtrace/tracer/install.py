@@ -384,7 +384,7 @@ class Installation:
         optimized = compat.compiled_module_types()
         if optimized and (id(optimized[0]), "__call__") not in patched:
             self._patch(optimized[0], "__call__", _standing_aside(self, optimized[0].__call__))
-        elif not optimized and (id(torch), "compile") not in patched:
+        if (id(torch), "compile") not in patched:  # its use also stops the watching for attention written by hand
             self._patch(torch, "compile", _compile_then_patch(self, torch.compile))
 
     def _patch(self, owner: Any, attr: str, replacement: Any) -> None:
@@ -485,6 +485,7 @@ def _compile_in_place(inst: Installation, compile_method: Callable[..., Any]) ->
     """``nn.Module.compile`` whose compiled call stands aside while a trace is open (undone when the last closes)."""
 
     def compile(self: nn.Module, *args: Any, **kwargs: Any) -> None:
+        _stop_watching()
         compile_method(self, *args, **kwargs)
         with inst._lock:
             if inst._count > 0:
@@ -495,10 +496,21 @@ def _compile_in_place(inst: Installation, compile_method: Callable[..., Any]) ->
     return compile
 
 
+def _stop_watching() -> None:
+    """``torch.compile`` is used while a trace is open: Dynamo must not see the hooks that watch for hand-written
+    attention (it would compile them in and recompile once they are gone); the open traces say so."""
+    if handwritten.watching_any():
+        for t in registry.open_traces():
+            t.note(handwritten.NOT_WATCHED)
+    handwritten.stop_watching()
+
+
 def _compile_then_patch(inst: Installation, compile_fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``torch.compile`` that, once Dynamo is imported, patches ``OptimizedModule.__call__``."""
+    """``torch.compile`` that stops the watching for hand-written attention and, once Dynamo is imported,
+    patches ``OptimizedModule.__call__``."""
 
     def compile_(*args: Any, **kwargs: Any) -> Any:
+        _stop_watching()
         result = compile_fn(*args, **kwargs)
         with inst._lock:
             if inst._count > 0:

@@ -41,6 +41,11 @@ def unregister(trace: Trace) -> None:
         _traces = tuple(t for t in _traces if t is not trace)
 
 
+def open_traces() -> tuple[Trace, ...]:
+    """Every open trace, in any thread."""
+    return _traces
+
+
 def is_active() -> bool:
     return bool(_traces)
 

@@ -316,8 +316,12 @@ class Trace:
         """Hooks that watch the model's own attention-looking modules for attention written by hand."""
         compiled = _inside_compiled(model)
         named = [(n, m) for n, m in self._names.values() if id(m) not in compiled]
-        for m in handwritten.candidate_modules(named, _may_attend):
-            for handle in handwritten.hooks_for(m):
+        candidates = handwritten.candidate_modules(named, _may_attend)
+        if candidates and handwritten.watch_refused():
+            self.note(handwritten.NOT_WATCHED)
+            return
+        for m in candidates:
+            for handle in handwritten.watch(m):
                 stack.callback(handle.remove)
 
     def _fsdp1_gather(self) -> Callable[[], Any] | None:

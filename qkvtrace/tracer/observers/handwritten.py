@@ -50,11 +50,12 @@ from qkvtrace.records import AttentionCall, QKVInfo, SliceInfo
 from qkvtrace.tracer import registry, routes
 from qkvtrace.tracer.build import Target, deliver, modes, nan_count, shape, wants_backward, wants_maps
 
-__all__ = ["PATH", "candidate_modules", "entry_point_called", "hooks_for", "suspended"]
+__all__ = ["PATH", "candidate_modules", "entry_point_called", "stop_watching", "suspended", "watch", "watch_refused",
+           "watching_any"]
 
 PATH = "hand_written"
 #: ``aten_ops`` stay empty: no attention kernel runs; ``inputs["form"]`` lists the torch functions the module called
-EVIDENCE = "unavailable: attention written by hand runs no attention kernel; inputs.form lists the torch functions it called"
+EVIDENCE = "unavailable: attention written by hand runs no attention kernel; inputs.form lists the functions it called"
 
 _MATMUL = frozenset({"matmul", "bmm", "__matmul__"})
 _SCALE = frozenset({"mul", "mul_", "__mul__", "__rmul__", "multiply", "div", "div_", "__truediv__", "true_divide",
@@ -77,6 +78,14 @@ _local = threading.local()
 _entry_users: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 #: threads with the mode on now (a wrapper looks no further while 0)
 watching = [0]
+#: the hooks of every open trace's watched modules
+_handles: list[Any] = []
+
+#: what a trace says when it does not watch its model (``warnings``)
+NOT_WATCHED = (
+    "attention written by hand is not watched while torch.compile holds compiled code (torch._dynamo.reset() "
+    "clears it): Dynamo would compile the watching hooks into its graphs and recompile them once the trace ends"
+)
 
 
 @dataclass(slots=True)
@@ -135,17 +144,49 @@ def _related(a: str, b: str) -> bool:
     return a == b or not a or not b or a.startswith(b + ".") or b.startswith(a + ".")
 
 
-def hooks_for(module: nn.Module) -> list[Any]:
+def watch_refused() -> bool:
+    """Watching would disturb compiled code: Dynamo holds compiled code (until ``torch._dynamo.reset()``).
+
+    Dynamo compiles a module's hooks into its graph and guards on them, so a
+    graph compiled while a watched module had its hooks would be compiled
+    again once the trace removed them.
+    """
+    convert = sys.modules.get("torch._dynamo.convert_frame")
+    seen = getattr(getattr(convert, "input_codes", None), "seen", None)
+    return bool(seen)
+
+
+def watch(module: nn.Module) -> list[Any]:
     """Register the hooks that switch the mode on around ``module``'s forward; their handles."""
     pre = module.register_forward_pre_hook(_enter)
     try:
         post = module.register_forward_hook(_leave, always_call=True)
     except TypeError:  # a PyTorch without always_call
         post = module.register_forward_hook(_leave)
+    _handles.extend((pre, post))
     return [pre, post]
 
 
+def watching_any() -> bool:
+    """Some open trace watches modules now."""
+    return bool(_handles)
+
+
+def stop_watching() -> None:
+    """``torch.compile`` is used: remove every watching hook now, before Dynamo traces a module that has one."""
+    for handle in _handles:
+        handle.remove()
+    _handles.clear()
+
+
 def _enter(module: nn.Module, args: Any) -> None:
+    try:
+        _switch_on(module)
+    except Exception as exc:  # a hook never raises into the model's call
+        registry.report_failure("hand-written attention", exc)
+
+
+def _switch_on(module: nn.Module) -> None:
     if compat.is_compiling() or compat.is_jit_tracing() or module in _entry_users:
         return
     if not registry.covering(module):
@@ -160,6 +201,13 @@ def _enter(module: nn.Module, args: Any) -> None:
 
 
 def _leave(module: nn.Module, args: Any, output: Any) -> None:
+    try:
+        _switch_off(module)
+    except Exception as exc:  # a hook never raises into the model's call
+        registry.report_failure("hand-written attention", exc)
+
+
+def _switch_off(module: nn.Module) -> None:
     st = getattr(_local, "state", None)
     if st is None or not st.active or st.active[-1] is not module:
         return
@@ -268,8 +316,8 @@ def _see(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> 
         if isinstance(dim, int) and isinstance(out, torch.Tensor) and dim % scores.dim() == scores.dim() - 1:
             _keep(nodes, out, node, form=form, stage="probs", probs=out, softmax_dtype=str(out.dtype))
         return
-    if name in _SCALE and not isinstance(other, torch.Tensor) or (isinstance(other, torch.Tensor) and other.dim() == 0
-                                                                  and name in _SCALE):  # fmt: skip
+    scalar = isinstance(other, (int, float)) or (isinstance(other, torch.Tensor) and other.dim() == 0)
+    if name in _SCALE and scalar:
         factor = ("div" if name in _DIVIDES else "mul", other)
         _keep(nodes, out, node, form=form, steps=(*node.steps, factor))
     elif name in _ADD and isinstance(other, torch.Tensor) and _node(nodes, other) is None:
@@ -277,8 +325,8 @@ def _see(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> 
         sign = -alpha if name.startswith("sub") or name == "__sub__" else alpha
         term = patterns.Term("add", other, here, sign=sign)
         _keep(nodes, out, node, form=form, terms=(*node.terms, term))
-    elif name in _FILL:
-        mask = args[1] if len(args) > 1 else kwargs.get("mask")
+    elif name in _FILL and isinstance(args[1] if len(args) > 1 else kwargs.get("mask"), torch.Tensor):
+        mask = args[1] if len(args) > 1 else kwargs["mask"]
         value = args[2] if len(args) > 2 else kwargs.get("value")
         term = patterns.Term("fill", mask, here, value=value)
         _keep(nodes, out, node, form=form, terms=(*node.terms, term))
