@@ -286,7 +286,8 @@ def calls_table(calls: dict[str, list[dict[str, Any]]], title: str, *, width: in
                          str(c["fully_masked_rows"]), str(c["nan_count"]),
                          " ".join((c["why_not_fast_path"] or "-").split())])  # fmt: skip
     if not rows:  # say so rather than draw an empty table
-        return Text(f"{title}: none recorded (attention written by hand makes no call the tracer sees)")
+        return Text(f"{title}: none recorded (no attention entry point ran, and no attention written by hand "
+                    "was recognised)")
     return records_view(title, cols, rows, width=width, title_cols=2)
 
 
