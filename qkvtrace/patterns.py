@@ -83,10 +83,11 @@ def combine(terms: list[Term], final: tuple[int, ...]) -> tuple[torch.Tensor | N
         for term in terms:
             t = _to_final(term.tensor.detach(), term.shape, final)
             if term.kind == "add":
-                if t.dtype == torch.bool:
-                    t = t.float()
-                removes = t * term.sign <= BLOCKING
-                finite = (t.float() * term.sign).masked_fill(removes, 0.0)
+                t = t.float() if t.dtype != torch.float32 else t
+                if term.sign != 1.0:
+                    t = t * term.sign
+                removes = t <= BLOCKING
+                finite = t.masked_fill(removes, 0.0)
                 blocked = removes if blocked is None else blocked | removes
                 bias = finite if bias is None else bias + finite
                 continue
