@@ -481,3 +481,22 @@ def test_library_eager_attention_mask_and_bias_kinds(name: str) -> None:
     assert all(c.path == "hand_written" for c in t.calls)
     for c, probs in zip(t.calls, returned, strict=True):
         assert torch.equal(c.attention_map, probs.float()), c.module
+
+
+def test_a_long_run_counts_hand_written_calls_and_reports_the_change(tmp_path: Any) -> None:
+    """Witness: the steps at which the test itself switched the model from training to eval."""
+    import json
+
+    model, x = build("matmul_causal")
+    with qkvtrace.trace(model, keep="changes", stream_to=tmp_path / "run.jsonl") as t:
+        for step in range(5):
+            model.train(step < 3)
+            model(x).sum().backward()
+            t.step()
+    assert [(e.kind, e.step, e.became["path"], e.became["training"]) for e in t.changes] == [
+        ("first", 0, "hand_written", True), ("change", 3, "hand_written", False)]  # fmt: skip
+    combos = t.summary()["modules"]["attn"]["combinations"]
+    assert [(c["calls"], c["first_step"], c["last_step"]) for c in combos] == [(3, 0, 2), (2, 3, 4)]
+    first = next(json.loads(line) for line in (tmp_path / "run.jsonl").read_text().splitlines()
+                 if json.loads(line).get("kind") == "first")  # fmt: skip
+    assert first["record"]["inputs"]["attn_mask"]["pattern"] == "causal"  # resolved before it was written
