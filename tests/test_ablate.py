@@ -30,6 +30,8 @@ from qkvtrace.validation import check_document, load_json
 
 ENV = {**os.environ, "COLUMNS": "200", "PYTHONWARNINGS": "ignore"}
 ATTENTION_MODES = [m for m in MODES if m != "no_attention"]
+#: the modes of docs/ablate.md's table, in its order (written here, not read from the module)
+DOCUMENTED_MODES = ["full", "identity_qkv", "shared_qk", "uniform", "identity_v", "no_attention"]
 
 
 def qkv(*args: str | Path) -> subprocess.CompletedProcess[str]:
@@ -49,6 +51,7 @@ def small() -> dict:
 @pytest.mark.parametrize("mode", ATTENTION_MODES)
 @pytest.mark.parametrize("causal", [False, True])
 def test_each_mode_is_sdpa_of_the_q_k_v_it_names(mode: str, causal: bool) -> None:
+    """Witness: PyTorch's scaled_dot_product_attention on the Q, K, V each mode names, built here."""
     torch.manual_seed(0)
     attn = make_attention(8, mode)
     x = torch.randn(3, 5, 8)
@@ -73,6 +76,7 @@ def test_each_mode_is_sdpa_of_the_q_k_v_it_names(mode: str, causal: bool) -> Non
 
 
 def test_each_mode_has_only_the_projections_it_uses() -> None:
+    """Witness: the parameter names each mode needs, written here from the tutorial's definitions."""
     names = {m: sorted(n for n, _ in make_attention(8, m).named_parameters()) for m in ATTENTION_MODES}
     assert names == {
         "full": ["k_proj.weight", "q_proj.weight", "v_proj.weight"],
@@ -87,7 +91,10 @@ def test_each_mode_has_only_the_projections_it_uses() -> None:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_only_attention_carries_other_positions_to_the_last(mode: str) -> None:
-    """The tutorial's no_attention mode: without attention the last position cannot read any other; with it, it can."""
+    """The tutorial's no_attention mode: without attention the last position cannot read any other; with it, it can.
+
+    Witness: two inputs built here that differ only in the first token, and the model's output on each.
+    """
     torch.manual_seed(0)
     model = make_model(20, 6, 4, mode, d_model=16).eval()
     a = torch.randint(0, 20, (4, 6))
@@ -104,7 +111,7 @@ def test_only_attention_carries_other_positions_to_the_last(mode: str) -> None:
 # -- the tutorial's claims, measured ----------------------------------------------------------------------
 
 
-def test_the_seeds_claims_hold_and_are_measured() -> None:
+def test_the_tutorials_claims_hold_and_are_measured() -> None:
     """Witness: every measured number recomputed here — uniform rows against 1/T and 1/t written here, the
     causal output against PyTorch's SDPA(0, 0, V, is_causal=True) and V's running mean by cumsum, the
     diagonal share from softmax(XXᵀ/√D) written here; ``holds`` decided here from those numbers."""
@@ -136,7 +143,7 @@ def test_the_seeds_claims_hold_and_are_measured() -> None:
 
 
 def test_identity_qkv_diagonal_share_is_the_mean_of_softmax_xxt_diagonal() -> None:
-    """The reported share, recomputed here from the formula the tutorial gives for identity_qkv."""
+    """Witness: the share recomputed here as the mean diagonal of softmax(XXᵀ/√D), the tutorial's formula."""
     torch.manual_seed(0)
     x = torch.randn(64, 6, 8)
     expected = (x @ x.transpose(-2, -1) / math.sqrt(8)).softmax(-1).diagonal(dim1=-2, dim2=-1).mean().item()
@@ -148,6 +155,7 @@ def test_identity_qkv_diagonal_share_is_the_mean_of_softmax_xxt_diagonal() -> No
 
 
 def test_lookup_eval_data_are_held_out_and_answers_are_right() -> None:
+    """Witness: the lookup rule applied here to each row (the last token 16 + i names position i)."""
     x_tr, y_tr, x_ev, y_ev = TASKS["lookup"].split(0)
     train = {tuple(r) for r in x_tr.tolist()}
     assert len(train) == x_tr.size(0) and not train & {tuple(r) for r in x_ev.tolist()}
@@ -158,6 +166,7 @@ def test_lookup_eval_data_are_held_out_and_answers_are_right() -> None:
 
 
 def test_marker_answer_is_the_token_after_the_one_marker() -> None:
+    """Witness: the marker (16) found here in each row and the token after it read here."""
     x_tr, y_tr, x_ev, y_ev = TASKS["marker"].split(0)
     assert not {tuple(r) for r in x_tr.tolist()} & {tuple(r) for r in x_ev.tolist()}
     for x, y in ((x_tr, y_tr), (x_ev, y_ev)):
@@ -168,6 +177,7 @@ def test_marker_answer_is_the_token_after_the_one_marker() -> None:
 
 
 def test_sentiment_holds_out_one_positive_and_one_negative_per_seed() -> None:
+    """Witness: labels and rows of each split counted here; the task's eight sentences."""
     held = set()
     for seed in range(4):
         x_tr, _, x_ev, y_ev = TASKS["sentiment"].split(seed)
@@ -178,6 +188,7 @@ def test_sentiment_holds_out_one_positive_and_one_negative_per_seed() -> None:
 
 
 def test_batches_depend_only_on_the_seed() -> None:
+    """Witness: the same call made twice, another call with a different number, and the sizes asked for here."""
     one = [b.tolist() for b in training_batches(100, 16, 20, seed=3)]
     assert one == [b.tolist() for b in training_batches(100, 16, 20, seed=3)]
     assert one != [b.tolist() for b in training_batches(100, 16, 20, seed=4)]
@@ -185,6 +196,7 @@ def test_batches_depend_only_on_the_seed() -> None:
 
 
 def test_a_run_is_reproducible_and_leaves_the_global_rng_alone() -> None:
+    """Witness: PyTorch's global RNG state saved here before the run, and a second run with the same arguments."""
     torch.manual_seed(123)
     state = torch.get_rng_state()
     a = train_run(TASKS["lookup"], "full", seed=1, steps=3)
@@ -194,7 +206,8 @@ def test_a_run_is_reproducible_and_leaves_the_global_rng_alone() -> None:
 
 
 def test_means_and_stds_come_from_the_listed_runs(small: dict) -> None:
-    assert [m["mode"] for m in small["modes"]] == list(MODES)
+    """Witness: mean and std recomputed here with ``statistics``; uniform rows are 1/T (T = 10) by construction."""
+    assert [m["mode"] for m in small["modes"]] == DOCUMENTED_MODES
     assert small["steps"] == 5 and small["seeds"] == [0, 1]
     for m in small["modes"]:
         assert [r["seed"] for r in m["runs"]] == [0, 1]
@@ -210,14 +223,26 @@ def test_means_and_stds_come_from_the_listed_runs(small: dict) -> None:
 
 
 def test_answer_weight_is_the_last_rows_weight_on_the_answer_position() -> None:
-    """Recomputed from the model's own weights (steps=0 leaves the seeded initialisation)."""
+    """Recomputed from the model's own weights (steps=0 leaves the seeded initialisation).
+
+    Witness: softmax(q_proj(h) k_proj(h)ᵀ/√D) computed here from the attention's input h, then the lookup rule.
+    """
     task = TASKS["lookup"]
     run = train_run(task, "full", seed=7, steps=0)
     torch.manual_seed(7)
     model = make_model(task.vocab_size, task.seq_len, task.n_classes, "full", d_model=task.d_model).eval()
     _, _, x_ev, y_ev = task.split(7)
+    attn = model.get_submodule("blocks.0.attn")
+    seen: list[torch.Tensor] = []
+    handle = attn.register_forward_pre_hook(lambda _m, args: seen.append(args[0]))
     with torch.no_grad():
-        logits, (weights,) = model(x_ev, return_weights=True)
+        logits, (returned,) = model(x_ev, return_weights=True)
+    handle.remove()
+    [h] = seen
+    with torch.no_grad():
+        q, k = attn.get_submodule("q_proj")(h), attn.get_submodule("k_proj")(h)
+        weights = (q @ k.transpose(-2, -1) / math.sqrt(task.d_model)).softmax(-1)
+    torch.testing.assert_close(returned, weights, atol=1e-6, rtol=1e-5)
     index = x_ev[:, -1] - 16
     assert run.answer_weight == pytest.approx(weights[torch.arange(x_ev.size(0)), -1, index].mean().item(), rel=1e-5)
     assert run.diagonal_share == pytest.approx(weights.diagonal(dim1=-2, dim2=-1).mean().item(), rel=1e-5)
@@ -229,6 +254,7 @@ def test_answer_weight_is_the_last_rows_weight_on_the_answer_position() -> None:
 
 
 def test_the_json_validates_and_damage_is_refused(small: dict) -> None:
+    """Witness: the schema file, and the damage written here (an accuracy of 1.5, a missing field)."""
     assert check_document(small, name="a.json") == ABLATE_SCHEMA
     bad = json.loads(json.dumps(small))
     bad["modes"][2]["runs"][1]["accuracy"] = 1.5
@@ -243,24 +269,26 @@ def test_the_json_validates_and_damage_is_refused(small: dict) -> None:
 
 
 def test_cli_writes_json_markdown_and_keeps_progress_off_stdout(tmp_path: Path) -> None:
+    """Witness: the files the command wrote, read here, the arguments given and the documented modes."""
     out, md = tmp_path / "a.json", tmp_path / "a.md"
     proc = qkv("ablate", "--seeds", "2", "--steps", "3", "--json", out, "--md", md)
     assert proc.returncode == 0, proc.stderr
     assert "qkvtrace ablate: task lookup, 3 steps, seeds 0, 1" in proc.stdout
     assert "training" not in proc.stdout  # the progress bar is on stderr only
-    for mode in MODES:
+    for mode in DOCUMENTED_MODES:
         assert mode in proc.stdout
     data = load_json(out, ABLATE_SCHEMA)
     assert data["task"]["name"] == "lookup" and data["steps"] == 3 and data["torch_version"] == torch.__version__
     text = md.read_text()
     assert "| mode | what it keeps | accuracy | loss |" in text
     assert "max \\|w - 1/T\\| <= 1e-06" in text  # a | inside a cell is escaped
-    assert text.count("\n| `") == len(MODES)
+    assert text.count("\n| `") == len(DOCUMENTED_MODES)
     check = qkv("validate", out)
     assert check.returncode == 0 and "ok (qkvtrace.ablate/1)" in check.stdout
 
 
 def test_cli_sentiment_task(tmp_path: Path) -> None:
+    """Witness: the file the command wrote; 8 sentences with 2 held out, by construction of the task."""
     proc = qkv("ablate", "--task", "sentiment", "--seeds", "1", "--steps", "2", "--json", tmp_path / "s.json")
     assert proc.returncode == 0, proc.stderr
     data = load_json(tmp_path / "s.json", ABLATE_SCHEMA)
@@ -278,6 +306,7 @@ def test_cli_sentiment_task(tmp_path: Path) -> None:
     ],
 )
 def test_cli_bad_input_is_one_line_and_exit_2(args: list[str], needle: str) -> None:
+    """Witness: the bad arguments written here and the words each must name."""
     proc = qkv("ablate", *args)
     assert proc.returncode == 2
     assert len(proc.stderr.strip().splitlines()) == 1 and needle in proc.stderr
@@ -285,6 +314,7 @@ def test_cli_bad_input_is_one_line_and_exit_2(args: list[str], needle: str) -> N
 
 
 def test_cli_plot(tmp_path: Path) -> None:
+    """Witness: the SVG file the command wrote, read here."""
     pytest.importorskip("matplotlib")
     chart = tmp_path / "a.svg"
     proc = qkv("ablate", "--seeds", "2", "--steps", "2", "--plot", chart)
@@ -294,6 +324,7 @@ def test_cli_plot(tmp_path: Path) -> None:
 
 
 def test_cli_plot_without_matplotlib_says_what_to_install(tmp_path: Path) -> None:
+    """Witness: matplotlib hidden here through sys.modules, and the chart path the test named, checked absent."""
     code = (
         "import sys; sys.modules['matplotlib'] = None\n"  # as if it were not installed
         "from qkvtrace.cli.main import main\n"

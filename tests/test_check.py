@@ -25,7 +25,10 @@ CAUGHT_BY_PADDING = {"inverted_padding", "softmax_wrong_dim", "wrong_view"}
 
 @pytest.mark.parametrize("mistake", MISTAKES)
 def test_causal_check(mistake: str) -> None:
-    """Causal LMs (every mistake applied to a causally masked block)."""
+    """Causal LMs (every mistake applied to a causally masked block).
+
+    Witness: the mistakes built by construction in tests/mistakes.py, and the table CAUGHT_BY_CAUSAL written here.
+    """
     model, args = build(mistake)
     report = run_checks(model, args, causal=True, trials=1)
     causal = [f for f in report.findings if f.check == "causal"]
@@ -39,6 +42,7 @@ def test_causal_check(mistake: str) -> None:
 @pytest.mark.parametrize("causal", [True, False], ids=["causal-lm", "encoder"])
 @pytest.mark.parametrize("mistake", MISTAKES)
 def test_padding_check(mistake: str, causal: bool) -> None:
+    """Witness: the mistakes built by construction in tests/mistakes.py, and the table CAUGHT_BY_PADDING."""
     model, args = build(mistake, causal=causal)
     report = run_checks(model, args, padding=True, trials=1)
     padding = [f for f in report.findings if f.check == "padding"]
@@ -50,6 +54,7 @@ def test_padding_check(mistake: str, causal: bool) -> None:
 
 
 def test_leak_pairs_name_positions() -> None:
+    """Witness: the off_by_one model's mask, tril(1) by construction: position i also reads i + 1."""
     model, args = build("off_by_one")
     report = run_checks(model, args, causal=True, trials=1, modes=("inference",))
     finding = report.findings[0]
@@ -58,7 +63,10 @@ def test_leak_pairs_name_positions() -> None:
 
 
 def test_training_mode_with_dropout_is_reproducible() -> None:
-    """Dropout is reseeded per forward: a correct model does not 'leak' in training."""
+    """Dropout is reseeded per forward: a correct model does not 'leak' in training.
+
+    Witness: the model built here with PyTorch's own square subsequent mask; PyTorch takes no fast path in training.
+    """
     layer = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.3, batch_first=True)
     x = torch.randn(2, 6, 16)
     mask = nn.Transformer.generate_square_subsequent_mask(6)
@@ -105,7 +113,10 @@ class _PadsAllOfSequence1(nn.Module):
 
 
 def test_mha_fully_masked_rows_and_nan_are_reported_as_measured() -> None:
-    """Whatever MHA returns for fully-masked rows in each mode (NaN or not) is what check reports."""
+    """Whatever MHA returns for fully-masked rows in each mode (NaN or not) is what check reports.
+
+    Witness: the same forward run here untraced in each mode, and the blocked rows counted by hand from the mask.
+    """
     torch.manual_seed(0)
     model = _PadsAllOfSequence1()
     x = torch.randn(2, 8, 16)
@@ -158,6 +169,7 @@ class _CausalWithPadding(nn.Module):
 
 
 def test_nan_in_the_output_fails_the_check() -> None:
+    """Witness: the model written here without a NaN guard, run here untraced; fully masked rows counted by hand."""
     torch.manual_seed(0)
     model = _CausalWithPadding()
     ids = torch.randint(0, 50, (2, 8))
@@ -183,6 +195,8 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_cli_exit_codes(tmp_path: Path) -> None:
+    """Witness: build_reversed of tests/mistakes.py (its mask reads the future, by construction), the file the
+    command wrote, and the missing --causal written here."""
     bad = _cli("check", "tests/mistakes.py:build_reversed", "--causal", "--json", str(tmp_path / "r.json"))
     assert bad.returncode == 1, bad.stderr
     assert "FAIL" in bad.stdout and "reads position" in bad.stdout
@@ -195,6 +209,7 @@ def test_cli_exit_codes(tmp_path: Path) -> None:
 
 
 def test_cli_refuses_over_budget_before_running() -> None:
+    """Witness: the budget written here: 64 x 128 tokens is over 1000."""
     proc = _cli("trace", "demo:tiny-lm", "--input-shape", "64,128", "--max-tokens", "1000")
     assert proc.returncode == 2
     assert "max_tokens=1000" in proc.stderr and "Traceback" not in proc.stderr
@@ -241,7 +256,10 @@ def bert_factory(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_hf_attention_mask_convention_passes_a_correct_model(bert_factory: Path, tmp_path: Path) -> None:
-    """attention_mask is 1 = attend: check knows it, says so, and confirms it on the model before judging."""
+    """attention_mask is 1 = attend: check knows it, says so, and confirms it on the model before judging.
+
+    Witness: the correct BERT written here, using Hugging Face's documented 1 = attend, and the file the command wrote.
+    """
     out = tmp_path / "c.json"
     proc = _cli("check", f"{bert_factory}:correct", "--padding", "--mask-arg", "attention_mask", "--json", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -258,6 +276,7 @@ def test_hf_attention_mask_convention_passes_a_correct_model(bert_factory: Path,
 
 
 def test_hf_inverted_padding_mask_fails_and_says_why(bert_factory: Path, tmp_path: Path) -> None:
+    """Witness: the BERT written here that turns its mask over, by construction, and the file the command wrote."""
     out = tmp_path / "c.json"
     proc = _cli("check", f"{bert_factory}:inverted", "--padding", "--mask-arg", "attention_mask", "--json", str(out))
     assert proc.returncode == 1, proc.stdout + proc.stderr
@@ -269,7 +288,10 @@ def test_hf_inverted_padding_mask_fails_and_says_why(bert_factory: Path, tmp_pat
 
 
 def test_wrong_convention_given_for_a_correct_model_is_not_confirmed(bert_factory: Path) -> None:
-    """Telling check the opposite of the truth makes the padding fail — and the measurement says which is right."""
+    """Telling check the opposite of the truth makes the padding fail — and the measurement says which is right.
+
+    Witness: the correct BERT written here (Hugging Face's 1 = attend), told the opposite here.
+    """
     sys.path.insert(0, str(bert_factory.parent))
     try:
         import bert_factory as factory  # type: ignore[import-not-found]
@@ -283,6 +305,7 @@ def test_wrong_convention_given_for_a_correct_model_is_not_confirmed(bert_factor
 
 
 def test_default_conventions_by_argument_name() -> None:
+    """Witness: PyTorch's documented key_padding_mask (True = ignore) and Hugging Face's attention_mask (1 = attend)."""
     from qkvtrace.check import default_convention
 
     assert default_convention("key_padding_mask") == ("ignore", "known")
@@ -292,7 +315,10 @@ def test_default_conventions_by_argument_name() -> None:
 
 
 def test_mask_ignored_by_the_model_is_not_confirmed() -> None:
-    """A model that never passes its mask on: padding leaks, and neither convention removes it."""
+    """A model that never passes its mask on: padding leaks, and neither convention removes it.
+
+    Witness: the model written here that drops its mask, by construction.
+    """
 
     class Ignores(nn.Module):
         def __init__(self) -> None:
@@ -311,12 +337,16 @@ def test_mask_ignored_by_the_model_is_not_confirmed() -> None:
 
 
 def test_cli_mask_true_means_choices() -> None:
+    """Witness: the invalid choice written here."""
     bad = _cli("check", "demo:tiny-lm", "--padding", "--mask-true-means", "padding")
     assert bad.returncode == 2 and "--mask-true-means" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_check_a_library_model_by_name(tmp_path: Path) -> None:
-    """hf:FOLDER --random-init: a BERT from its config alone, checked with its own mask convention."""
+    """hf:FOLDER --random-init: a BERT from its config alone, checked with its own mask convention.
+
+    Witness: the config the test wrote, Hugging Face's 1 = attend, and BertModel's module names.
+    """
     transformers = pytest.importorskip("transformers")
     transformers.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
                             intermediate_size=64).save_pretrained(tmp_path / "bert")  # fmt: skip

@@ -172,6 +172,7 @@ def restore_globals() -> Iterator[None]:
 @pytest.mark.parametrize("ending", ["normal", "raises"])
 @pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
 def test_everything_restored(ending: str, backward: bool, packed_attention_cls: Any) -> None:
+    """Witness: PyTorch's attributes, hook dicts and global switches read before the trace, compared (``is``) after."""
     model = make_model(packed_attention_cls, fail=ending == "raises")
     targets = patched_targets()
     state, modstate = global_state(), module_state(model)
@@ -231,6 +232,7 @@ def test_everything_restored(ending: str, backward: bool, packed_attention_cls: 
 
 
 def test_non_default_global_state_is_kept(packed_attention_cls: Any, restore_globals: None) -> None:
+    """Witness: the switches set here, read back from PyTorch; the reason string read from PyTorch's source."""
     model = make_model(packed_attention_cls).eval()
     torch.backends.mha.set_fastpath_enabled(False)
     torch.set_grad_enabled(False)
@@ -248,6 +250,7 @@ def test_non_default_global_state_is_kept(packed_attention_cls: Any, restore_glo
 
 
 def test_exception_inside_attention_propagates_unchanged(restore_globals: None) -> None:
+    """Witness: the exception of the same call run untraced, and a weakref to a tensor the test made."""
     mha = nn.MultiheadAttention(E, H, batch_first=True).eval()
     x = torch.randn(B, L, E)
     bad_mask = torch.zeros(B + 1, L, dtype=torch.bool)  # wrong batch size
@@ -326,7 +329,8 @@ def _debugger_view(model: nn.Module, x: torch.Tensor, traced: bool) -> tuple[Any
 def test_pre_existing_trace_function_is_chained_and_restored(packed_attention_cls: Any, restore_globals: None) -> None:
     """A debugger's trace function is restored, and sees the same events with and
     without the trace: the watched MultiheadAttention frame (calls and lines) and
-    the user's code before, between and after attention calls."""
+    the user's code before, between and after attention calls.
+    Witness: the events the user's trace function counts on the untraced run."""
     model = make_model(packed_attention_cls)
     model.encoder = nn.Identity()  # type: ignore[assignment]  # MHA and the direct SDPA module only
     x = torch.randn(B, L, E)
@@ -341,7 +345,8 @@ def test_pre_existing_trace_function_sees_frames_inside_encoder_layers(
     packed_attention_cls: Any, restore_globals: None
 ) -> None:
     """Same, with MultiheadAttention.forward running inside TransformerEncoderLayer.forward
-    (both frames of interest to the tracer at once)."""
+    (both frames of interest to the tracer at once).
+    Witness: the events the user's trace function counts on the untraced run."""
     model = make_model(packed_attention_cls)  # layer 0 training, layer 1 grad enabled: no fused path
     x = torch.randn(B, L, E)
     *_, plain = _debugger_view(model, x, traced=False)
@@ -354,6 +359,7 @@ def test_pre_existing_trace_function_sees_frames_inside_encoder_layers(
 @pytest.mark.parametrize("ending", ["normal", "raises"])
 @pytest.mark.parametrize("mode", ["train", "eval_no_grad"])
 def test_no_tensor_kept_alive(ending: str, mode: str, packed_attention_cls: Any) -> None:
+    """Witness: weakrefs to the tensors the test made; finite inputs and no mask, so no NaN row by construction."""
     model = make_model(packed_attention_cls, fail=ending == "raises")
     if mode != "train":
         model.eval()
@@ -381,11 +387,14 @@ def test_no_tensor_kept_alive(ending: str, mode: str, packed_attention_cls: Any)
     for i, ref in enumerate(refs):
         assert ref() is None, f"tensor {i} of the run is still alive after the trace"
     # while the trace itself is alive and its records still readable, resolved from summaries:
-    # no mask, finite inputs, so no NaN in any recorded output
+    # no mask, finite inputs, so no NaN in any recorded output (zero by construction, checked here)
+    assert [c.output["nan_count"] for c in t.calls] == [0] * len(t.calls)
+    assert not any(c.output.get("fully_masked_rows") for c in t.calls)
     assert_no_nan_rows(t.to_dict())
 
 
 def test_tensor_made_inside_block_dies_with_trace_alive(restore_globals: None) -> None:
+    """Witness: weakrefs to the tensors the test made; one call and one backward by construction."""
     mha = nn.MultiheadAttention(E, H, batch_first=True)
     with qkvtrace.trace(mha) as t:
         x = torch.randn(B, L, E, requires_grad=True)
@@ -400,6 +409,7 @@ def test_tensor_made_inside_block_dies_with_trace_alive(restore_globals: None) -
 
 @pytest.mark.parametrize("ending", ["normal", "raises"])
 def test_module_bound_sdpa_is_traced_and_restored(ending: str) -> None:
+    """Witness: the bound function saved before the trace (compared with ``is``) and the untraced output."""
     original = _sdpa_bound_module.scaled_dot_product_attention
     assert original is F.scaled_dot_product_attention
     model = nn.Sequential(BoundSDPAAttention(E, H, fail_after_attention=ending == "raises"))
@@ -430,6 +440,7 @@ def test_public_trace_is_the_function_whatever_was_imported_first() -> None:
     (A submodule named like a lazily exported attribute, e.g. ``qkvtrace/trace.py``, gets bound
     over the attribute by the import system, and ``qkvtrace.trace(model)`` stops being callable.)
     Run in a fresh interpreter, so that this test's imports cannot hide the problem or cause it.
+    Witness: ``type()`` and ``callable()`` of the attribute, after ``pkgutil`` imported every submodule.
     """
     code = textwrap.dedent(
         """
@@ -448,7 +459,10 @@ def test_public_trace_is_the_function_whatever_was_imported_first() -> None:
 
 
 def test_public_face() -> None:
-    """A sorted ``__all__`` whose every name imports, in a fresh interpreter, in any order."""
+    """A sorted ``__all__`` whose every name imports, in a fresh interpreter, in any order.
+
+    Witness: Python's ``sorted`` and ``getattr`` on the package.
+    """
     assert list(qkvtrace.__all__) == sorted(qkvtrace.__all__)
     code = (
         "import qkvtrace, qkvtrace.tracer, qkvtrace.report, qkvtrace.diff\n"

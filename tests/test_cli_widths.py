@@ -3,7 +3,9 @@
 The model has module names of 40 to 90 characters, as real models do
 (``model.encoder.layer.11.attention.self``), and calls that take four
 different paths, so PyTorch's reasons, paths and backends all appear. What
-must appear is read from the trace's own JSON, never written here.
+must appear comes from witnesses (``witnessed``): the model's own modules,
+torch.profiler and PyTorch's own reasons on an untraced run, and the committed
+reports read here; never from qkvtrace's output.
 """
 
 from __future__ import annotations
@@ -19,10 +21,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from _witness import learn_kernel_backends, local_at_return, profiled
 from rich.console import Console
+from torch import nn
 
 from qkvtrace.render.diff_render import diff_renderable
 from qkvtrace.render.terminal import calls_table, trace_table
+from qkvtrace.reportio import load_report
 
 HERE = Path(__file__).resolve().parent
 REPORTS = HERE.parent / "reports"
@@ -109,6 +115,40 @@ def traced(factory: Path) -> dict[int, tuple[str, dict[str, Any]]]:
     return runs
 
 
+@pytest.fixture(scope="module")
+def witnessed(factory: Path) -> list[dict[str, Any]]:
+    """The calls of the factory's model from witnesses: names and types of its attention modules; attention ops,
+    backends (learned by forcing each one) and paths from torch.profiler, and PyTorch's ``why_not_fast_path``
+    read with sys.settrace, both on an untraced eval/no_grad run (what ``qkvtrace trace`` runs)."""
+    sys.path.insert(0, str(factory))
+    try:
+        import long_names  # type: ignore[import-not-found]
+    finally:
+        sys.path.pop(0)
+    model, (x,) = long_names.build()
+    model.eval()
+    with torch.no_grad():
+        segments = profiled(lambda: model(x)).segments
+        _, found = local_at_return(nn.MultiheadAttention.forward.__code__, "why_not_fast_path", lambda: model(x))
+    reasons = iter(found)
+    backends = learn_kernel_backends(2, 2, 6, 8)
+    attention = [(n, m) for n, m in model.named_modules()
+                 if isinstance(m, nn.MultiheadAttention) or type(m).__name__.startswith("HandWritten")]  # fmt: skip
+    calls = []
+    for index, ((name, module), ops) in enumerate(zip(attention, segments, strict=True)):
+        if ops[0] == "aten::_transformer_encoder_layer_fwd":
+            path, reason = "fused_encoder_layer", None
+        elif isinstance(module, nn.MultiheadAttention):
+            reason = next(reasons) or None
+            path = "fast" if ops[0] == "aten::_native_multi_head_attention" else "fallback"
+        else:
+            path, reason = "sdpa", None
+        calls.append({"index": index, "module": name, "module_type": type(module).__name__, "path": path,
+                      "sdpa_backend": next((backends[op] for op in ops if op in backends), None),
+                      "why_not_fast_path": reason, "aten_ops": ops})  # fmt: skip
+    return calls
+
+
 def _flat(text: str) -> str:
     return " ".join(text.split())
 
@@ -137,9 +177,13 @@ def assert_whole(out: str, calls: list[dict[str, Any]], width: int) -> None:
 
 
 @pytest.mark.parametrize("width", WIDTHS)
-def test_trace_shows_every_name_whole(traced: dict[int, tuple[str, dict[str, Any]]], width: int) -> None:
+def test_trace_shows_every_name_whole(traced: dict[int, tuple[str, dict[str, Any]]], width: int,
+                                      witnessed: list[dict[str, Any]]) -> None:  # fmt: skip
+    """Witness: ``witnessed`` (the model's modules, torch.profiler and PyTorch's reasons on an untraced run)."""
     out, data = traced[width]
-    calls = data["calls"]
+    calls = witnessed
+    facts = ("module", "path", "sdpa_backend", "why_not_fast_path")
+    assert [[c[f] for f in facts] for c in data["calls"]] == [[c[f] for f in facts] for c in calls]
     assert {c["path"] for c in calls} >= {"fallback", "sdpa", "fused_encoder_layer"}, calls
     assert max(len(c["module"]) for c in calls) > width - 10 or width == 200  # names as long as the terminal
     assert sum(1 for c in calls if len(c["module"]) >= 40) >= 3
@@ -148,19 +192,25 @@ def test_trace_shows_every_name_whole(traced: dict[int, tuple[str, dict[str, Any
     assert "\x1b[" not in out  # piped: plain text
 
 
-def test_layout_follows_the_width(traced: dict[int, tuple[str, dict[str, Any]]]) -> None:
-    """Wide: one table row per call, and it fits; narrow: one block per call, titled by the module name."""
-    wide, data = traced[200]
+def test_layout_follows_the_width(traced: dict[int, tuple[str, dict[str, Any]]],
+                                  witnessed: list[dict[str, Any]]) -> None:  # fmt: skip
+    """Wide: one table row per call, and it fits; narrow: one block per call, titled by the module name.
+
+    Witness: ``witnessed`` (the model's attention modules, in the order the profiler saw their calls)."""
+    wide, _ = traced[200]
     assert "┏" in wide and max(len(line) for line in wide.splitlines()) <= 200
     narrow, _ = traced[80]
     assert "┏" not in narrow
-    for call in data["calls"]:
+    for call in witnessed:
         assert f"#{call['index']}  {call['module']}" in narrow.splitlines()
 
 
 @pytest.mark.parametrize("width", WIDTHS)
-def test_secondary_columns_keep_names_whole(traced: dict[int, tuple[str, dict[str, Any]]], width: int) -> None:
-    """--columns all adds the type, norms and kernels; the numbers give way, the names do not."""
+def test_secondary_columns_keep_names_whole(traced: dict[int, tuple[str, dict[str, Any]]], width: int,
+                                            witnessed: list[dict[str, Any]]) -> None:  # fmt: skip
+    """--columns all adds the type, norms and kernels; the numbers give way, the names do not.
+
+    Witness: ``witnessed`` (module types from the model, attention ops from torch.profiler); the JSON is input."""
     from qkvtrace.records import TraceResult
 
     _, data = traced[200]
@@ -169,14 +219,15 @@ def test_secondary_columns_keep_names_whole(traced: dict[int, tuple[str, dict[st
     console = Console(file=buf, width=width, color_system=None)
     console.print(trace_table(result, title="t", width=width, columns=["type", "weights", "grads", "ops"]), crop=False)
     out = buf.getvalue()
-    assert_whole(out, data["calls"], width)
-    for call in data["calls"]:
+    assert_whole(out, witnessed, width)
+    for call in witnessed:
         assert call["module_type"] in out
-        for op in call["aten_ops"] or []:
+        for op in call["aten_ops"]:
             assert any(op in line for line in out.splitlines()), op
 
 
 def test_columns_option_and_bad_column(factory: Path) -> None:
+    """Witness: the columns the test asks for, and the headers and message the test expects."""
     proc = qkv("trace", "long_names.py:build", "--columns", "type,weights", columns=200, cwd=factory)
     assert proc.returncode == 0, proc.stderr
     assert "module type" in proc.stdout and "|W| q/k/v" in proc.stdout and "|dW|" not in proc.stdout
@@ -197,6 +248,7 @@ def _colours(text: str) -> set[str]:
 
 
 def test_colour_only_on_a_terminal_and_never_with_no_color(factory: Path) -> None:
+    """Witness: the FORCE_COLOR / NO_COLOR environment the test sets; colour codes counted with a regex here."""
     coloured = qkv("trace", "long_names.py:build", columns=100, cwd=factory, FORCE_COLOR="1")
     assert coloured.returncode == 0 and _colours(coloured.stdout), coloured.stdout
     plain = qkv("trace", "long_names.py:build", columns=100, cwd=factory, FORCE_COLOR="1", NO_COLOR="1")
@@ -207,6 +259,7 @@ def test_colour_only_on_a_terminal_and_never_with_no_color(factory: Path) -> Non
 
 
 def test_progress_goes_to_stderr_only(factory: Path) -> None:
+    """Witness: the target the test passes and the terminal it fakes (FORCE_COLOR) or not."""
     on_terminal = qkv("trace", "long_names.py:build", cwd=factory, FORCE_COLOR="1")
     assert "running long_names.py:build" in on_terminal.stderr  # the spinner, on stderr
     assert "running long_names.py:build" not in on_terminal.stdout
@@ -215,8 +268,10 @@ def test_progress_goes_to_stderr_only(factory: Path) -> None:
 
 
 @pytest.mark.parametrize("width", WIDTHS)
-def test_check_calls_keep_names_whole(factory: Path, width: int) -> None:
-    """The calls `check` lists, rendered at each width, from the calls the tracer saw."""
+def test_check_calls_keep_names_whole(factory: Path, width: int, witnessed: list[dict[str, Any]]) -> None:
+    """The calls `check` lists, rendered at each width, from the calls the tracer saw.
+
+    Witness: ``witnessed`` (the model's modules, torch.profiler and PyTorch's reasons on an untraced run)."""
     sys.path.insert(0, str(factory))
     try:
         import long_names  # type: ignore[import-not-found]
@@ -228,35 +283,46 @@ def test_check_calls_keep_names_whole(factory: Path, width: int) -> None:
     report = run_checks(model, args, causal=True, trials=1, modes=("inference",))
     buf = io.StringIO()
     Console(file=buf, width=width, color_system=None).print(calls_table(report.calls, "calls", width=width), crop=False)
-    calls = [{**c, "sdpa_backend": c["sdpa_backend"]} for c in report.calls["inference"]]
-    assert len(calls) == 4
-    assert_whole(buf.getvalue(), calls, width)
+    assert len(report.calls["inference"]) == len(witnessed) == 4
+    assert_whole(buf.getvalue(), witnessed, width)
 
 
 @pytest.mark.parametrize("width", WIDTHS)
 def test_diff_names_whole(width: int, tmp_path: Path) -> None:
-    """Function names in `diff --full` (call-graph edges, fast-path conditions, sources) are never folded."""
+    """Function names in `diff --full` (call-graph edges, fast-path conditions, sources) are never folded.
+
+    Witness: the two committed reports, read here: edges in one call graph and not the other, functions whose
+    source text differs."""
     proc = qkv("diff", str(REPORTS / "torch-2.4.1+cu121"), str(REPORTS / "torch-2.13.0+cpu"), "--full", "--json",
                str(tmp_path / "d.json"), columns=width)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    diff = json.loads((tmp_path / "d.json").read_text())
+    old, new = load_report(REPORTS / "torch-2.4.1+cu121"), load_report(REPORTS / "torch-2.13.0+cpu")
+    edges = [{(e["caller"], e["callee"]) for e in r["callgraph"]["edges"]} for r in (old, new)]
+    texts = [{s["name"]: s["text"] for s in r["sources"]} for r in (old, new)]
+    changed = sorted(n for n in texts[0].keys() & texts[1].keys() if texts[0][n] != texts[1][n])
+    assert changed and edges[0] ^ edges[1]
     out = proc.stdout
     lines = out.splitlines()
     assert "…" not in out
-    for edge in diff["callgraph"]["edges_added"] + diff["callgraph"]["edges_removed"]:
-        for name in (edge["caller"], edge["callee"]):
+    for edge in edges[0] ^ edges[1]:
+        for name in edge:
             assert any(name in line for line in lines), (width, name)
-    for name in diff["sources"]["changed"]:
+    for name in changed:
         assert f"changed: {name}" in lines
     assert "\x1b[" not in out
 
 
 def test_diff_source_in_syntax_colour_on_a_terminal_plain_when_piped(tmp_path: Path) -> None:
+    """Witness: the committed reports' source texts, read here: the first function whose text differs, and
+    every + / - line of its unified diff found in the new / old text. Colour codes counted with a regex here."""
     a, b = str(REPORTS / "torch-2.4.1+cu121"), str(REPORTS / "torch-2.13.0+cpu")
     assert qkv("diff", a, b, "--json", str(tmp_path / "d.json")).returncode == 0
     diff = json.loads((tmp_path / "d.json").read_text())
-    name = diff["sources"]["changed"][0]
+    old, new = ({s["name"]: s["text"].splitlines() for s in load_report(r)["sources"]} for r in (a, b))
+    name = min(n for n in old.keys() & new.keys() if old[n] != new[n])
     unified = diff["source_diffs"][name].splitlines()
+    assert all(line[1:] in new[name] for line in unified if line.startswith("+") and not line.startswith("+++"))
+    assert all(line[1:] in old[name] for line in unified if line.startswith("-") and not line.startswith("---"))
     piped = qkv("diff", a, b, "--full", columns=100).stdout.splitlines()
     start = piped.index(f"changed: {name}") + 1
     assert piped[start : start + len(unified)] == unified  # the unified diff, line for line, uncut
@@ -268,6 +334,7 @@ def test_diff_source_in_syntax_colour_on_a_terminal_plain_when_piped(tmp_path: P
 
 
 def test_diff_renderable_tints_changed_lines_on_rich_terminals() -> None:
+    """Witness: the colour systems the test gives rich's Console (truecolor or standard), for a committed diff."""
     diff = json.loads((REPORTS / "diffs" / "torch-2.4.1+cu121..torch-2.13.0+cpu.json").read_text())
     renders = {}
     for system in ("truecolor", "standard"):
@@ -289,7 +356,9 @@ def scenarios() -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize("width", WIDTHS)
 def test_probe_scenarios_keep_paths_and_reasons_whole(scenarios: list[dict[str, Any]], width: int) -> None:
-    """probe's first table, from the scenarios measured here, at each width."""
+    """probe's first table, from the scenarios measured here, at each width.
+
+    Witness: none independent; the facts are the scenarios qkvtrace measured, the renderer's input."""
     from qkvtrace.render.terminal import scenarios_table
 
     buf = io.StringIO()
@@ -310,7 +379,9 @@ def test_probe_scenarios_keep_paths_and_reasons_whole(scenarios: list[dict[str, 
 
 @pytest.mark.slow
 def test_compare_progress_on_stderr_only(tmp_path: Path) -> None:
-    """compare collects twice (tens of seconds): a spinner on stderr on a terminal, nothing in stdout."""
+    """compare collects twice (tens of seconds): a spinner on stderr on a terminal, nothing in stdout.
+
+    Witness: the terminal the test fakes (FORCE_COLOR), and the diff schema name the test expects."""
     proc = qkv("compare", "--python", sys.executable, "--python", sys.executable, "--out", str(tmp_path),
                "--json", str(tmp_path / "d.json"), columns=100, FORCE_COLOR="1")  # fmt: skip
     assert proc.returncode == 0, proc.stderr

@@ -37,6 +37,7 @@ def texts(report: dict) -> dict[str, str]:
 
 
 def test_close_versions_give_a_nearly_empty_diff(reports: dict[str, dict]) -> None:
+    """Witness: facts checked by hand in both PyTorch trees, written in the test."""
     d = diff_reports(reports[MID], reports[NEW])
     # verified by reading both texts: 2.14.1 only rewrote the GQA paragraph of SDPA's docstring
     assert d["sources"] == {"changed": ["torch.nn.functional.scaled_dot_product_attention"], "added": [], "removed": []}
@@ -48,6 +49,7 @@ def test_close_versions_give_a_nearly_empty_diff(reports: dict[str, dict]) -> No
 
 
 def test_distant_versions_find_every_real_change(reports: dict[str, dict]) -> None:
+    """Witness: the committed reports' source texts compared here, and facts checked by hand in both trees."""
     a, b = reports[OLD], reports[MID]
     d = diff_reports(a, b)
     ta, tb = texts(a), texts(b)
@@ -70,12 +72,14 @@ def test_distant_versions_find_every_real_change(reports: dict[str, dict]) -> No
 
 
 def test_same_version_is_empty(reports: dict[str, dict]) -> None:
+    """Witness: by construction, one report against itself."""
     d = diff_reports(reports[MID], reports[MID])
     assert d["summary"].endswith("no change in the attention path")
     assert not any(d["sources"].values()) and d["probes"]["changed"] == []
 
 
 def test_committed_diffs_are_what_diff_prints(reports: dict[str, dict]) -> None:
+    """Witness: none independent; a change detector for the committed diff files (the tool's output, once)."""
     for a, b in ((OLD, MID), (MID, NEW)):
         committed = json.loads((REPORTS / "diffs" / f"{a}..{b}.json").read_text())
         assert committed == json.loads(json.dumps(diff_reports(reports[a], reports[b])))
@@ -84,6 +88,7 @@ def test_committed_diffs_are_what_diff_prints(reports: dict[str, dict]) -> None:
 
 @pytest.mark.skipif(ENGINE is None, reason=f"cannot draw SVG: {how_to_get_an_engine()}")
 def test_cli_diff_writes_all_formats(tmp_path: Path) -> None:
+    """Witness: the files the test asked for, and the versions, schema name and markers the test expects."""
     proc = qkv("diff", str(REPORTS / OLD), str(REPORTS / MID / "report.json"), "--json", str(tmp_path / "d.json"),
                "--md", str(tmp_path / "d.md"), "--svg", str(tmp_path / "d.svg"))  # fmt: skip
     assert proc.returncode == 0, proc.stderr
@@ -95,6 +100,7 @@ def test_cli_diff_writes_all_formats(tmp_path: Path) -> None:
 
 
 def test_cli_diff_without_a_layout_program_writes_the_rest(tmp_path: Path) -> None:
+    """Witness: the missing layout program the test names, and the files it asked for."""
     env = {**ENV, ENGINE_ENV: str(tmp_path / "no-such-program")}
     proc = qkv("diff", str(REPORTS / OLD), str(REPORTS / MID), "--md", str(tmp_path / "d.md"),
                "--svg", str(tmp_path / "d.svg"), env=env)  # fmt: skip
@@ -108,7 +114,9 @@ def test_cli_diff_without_a_layout_program_writes_the_rest(tmp_path: Path) -> No
     reason=f"the committed pictures are drawn by graphviz-pure; this machine has {ENGINE or 'no layout program'}",
 )
 def test_committed_diff_pictures_are_what_graphviz_pure_draws(reports: dict[str, dict]) -> None:
-    """Byte for byte on any machine (graphviz-pure carries its fonts); redraw them when graphviz-pure changes."""
+    """Byte for byte on any machine (graphviz-pure carries its fonts); redraw them when graphviz-pure changes.
+
+    Witness: none independent; a change detector for the committed pictures."""
     for a, b in ((OLD, MID), (MID, NEW)):
         drawing = render_svg(diff_dot(reports[a], reports[b], diff_reports(reports[a], reports[b])))
         assert drawing.svg is not None, drawing.problem
@@ -125,6 +133,7 @@ def test_committed_diff_pictures_are_what_graphviz_pure_draws(reports: dict[str,
     ],
 )
 def test_cli_diff_refuses_bad_reports(tmp_path: Path, content: str, needle: str) -> None:
+    """Witness: the bad file the test wrote, and the message the test expects."""
     bad = tmp_path / "report.json"
     bad.write_text(content)
     proc = qkv("diff", str(bad), str(REPORTS / MID))
@@ -135,6 +144,7 @@ def test_cli_diff_refuses_bad_reports(tmp_path: Path, content: str, needle: str)
 
 
 def test_diff_needs_no_torch() -> None:
+    """Witness: torch blocked in ``sys.modules`` by the test; the versions of the reports it names."""
     code = (
         "import sys; sys.modules['torch'] = None\n"
         "from qkvtrace.reportio import load_report\nfrom qkvtrace.diff import diff_reports\n"
@@ -150,7 +160,9 @@ def test_diff_needs_no_torch() -> None:
 
 
 def test_collector_runs_without_rendering_libraries() -> None:
-    """What `compare` ships to the other environment needs torch only."""
+    """What `compare` ships to the other environment needs torch only.
+
+    Witness: the rendering libraries blocked in ``sys.modules`` by the test; the schema name the test expects."""
     code = (
         "import sys\nfor name in ('rich', 'networkx', 'graphviz'): sys.modules[name] = None\n"
         "import runpy; runpy.run_module('qkvtrace.report', run_name='__main__')"
@@ -162,7 +174,9 @@ def test_collector_runs_without_rendering_libraries() -> None:
 
 
 def test_compare_same_interpreter_twice(tmp_path: Path) -> None:
-    """The second interpreter given by a path relative to the working directory, as people type it."""
+    """The second interpreter given by a path relative to the working directory, as people type it.
+
+    Witness: by construction, the same interpreter twice (so no change), and the files the test asked for."""
     here = Path(sys.executable).parent
     proc = subprocess.run([sys.executable, "-m", "qkvtrace", "compare", "--python", sys.executable, "--python",
                            f"./{Path(sys.executable).name}", "--out", str(tmp_path), "--md", str(tmp_path / "d.md")],
@@ -174,6 +188,7 @@ def test_compare_same_interpreter_twice(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("kind", ["not-python", "no-torch", "missing"])
 def test_compare_refuses_bad_interpreters(tmp_path: Path, kind: str) -> None:
+    """Witness: the bad interpreter the test made (or torch hidden from it), and the message the test expects."""
     if kind == "not-python":
         exe = tmp_path / "fake"
         exe.write_text("#!/bin/sh\nexit 3\n")

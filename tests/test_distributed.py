@@ -265,6 +265,7 @@ def _records(trace: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def test_ddp_names_as_in_the_unwrapped_model(job: dict[int, dict[str, Any]]) -> None:
+    """Witness: ``PACKED``, the attention modules of ``Net`` named as in ``Net`` itself."""
     expected = sorted(PACKED)  # the attention modules of Net, named as in Net itself
     for rank, found in job.items():
         trace = found["ddp"]["trace"]
@@ -274,6 +275,7 @@ def test_ddp_names_as_in_the_unwrapped_model(job: dict[int, dict[str, Any]]) -> 
 
 
 def test_ddp_records_carry_rank_and_world_size(job: dict[int, dict[str, Any]]) -> None:
+    """Witness: each rank's ``dist.get_rank()`` and ``dist.get_world_size()``, saved by the worker, and WORLD."""
     for rank, found in job.items():
         assert (found["rank"], found["world_size"]) == (rank, WORLD)
         records = _records(found["ddp"]["trace"])
@@ -299,6 +301,7 @@ def _same(a: dict[str, float], b: dict[str, float]) -> bool:
 
 
 def test_ddp_gradients_are_the_reduced_ones_on_every_rank(job: dict[int, dict[str, Any]]) -> None:
+    """Witness: the reduced .grad, sliced by hand in each rank after the step, and each rank's local .grad."""
     for rank, found in job.items():
         recorded, reduced = _flat(_grads(found["ddp"]["trace"])), _flat(found["ddp"]["reduced"])
         assert _same(recorded, reduced), (rank, recorded, reduced)
@@ -318,6 +321,7 @@ def _merge(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_per_rank_files_merge_when_ranks_agree(job: dict[int, dict[str, Any]], tmp_path: Path) -> None:
+    """Witness: WORLD, and the order ``Net.forward`` calls its attention modules in."""
     folder = Path(job[0]["out"]) / "ddp"
     assert sorted(p.name for p in folder.iterdir()) == ["trace.rank0.json", "trace.rank1.json"]
     proc = _merge(str(folder), "--json", str(tmp_path / "merged.json"))
@@ -330,6 +334,7 @@ def test_per_rank_files_merge_when_ranks_agree(job: dict[int, dict[str, Any]], t
 
 
 def test_merge_flags_the_rank_that_fell_off_the_fast_path(job: dict[int, dict[str, Any]], tmp_path: Path) -> None:
+    """Witness: the per-rank trace files (merge's input); the worker left rank 1 alone in training mode."""
     folder = Path(job[0]["out"]) / "split"
     traces = {r: json.loads((folder / f"trace.rank{r}.json").read_text()) for r in range(WORLD)}
     mha = {r: next(c for c in t["calls"] if c["module"] == "encoder.attn") for r, t in traces.items()}
@@ -351,7 +356,8 @@ def test_long_run_streams_one_file_per_rank_and_merge_flags_the_odd_rank(
     job: dict[int, dict[str, Any]], tmp_path: Path
 ) -> None:
     """Each rank streamed ``run.jsonl`` as its own ``run.rank{R}.jsonl`` (rank and world size on its start line);
-    rank 1 alone switched to eval at step 2 (set by the worker): merged, exactly that change, on rank 1 only."""
+    rank 1 alone switched to eval at step 2 (set by the worker): merged, exactly that change, on rank 1 only.
+    Witness: the switch the worker made, the stream paths it asked for, and each rank's own rank and WORLD."""
     folder = Path(job[0]["out"]) / "streams"
     assert sorted(p.name for p in folder.iterdir()) == [f"run.rank{r}.jsonl" for r in range(WORLD)]
     assert [job[r]["stream_path"] for r in range(WORLD)] == [str(folder / f"run.rank{r}.jsonl") for r in range(WORLD)]
@@ -378,6 +384,7 @@ def _sharded(job: dict[int, dict[str, Any]], kind: str) -> None:
 
 @pytest.mark.parametrize("kind", list(SHARDED))
 def test_sharded_names_and_ranks(job: dict[int, dict[str, Any]], kind: str) -> None:
+    """Witness: ``PACKED`` (the module names of ``Net``), each rank's own rank and WORLD."""
     _sharded(job, kind)
     for rank, found in job.items():
         trace = found[kind]["trace"]
@@ -403,7 +410,10 @@ def _not_derived(trace: dict[str, Any], kind: str) -> set[str]:
 
 @pytest.mark.parametrize("kind", list(SHARDED))
 def test_sharded_weights_are_read_whole(job: dict[int, dict[str, Any]], kind: str) -> None:
-    """Each rank holds a shard of every weight; the records hold the norms of the whole Q/K/V slices."""
+    """Each rank holds a shard of every weight; the records hold the norms of the whole Q/K/V slices.
+
+    Witness: the Q/K/V weight norms of the model before any wrapper touched it, computed by hand.
+    """
     _sharded(job, kind)
     for rank, found in job.items():
         hidden = _not_derived(found[kind]["trace"], kind)
@@ -421,12 +431,14 @@ def _flat_weights(weights: dict[str, dict[str, float]]) -> dict[str, float]:
 
 
 def test_ddp_weights_are_the_models(job: dict[int, dict[str, Any]]) -> None:
+    """Witness: the Q/K/V weight norms of the unwrapped model, computed by hand in each rank."""
     for rank, found in job.items():
         assert _call_weights(found["ddp"]["trace"]) == pytest.approx(_flat_weights(found["weights"]), rel=1e-5), rank
 
 
 @pytest.mark.parametrize("kind", list(SHARDED))
 def test_sharded_gradients_are_slices_of_the_reduced_grad(job: dict[int, dict[str, Any]], kind: str) -> None:
+    """Witness: the reduced .grad, gathered whole from the shards and sliced by hand; DDP's reduced .grad."""
     _sharded(job, kind)
     for rank, found in job.items():
         hidden = _not_derived(found[kind]["trace"], kind)

@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _sdpa_bound_module import BoundSDPAAttention
+from _witness import profiled
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -55,6 +56,7 @@ def _mha() -> nn.MultiheadAttention:
 
 @pytest.mark.parametrize("order", ["first-in-first-out", "last-in-first-out"])
 def test_two_threads_any_exit_order(order: str, pytorch_own: dict[str, Any]) -> None:
+    """Witness: two calls per thread by construction; PyTorch's functions saved before, compared after (fixture)."""
     models = [_mha(), _mha()]
     x = torch.randn(B, L, E)
     entered = [threading.Event(), threading.Event()]
@@ -98,6 +100,7 @@ def test_two_threads_any_exit_order(order: str, pytorch_own: dict[str, Any]) -> 
 
 
 def test_overlapping_traces_in_one_thread_any_order(pytorch_own: dict[str, Any]) -> None:
+    """Witness: one call per model by construction; PyTorch's SDPA saved before the traces (fixture), by ``is``."""
     a_model, b_model = _mha(), _mha()
     x = torch.randn(B, L, E)
     a, b = qkvtrace.trace(a_model), qkvtrace.trace(b_model)
@@ -112,8 +115,11 @@ def test_overlapping_traces_in_one_thread_any_order(pytorch_own: dict[str, Any])
 
 
 def test_nested_traces_of_a_model_with_bound_sdpa_both_record() -> None:
+    """Witness: call order by construction; torch.profiler's attention ops on an untraced run of the model."""
     model = nn.Sequential(BoundSDPAAttention(E, H), BoundSDPAAttention(E, H))
     x = torch.randn(B, L, E)
+    untraced = profiled(lambda: model(x)).segments  # one segment per module, each with its kernel
+    assert len(untraced) == 2 and all(len(ops) >= 2 for ops in untraced), untraced
     with qkvtrace.trace(model) as outer:
         model(x)
         with qkvtrace.trace(model[1]) as inner:
@@ -121,13 +127,13 @@ def test_nested_traces_of_a_model_with_bound_sdpa_both_record() -> None:
     assert _sdpa_bound_module.scaled_dot_product_attention is F.scaled_dot_product_attention
     assert [(c.index, c.module) for c in outer.calls] == [(0, "0"), (1, "1"), (2, "0"), (3, "1")]
     assert [(c.index, c.module) for c in inner.calls] == [(0, "")]
-    # both see the kernel, not only the dispatcher entry
-    for call in [*outer.calls, *inner.calls]:
-        assert call.aten_ops is not None and len(call.aten_ops) >= 2, call.aten_ops
-    assert inner.calls[0].aten_ops == outer.calls[3].aten_ops
+    # both see the kernel, not only the dispatcher entry: the ops the profiler saw untraced
+    assert [c.aten_ops for c in outer.calls] == untraced * 2
+    assert [c.aten_ops for c in inner.calls] == untraced[1:]
 
 
 def test_threads_all_records_other_threads_and_entering_does_not() -> None:
+    """Witness: the thread name given here and ``threading.current_thread().name``."""
     model = _mha()
     x = torch.randn(B, L, E)
 
@@ -146,6 +152,7 @@ def test_threads_all_records_other_threads_and_entering_does_not() -> None:
 
 
 def test_threads_argument_is_checked() -> None:
+    """Witness: the value passed here is none of the documented choices."""
     with pytest.raises(ValueError, match="threads"):
         qkvtrace.trace(_mha(), threads="some")  # type: ignore[arg-type]
 
@@ -161,7 +168,10 @@ def _user_profiled(fn: Callable[[], Any]) -> list[str]:
 
 
 def test_under_a_user_profiler_never_an_invented_kernel() -> None:
-    """A fresh process: the signature was never witnessed, so there is no evidence, and it says so."""
+    """A fresh process: the signature was never witnessed, so there is no evidence, and it says so.
+
+    Witness: the user's own profiler in that process, and the MATH backend forced by ``sdpa_kernel``.
+    """
     code = textwrap.dedent(
         """
         import json, torch
@@ -191,9 +201,11 @@ def test_under_a_user_profiler_never_an_invented_kernel() -> None:
 
 
 def test_under_a_user_profiler_evidence_from_an_identical_earlier_call(packed_attention_cls: Any) -> None:
+    """Witness: torch.profiler's attention ops on an untraced run of the same call, and the user's profiler."""
     model = packed_attention_cls(E, H)
     x = torch.randn(B, L, E)
     with sdpa_kernel(SDPBackend.MATH):
+        untraced = profiled(lambda: model(x)).segments
         with qkvtrace.trace(model) as first:
             model(x)
         with torch.profiler.profile() as prof, qkvtrace.trace(model) as t:
@@ -201,7 +213,7 @@ def test_under_a_user_profiler_evidence_from_an_identical_earlier_call(packed_at
     seen = [e.name for e in prof.events() if is_attention_op(e.name)]
     call = t.calls[0]
     assert call.evidence == "cached"
-    assert call.aten_ops == first.calls[0].aten_ops
+    assert [call.aten_ops] == [first.calls[0].aten_ops] == untraced
     assert set(call.aten_ops or []) <= set(seen)
     assert any("math" in op for op in call.aten_ops or [])
 
@@ -303,6 +315,7 @@ class DirectFunctionAttention(nn.Module):
 
 
 def test_direct_multi_head_attention_forward_is_a_fallback_call_of_its_module() -> None:
+    """Witness: the module's construction, its weight and its real .grad, sliced in the test."""
     model = nn.Sequential(nn.Identity(), DirectFunctionAttention())
     x = torch.randn(L, B, E)
     with qkvtrace.trace(model) as t:
@@ -365,6 +378,7 @@ class ParentHeldAttention(nn.Module):
 
 
 def test_conv1d_packed_projection_is_sliced_by_columns() -> None:
+    """Witness: the Conv1D weight, bias and real .grad, sliced by columns in the test."""
     model = nn.Sequential(Conv1DAttention())
     x = torch.randn(B, L, E)
     with qkvtrace.trace(model) as t:
@@ -382,6 +396,7 @@ def test_conv1d_packed_projection_is_sliced_by_columns() -> None:
 
 
 def test_projections_in_the_parent_of_the_kernel_caller() -> None:
+    """Witness: the module's construction, and the weights and real .grad of its projections."""
     model = nn.Sequential(ParentHeldAttention())
     x = torch.randn(B, L, E)
     with qkvtrace.trace(model) as t:
@@ -467,15 +482,18 @@ def _relative_bias(score: torch.Tensor, b: Any, h: Any, q_idx: Any, kv_idx: Any)
 
 
 def test_flex_attention_is_recorded() -> None:
+    """Witness: the untraced output, FlexAttention saved before the trace (by ``is``), the test's score_mod."""
     flex = pytest.importorskip("torch.nn.attention.flex_attention")
     model = nn.Sequential(FlexBlock())
     x = torch.randn(B, L, E)
+    original = flex.flex_attention  # PyTorch's own function, defined in PyTorch's own file
+    assert Path(original.__code__.co_filename) == Path(flex.__file__)
     with torch.no_grad():
         plain = model(x)
         with qkvtrace.trace(model) as t:
             traced = model(x)
     assert torch.equal(plain, traced)
-    assert flex.flex_attention is qkvtrace.tracer.install.installation().originals()["flex_attention"]
+    assert flex.flex_attention is original
     [call] = t.calls
     assert (call.module, call.path, call.sdpa_backend) == ("0", "flex", None)
     assert call.inputs["score_mod"] == "_relative_bias" and call.inputs["block_mask"] is None

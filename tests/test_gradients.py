@@ -61,6 +61,7 @@ def assert_record(record: Any, expected: dict[str, tuple[float, float | None]], 
 
 
 def test_packed_mha_slices_match_in_proj_grad() -> None:
+    """Witness: thirds of ``in_proj_weight.grad`` and ``in_proj_bias.grad``, sliced in the test."""
     mha = nn.MultiheadAttention(E, H, batch_first=True)
     x = torch.randn(B, L, E)
     with qkvtrace.trace(mha) as t:
@@ -88,6 +89,7 @@ def test_packed_mha_slices_match_in_proj_grad() -> None:
 
 
 def test_module_run_twice_before_one_backward() -> None:
+    """Witness: the real .grad, and ``torch.autograd.grad`` on an untouched copy of the module."""
     mha = nn.MultiheadAttention(E, H, batch_first=True)
     reference = copy.deepcopy(mha)
     x1, x2 = torch.randn(B, L, E), torch.randn(B, L, E)
@@ -109,6 +111,7 @@ def test_module_run_twice_before_one_backward() -> None:
 
 
 def test_two_backwards_without_zero_grad() -> None:
+    """Witness: .grad read after each backward, and ``torch.autograd.grad`` of each pass on an untouched copy."""
     mha = nn.MultiheadAttention(E, H, batch_first=True)
     reference = copy.deepcopy(mha)
     x1, x2 = torch.randn(B, L, E), torch.randn(B, L, E)
@@ -133,6 +136,7 @@ def test_two_backwards_without_zero_grad() -> None:
 
 
 def test_zero_grad_between_backwards_gives_each_pass() -> None:
+    """Witness: the real .grad after the second pass, sliced in the test."""
     mha = nn.MultiheadAttention(E, H, batch_first=True)
     x1, x2 = torch.randn(B, L, E), torch.randn(B, L, E)
     with qkvtrace.trace(mha) as t:
@@ -146,6 +150,7 @@ def test_zero_grad_between_backwards_gives_each_pass() -> None:
 
 
 def test_separate_layout_uses_q_k_v_proj_weights() -> None:
+    """Witness: the real .grad of ``q/k/v_proj_weight`` and of the packed bias; the shapes passed here."""
     mha = nn.MultiheadAttention(E, H, batch_first=True, kdim=24, vdim=20)
     assert mha.in_proj_weight is None
     q, k, v = torch.randn(B, L, E), torch.randn(B, L + 2, 24), torch.randn(B, L + 2, 20)
@@ -166,6 +171,7 @@ def test_separate_layout_uses_q_k_v_proj_weights() -> None:
 
 
 def test_no_bias_gives_null_bias_grad() -> None:
+    """Witness: the real .grad of ``in_proj_weight``, sliced in the test; ``bias=False`` given here."""
     mha = nn.MultiheadAttention(E, H, batch_first=True, bias=False)
     x = torch.randn(B, L, E)
     with qkvtrace.trace(mha) as t:
@@ -175,6 +181,7 @@ def test_no_bias_gives_null_bias_grad() -> None:
 
 
 def test_custom_packed_linear_module_calling_sdpa(packed_attention_cls: Any) -> None:
+    """Witness: the real .grad of ``qkv``, and ``torch.autograd.grad`` of the second pass on an untouched copy."""
     model = nn.Sequential(nn.Linear(E, E), packed_attention_cls(E, H))
     attn: Any = model[1]
     reference = copy.deepcopy(model)
@@ -194,6 +201,7 @@ def test_custom_packed_linear_module_calling_sdpa(packed_attention_cls: Any) -> 
 
 
 def test_each_module_of_an_encoder_gets_its_own_record() -> None:
+    """Witness: each layer's real ``in_proj`` .grad, sliced in the test."""
     layer = nn.TransformerEncoderLayer(E, H, dim_feedforward=64, dropout=0.0, batch_first=True)
     enc = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
     x = torch.randn(B, L, E)
@@ -208,6 +216,8 @@ def test_each_module_of_an_encoder_gets_its_own_record() -> None:
 
 
 def test_only_modules_reached_by_the_backward_get_a_record() -> None:
+    """Witness: PyTorch leaves ``b``'s .grad None: the backward never reached it."""
+
     class Two(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -226,6 +236,7 @@ def test_only_modules_reached_by_the_backward_get_a_record() -> None:
 
 
 def test_gradients_in_json() -> None:
+    """Witness: the real .grad after both passes, sliced in the test."""
     mha = nn.MultiheadAttention(E, H, batch_first=True)
     x1, x2 = torch.randn(B, L, E), torch.randn(B, L, E)
     with qkvtrace.trace(mha) as t:
@@ -245,5 +256,7 @@ def test_gradients_in_json() -> None:
     for part in PARTS:
         assert grads[1][part]["grad_norm"] == approx(expected[part][0])
         assert grads[1][part]["bias_grad_norm"] == approx(expected[part][1])
-    # and it reads back to the same records
-    assert TraceResult.from_dict(data).gradients == t.gradients
+    # and it reads back to the same records, still holding the real .grad
+    read_back = TraceResult.from_dict(data).gradients
+    assert read_back == t.gradients
+    assert_record(read_back[1], expected)

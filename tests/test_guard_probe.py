@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.profiler import ProfilerActivity, profile
 
 import qkvtrace
 from qkvtrace.behaviour import agreement, fully_masked_rows, mask_semantics
@@ -26,6 +27,7 @@ def _layer() -> nn.TransformerEncoderLayer:
 
 
 def test_guard_keeps_the_fused_path_within_budget() -> None:
+    """Witness: the unguarded layer's output computed here, and torch.profiler's record of the fused op."""
     layer, x = _layer(), torch.randn(2, 6, 32)
     with torch.inference_mode():
         plain = layer(x)
@@ -33,18 +35,32 @@ def test_guard_keeps_the_fused_path_within_budget() -> None:
         guarded = g(x)
     assert torch.equal(plain, guarded)
     assert [c.path for c in t.calls] == ["fused_encoder_layer"]  # a forward hook would have refused it
+    with guard(layer, max_tokens=100) as g, profile(activities=[ProfilerActivity.CPU]) as prof, torch.inference_mode():
+        g(x)
+    assert "aten::_transformer_encoder_layer_fwd" in {e.name for e in prof.events()}  # PyTorch's fused path
     assert "forward" not in layer.__dict__ and not layer._forward_pre_hooks and not layer._forward_hooks
 
 
 def test_guard_refuses_before_running() -> None:
+    """Witness: torch.profiler sees no op of the layer run; the memory limit is half of B·H·T²·4 + 4·B·T·E·4
+    bytes, computed here."""
     layer = _layer()
     x = torch.randn(4, 64, 32)
     with guard(layer, max_tokens=100), qkvtrace.trace(layer) as t, pytest.raises(ValueError, match="max_tokens=100"):
         layer(x)
     assert t.calls == []  # nothing ran
-    est = attention_estimate(layer, 4, 64)
     with (
-        guard(layer, max_tokens=None, max_attention_mb=est["attention_mb"] / 2),
+        guard(layer, max_tokens=100),
+        profile(activities=[ProfilerActivity.CPU]) as prof,
+        pytest.raises(ValueError, match="max_tokens=100"),
+    ):
+        layer(x)
+    assert not [e.name for e in prof.events() if e.name.startswith("aten::")]  # no PyTorch op ran
+    mb = (4 * 4 * 64 * 64 * 4 + 4 * 4 * 64 * 32 * 4) / 2**20  # weights B·H·T² and Q, K, V, output in float32
+    est = attention_estimate(layer, 4, 64)
+    assert est["attention_mb"] == pytest.approx(mb)
+    with (
+        guard(layer, max_tokens=None, max_attention_mb=mb / 2),
         pytest.raises(ValueError, match="max_attention_mb"),
     ):
         layer(x)
@@ -52,9 +68,16 @@ def test_guard_refuses_before_running() -> None:
 
 
 def test_estimate_grows_with_the_square_of_length() -> None:
+    """Witness: B·H·T² weights plus 4·B·T·E activations in float32 bytes, computed here for the layer built here
+    (4 heads, E = 32)."""
     layer = _layer()
     small, big = attention_estimate(layer, 1, 1024), attention_estimate(layer, 1, 2048)
-    assert big["attention_mb"] / small["attention_mb"] > 3.5
+
+    def mb(length: int) -> float:
+        return (1 * 4 * length * length * 4 + 4 * 1 * length * 32 * 4) / 2**20
+
+    assert (small["attention_mb"], big["attention_mb"]) == pytest.approx((mb(1024), mb(2048)))
+    assert mb(2048) / mb(1024) > 3.5
     assert small["heads"] == 4 and small["bytes_per_element"] == 4
 
 
@@ -179,6 +202,7 @@ def test_fully_masked_rows_and_agreement_are_measured() -> None:
 
 
 def test_probe_cli(tmp_path: Path) -> None:
+    """Witness: the file the command wrote, read here, and the running PyTorch's version."""
     out = tmp_path / "p.json"
     proc = subprocess.run([sys.executable, "-m", "qkvtrace", "probe", "--json", str(out)], capture_output=True,
                           text=True, env=ENV, timeout=300)  # fmt: skip

@@ -14,6 +14,7 @@ import hashlib
 import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,12 +23,23 @@ from typing import Any
 import pytest
 
 from qkvtrace.diff import diff_reports
-from qkvtrace.history import HISTORY_SCHEMA, build_history, find_reports, source_change, version_key
+from qkvtrace.history import build_history, find_reports, source_change, version_key
 from qkvtrace.reportio import load_report
 from qkvtrace.validation import check_document
 
 ROOT = Path(__file__).resolve().parents[1]
 REPORTS = ROOT / "reports"
+#: The id the history schema file fixes for ``schema`` (read here, not taken from qkvtrace).
+_HISTORY_SCHEMA_FILE = ROOT / "qkvtrace" / "schemas" / "history-1.json"
+HISTORY_ID = json.loads(_HISTORY_SCHEMA_FILE.read_text(encoding="utf-8"))["properties"]["schema"]["const"]
+
+
+def _numbers(version: str) -> tuple[int, ...]:
+    """``"2.10.0+cu128"`` -> ``(2, 10, 0)``: the release's leading numbers, read here."""
+    match = re.match(r"\d+(?:\.\d+)*", version)
+    assert match, version
+    return tuple(int(x) for x in match.group().split("."))
+
 
 # -- three synthetic releases ----------------------------------------------------
 
@@ -123,9 +135,10 @@ def _write(reports: list[dict[str, Any]], root: Path) -> Path:
 
 
 def test_three_synthetic_reports_give_the_known_history() -> None:
+    """Witness: the three reports built here, whose changes are known by construction (``_three``)."""
     r1, r2, r3 = _three()
     h = build_history([r3, r1, r2])  # any order: releases sort by version number
-    check_document(h, name="history", expected=HISTORY_SCHEMA)
+    check_document(h, name="history", expected=HISTORY_ID)
     assert h["releases"] == ["9.2.0", "9.10.0", "9.11.0"]
     changes = {s["name"]: [(c["release"], c["change"]) for c in s["changes"]] for s in h["sources"]}
     assert changes == {
@@ -149,11 +162,12 @@ def test_three_synthetic_reports_give_the_known_history() -> None:
 
 
 def test_history_command_writes_markdown_json_and_names_releases(tmp_path: Path) -> None:
+    """Witness: the three reports built and written here, and the id fixed by the history schema file."""
     folder = _write(_three(), tmp_path / "reports")
     proc = _run("history", str(folder), "--no-chart")
     assert proc.returncode == 0, proc.stderr
     h = json.loads((folder / "history.json").read_text())
-    assert h["schema"] == HISTORY_SCHEMA and h["releases"] == ["9.2.0", "9.10.0", "9.11.0"]
+    assert h["schema"] == HISTORY_ID and h["releases"] == ["9.2.0", "9.10.0", "9.11.0"]
     md = (folder / "HISTORY.md").read_text()
     assert "| 9.11.0 | `Layer.forward` | reworded | “forward hooks are attached” (was “hooks are attached”) |" in md
     assert "| `helper` | python | 9.2.0 | 9.10.0 (docstring) |" in md
@@ -161,6 +175,7 @@ def test_history_command_writes_markdown_json_and_names_releases(tmp_path: Path)
 
 
 def test_a_report_failing_validation_is_refused_naming_it(tmp_path: Path) -> None:
+    """Witness: the report damaged and written here (an edge without its caller)."""
     r1, r2, r3 = _three()
     del r2["callgraph"]["edges"][0]["caller"]
     folder = _write([r1, r2, r3], tmp_path / "reports")
@@ -173,6 +188,7 @@ def test_a_report_failing_validation_is_refused_naming_it(tmp_path: Path) -> Non
 
 
 def test_one_release_or_a_duplicate_is_refused(tmp_path: Path) -> None:
+    """Witness: one report written here, and the same report given twice."""
     r1, _, _ = _three()
     folder = _write([r1], tmp_path / "one")
     proc = _run("history", str(folder))
@@ -182,6 +198,9 @@ def test_one_release_or_a_duplicate_is_refused(tmp_path: Path) -> None:
 
 
 def test_source_change_kinds() -> None:
+    """Witness: the edits made here to a source text (code, docstring, comment), and the version order written
+    here."""
+
     def src(text: str, kind: str = "python") -> dict[str, Any]:
         return {"kind": kind, "text": text}
 
@@ -193,6 +212,7 @@ def test_source_change_kinds() -> None:
 
 
 def test_chart_draws_a_png(tmp_path: Path) -> None:
+    """Witness: the rows that change in the reports built here, and the PNG signature bytes."""
     pytest.importorskip("matplotlib")
     from qkvtrace.render.history_render import chart_rows, draw_history_chart
 
@@ -206,6 +226,7 @@ def test_chart_draws_a_png(tmp_path: Path) -> None:
 
 
 def test_without_matplotlib_the_timeline_is_written_and_the_chart_names_the_extra(tmp_path: Path) -> None:
+    """Witness: an interpreter in which the test blocks importing matplotlib."""
     folder = _write(_three(), tmp_path / "reports")
     block = "import sys; sys.modules['matplotlib'] = None; from qkvtrace.cli.main import main; sys.exit(main())"
     proc = _run("history", str(folder), code=block)
@@ -245,6 +266,7 @@ def committed() -> dict[str, Any]:
 
 
 def test_committed_history_is_what_the_tool_builds_from_the_committed_reports(committed: dict[str, Any]) -> None:
+    """Witness: the committed reports/history.json and reports/HISTORY.md."""
     from qkvtrace.render.history_render import history_markdown
 
     rebuilt = build_history(find_reports(_committed_report_folders()))
@@ -254,22 +276,55 @@ def test_committed_history_is_what_the_tool_builds_from_the_committed_reports(co
 
 
 def test_committed_history_covers_every_minor_release_from_2_0(committed: dict[str, Any]) -> None:
-    minors = {tuple(version_key(v)[0][:2]) for v in committed["releases"]}
+    """Witness: the minor releases 2.0-2.14 listed here, and the committed releases' numbers read here."""
+    minors = {_numbers(v)[:2] for v in committed["releases"]}
     missing = [f"2.{m}" for m in range(15) if (2, m) not in minors]
     assert not missing, f"no committed report for torch {', '.join(missing)}"
 
 
+def _condition_triples(report: dict[str, Any]) -> set[tuple[str, str, str]]:
+    return {(blk["function"], c["reason"], c["condition"]) for blk in report["fast_path_conditions"]
+            for c in blk["conditions"]}  # fmt: skip
+
+
 def test_committed_history_agrees_with_pairwise_diff(committed: dict[str, Any]) -> None:
-    reports = {r["environment"]["torch_version"]: r for _, r in find_reports(_committed_report_folders())}
+    """Witness: the committed report files read with json; for each consecutive pair the test compares sources
+    (by sha256), fast-path conditions (function, reason, condition) and call edges itself. Which of several
+    candidates a reworded condition pairs with, and the probe changes, follow ``diff``'s rules: there the
+    pairwise ``diff_reports`` is the cross-check."""
+    reports: dict[str, dict[str, Any]] = {}
+    for folder in _committed_report_folders():
+        report = json.loads((folder / "report.json").read_text(encoding="utf-8"))
+        reports[report["environment"]["torch_version"]] = report
     releases = committed["releases"]
-    assert releases == sorted(reports, key=version_key)
+    assert releases == sorted(reports, key=lambda v: (_numbers(v), v))
     for a, b in itertools.pairwise(releases):
         d = diff_reports(reports[a], reports[b])
+        sha_a = {s["name"]: s["sha256"] for s in reports[a]["sources"]}
+        sha_b = {s["name"]: s["sha256"] for s in reports[b]["sources"]}
         at_b = {s["name"]: [c["change"] for c in s["changes"] if c["release"] == b] for s in committed["sources"]}
-        assert sorted(n for n, c in at_b.items() if c and c[0] not in ("added", "removed")) == d["sources"]["changed"]
-        assert sorted(n for n, c in at_b.items() if c == ["added"]) == d["sources"]["added"]
-        assert sorted(n for n, c in at_b.items() if c == ["removed"]) == d["sources"]["removed"]
+        assert sorted(n for n, c in at_b.items() if c and c[0] not in ("added", "removed")) == sorted(
+            n for n in sha_a.keys() & sha_b.keys() if sha_a[n] != sha_b[n]
+        )
+        assert sorted(n for n, c in at_b.items() if c == ["added"]) == sorted(sha_b.keys() - sha_a.keys())
+        assert sorted(n for n, c in at_b.items() if c == ["removed"]) == sorted(sha_a.keys() - sha_b.keys())
         conds = [c for c in committed["fast_path_conditions"] if c["release"] == b]
+        # by hand: every (function, reason, condition) that left is removed or reworded away, every one that came
+        # is added or reworded to; a rewording keeps its condition or its words, and no removed one could have
+        # paired with an added one
+        gone = _condition_triples(reports[a]) - _condition_triples(reports[b])
+        came = _condition_triples(reports[b]) - _condition_triples(reports[a])
+        new = sorted((c["function"], c["reason"], c["condition"]) for c in conds if c["change"] != "removed")
+        old = sorted((c["function"], c["reason"], c["condition"]) for c in conds if c["change"] == "removed") + [
+            (c["function"], c["was"], c["condition_was"]) for c in conds if c["change"] == "reworded"
+        ]
+        assert new == sorted(came) and sorted(old) == sorted(gone)
+        for c in conds:
+            if c["change"] == "reworded":
+                assert c["condition"] == c["condition_was"] or c["reason"] == c["was"], c
+        for x, y in itertools.product([c for c in conds if c["change"] == "removed"],
+                                      [c for c in conds if c["change"] == "added"]):  # fmt: skip
+            assert x["function"] != y["function"] or (x["reason"] != y["reason"] and x["condition"] != y["condition"])
         fp = d["fast_path_conditions"]
         assert sorted(c["reason"] for c in conds if c["change"] == "added") == sorted(c["reason"] for c in fp["added"])
         assert sorted(c["reason"] for c in conds if c["change"] == "removed") == sorted(
@@ -280,7 +335,10 @@ def test_committed_history_agrees_with_pairwise_diff(committed: dict[str, Any]) 
                         for c in p["changes"] if c["release"] == b)  # fmt: skip
         assert probes == sorted((c["kind"], c["key"], c["was"], c["became"]) for c in d["probes"]["changed"])
         edges = [g for g in committed["callgraph"] if g["release"] == b]
-        g = d["callgraph"]
+        ea = {(e["caller"], e["callee"]) for e in reports[a]["callgraph"]["edges"]}
+        eb = {(e["caller"], e["callee"]) for e in reports[b]["callgraph"]["edges"]}
+        g = {"edges_added": [{"caller": x, "callee": y} for x, y in sorted(eb - ea)],
+             "edges_removed": [{"caller": x, "callee": y} for x, y in sorted(ea - eb)]}  # fmt: skip
         if g["edges_added"] or g["edges_removed"]:
             assert edges == [{"release": b, "from": a, **g}]
         else:
@@ -288,9 +346,11 @@ def test_committed_history_agrees_with_pairwise_diff(committed: dict[str, Any]) 
 
 
 def test_old_releases_say_what_they_lack_instead_of_failing(committed: dict[str, Any]) -> None:
-    """Before torch.nn.attention (2.3) the report names it missing, and still measures behaviour."""
+    """Before torch.nn.attention (2.3) the report names it missing, and still measures behaviour.
+
+    Witness: the committed history.json and the old releases' committed report files, read with json."""
     lacking = {m["name"]: m["releases"] for m in committed["missing"]}
-    olds = [v for v in committed["releases"] if version_key(v)[0][:2] < (2, 3)]
+    olds = [v for v in committed["releases"] if _numbers(v)[:2] < (2, 3)]
     assert olds and set(olds) <= set(lacking.get("torch.nn.attention.sdpa_kernel", []))
     for version in olds:
         report = json.loads((REPORTS / f"torch-{version}" / "report.json").read_text())
@@ -303,7 +363,9 @@ def test_old_releases_say_what_they_lack_instead_of_failing(committed: dict[str,
 
 
 def test_compat_forces_backends_by_capability() -> None:
-    """The API used to force a backend is the one this PyTorch has; a name it cannot force is refused."""
+    """The API used to force a backend is the one this PyTorch has; a name it cannot force is refused.
+
+    Witness: whether this torch has ``torch.nn.attention.sdpa_kernel``, and ``flash_sdp_enabled`` read from torch."""
     import torch
 
     from qkvtrace import compat
@@ -320,6 +382,7 @@ def test_compat_forces_backends_by_capability() -> None:
 
 
 def test_readme_headline_rows_are_what_the_committed_history_measured(committed: dict[str, Any]) -> None:
+    """Witness: the headline rows written here, found in the committed history.json and in docs/compare.md."""
     readme = " ".join((ROOT / "docs" / "compare.md").read_text(encoding="utf-8").split())
     added = {
         (c["release"].split("+")[0], c["reason"]) for c in committed["fast_path_conditions"] if c["change"] == "added"
@@ -339,6 +402,7 @@ def test_readme_headline_rows_are_what_the_committed_history_measured(committed:
 
 
 def test_collect_refuses_a_path_that_is_not_a_python(tmp_path: Path) -> None:
+    """Witness: a path named here where no file exists."""
     proc = _run("history", "--python", str(tmp_path / "no-python"), "--out", str(tmp_path / "out"))
     assert proc.returncode == 2 and "is not an executable file" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
@@ -346,7 +410,9 @@ def test_collect_refuses_a_path_that_is_not_a_python(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_collect_under_an_interpreter_writes_a_report_folder(tmp_path: Path) -> None:
-    """The collector shipped to another interpreter (here this one) writes what `inspect` writes."""
+    """The collector shipped to another interpreter (here this one) writes what `inspect` writes.
+
+    Witness: the files listed in the written folder, and this interpreter's ``torch.__version__``."""
     import torch
 
     proc = _run("history", "--python", sys.executable, "--out", str(tmp_path), "--no-timeline")

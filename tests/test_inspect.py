@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import inspect
 import json
@@ -9,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +45,7 @@ def qkv(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None) 
 
 
 def test_collection_is_deterministic(report: dict[str, Any]) -> None:
+    """Witness: a second collection made here, and torch's install folder read from ``torch.__file__``."""
     assert dumps_report(collect_report()) == dumps_report(report)
     text = dumps_report(report)
     assert str(Path(torch.__file__).parent) not in text  # no absolute paths
@@ -50,6 +53,7 @@ def test_collection_is_deterministic(report: dict[str, Any]) -> None:
 
 
 def test_sources_are_the_installed_text(report: dict[str, Any]) -> None:
+    """Witness: ``inspect.getsource`` of the installed PyTorch, hashed here with ``hashlib``."""
     sources = by_name(report)
     entry = sources["torch.nn.modules.activation.MultiheadAttention.forward"]
     expected = inspect.getsource(nn.MultiheadAttention.forward)
@@ -63,7 +67,9 @@ def test_sources_are_the_installed_text(report: dict[str, Any]) -> None:
 
 
 def test_discovery_follows_calls(report: dict[str, Any]) -> None:
-    """Every torch.nn.functional helper that multi_head_attention_forward's source calls is read."""
+    """Every torch.nn.functional helper that multi_head_attention_forward's source calls is read.
+
+    Witness: the helpers' names found here with a regex in ``inspect.getsource`` of the installed function."""
     sources = by_name(report)
     text = inspect.getsource(F.multi_head_attention_forward)
     called = set(re.findall(r"\b(_[a-z_]+)\(", text))
@@ -78,6 +84,7 @@ def test_discovery_follows_calls(report: dict[str, Any]) -> None:
 
 
 def test_builtins_record_signature_and_aten_ops(report: dict[str, Any]) -> None:
+    """Witness: ``inspect.getdoc`` of the installed SDPA, and the aten op names written here."""
     sources = by_name(report)
     native = sources["torch._native_multi_head_attention"]
     assert native["kind"] == "builtin" and native["file"] is None
@@ -102,6 +109,7 @@ def _reason_matches(why: str, reason: str) -> bool:
 
 
 def test_reason_matcher_needs_the_whole_reason() -> None:
+    """Witness: the reason strings and the f-string template written here."""
     template = 'f"dtypes of query ({query.dtype}) and self.in_proj_weight ({self.in_proj_weight.dtype}) don\'t match"'
     assert _reason_matches(
         "dtypes of query (torch.float16) and self.in_proj_weight (torch.float32) don't match", template
@@ -112,7 +120,23 @@ def test_reason_matcher_needs_the_whole_reason() -> None:
     assert not _reason_matches("training is", "training is enabled")
 
 
+def _source_reasons(fn: Any) -> list[str]:
+    """Every non-empty value ``fn``'s source assigns to ``why_not_fast_path``, in the form ``_reason_matches`` reads:
+    a plain string as its value, an f-string as its source text."""
+    src = textwrap.dedent(inspect.getsource(fn))
+    found = []
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "why_not_fast_path" for t in node.targets):
+            if isinstance(node.value, ast.Constant) and node.value.value:
+                found.append(node.value.value)
+            elif isinstance(node.value, ast.JoinedStr):
+                found.append(ast.get_source_segment(src, node.value) or "")
+    return found
+
+
 def test_fast_path_conditions_match_source_and_observation(report: dict[str, Any]) -> None:
+    """Witness: the installed ``MultiheadAttention.forward`` source (its assignments, read here with a regex
+    and with ``ast``), and the reason and condition written here for the encoder layer."""
     blocks = {b["function"]: b["conditions"] for b in report["fast_path_conditions"]}
     mha_src = inspect.getsource(nn.MultiheadAttention.forward)
     reasons = [c["reason"] for c in blocks["torch.nn.modules.activation.MultiheadAttention.forward"]]
@@ -124,18 +148,21 @@ def test_fast_path_conditions_match_source_and_observation(report: dict[str, Any
     for r in reasons:
         position = mha_src.find(r[2:14] if r.startswith(("f'", 'f"')) else r[:20], position + 1)
         assert position > 0, r
-    # every reason the tracer observed in the scenarios is one of them (plain strings)
+    # every reason the tracer observed in the scenarios is one the source assigns (read here with ast)
+    in_source = _source_reasons(nn.MultiheadAttention.forward)
+    assert len(in_source) == len(assigned)
     observed = {
         c["why_not_fast_path"] for s in report["probes"]["scenarios"] for c in s["calls"] if c["why_not_fast_path"]
     }
     assert observed
     for why in observed:
-        assert any(_reason_matches(why, r) for r in reasons), why
+        assert any(_reason_matches(why, r) for r in in_source), why
     layer = blocks["torch.nn.modules.transformer.TransformerEncoderLayer.forward"]
     assert any(c["reason"] == "training is enabled" and c["condition"] == "self.training" for c in layer)
 
 
 def test_call_graph_marks_paths(report: dict[str, Any]) -> None:
+    """Witness: PyTorch's call structure as written here (which path reaches which function or aten op)."""
     edges = {(e["caller"], e["callee"]): e for e in report["callgraph"]["edges"]}
     mha = "torch.nn.modules.activation.MultiheadAttention.forward"
     fast = edges[(mha, "torch._native_multi_head_attention")]
@@ -151,6 +178,7 @@ def test_call_graph_marks_paths(report: dict[str, Any]) -> None:
 
 
 def test_scenarios_reuse_the_tracer(report: dict[str, Any]) -> None:
+    """Witness: the path, reason and SDPA backend each scenario forces, written here."""
     scenarios = {s["name"]: s for s in report["probes"]["scenarios"]}
     assert len(scenarios) >= 12
     assert [c["path"] for c in scenarios["encoder_inference"]["calls"]] == ["fused_encoder_layer"] * 2
@@ -159,6 +187,7 @@ def test_scenarios_reuse_the_tracer(report: dict[str, Any]) -> None:
 
 
 def test_missing_functions_are_recorded_not_fatal() -> None:
+    """Witness: a name written here that torch.nn.functional does not have, beside one it has."""
     found = introspect.discover(
         ("torch.nn.functional.no_such_attention", "torch.nn.functional.multi_head_attention_forward")
     )
@@ -168,6 +197,7 @@ def test_missing_functions_are_recorded_not_fatal() -> None:
 
 @needs_layout_engine
 def test_cli_writes_report_and_replaces_it(tmp_path: Path) -> None:
+    """Witness: the files listed in the output folder, the first run's report.json bytes, and ``torch.__version__``."""
     proc = qkv("inspect", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr
     folder = tmp_path / f"torch-{torch.__version__}"
@@ -189,6 +219,7 @@ def _without_graphviz_on_path(tmp_path: Path) -> dict[str, str]:
 
 
 def test_cli_draws_the_picture_with_no_graphviz_on_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Witness: an empty PATH built here, and the nodes and edges of the written report.json read with json."""
     env = _without_graphviz_on_path(tmp_path)
     monkeypatch.setenv("PATH", env["PATH"])
     monkeypatch.delenv(ENGINE_ENV, raising=False)
@@ -199,14 +230,17 @@ def test_cli_draws_the_picture_with_no_graphviz_on_path(tmp_path: Path, monkeypa
     folder = tmp_path / "r" / f"torch-{torch.__version__}"
     svg = (folder / "callgraph.svg").read_text()
     assert "drawn by graphviz-pure" in proc.stdout and "(graphviz-pure)" in svg  # the engine names itself
-    graph = report_graph(load_report(folder))
-    assert svg.count('class="node"') == graph.number_of_nodes() + 1  # + the legend
-    assert svg.count('class="edge"') == graph.number_of_edges()
+    callgraph = json.loads((folder / "report.json").read_text(encoding="utf-8"))["callgraph"]
+    edges = {(e["caller"], e["callee"]) for e in callgraph["edges"]}
+    nodes = {n["name"] for n in callgraph["nodes"]} | {name for edge in edges for name in edge}
+    assert svg.count('class="node"') == len(nodes) + 1  # + the legend
+    assert svg.count('class="edge"') == len(edges)
 
 
 def test_without_a_layout_program_the_old_picture_is_kept(
     tmp_path: Path, report: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Witness: the missing program named here, the SVG text written here, and the line appended to the .dot."""
     from qkvtrace.cli.inspect_cmd import picture_note, write_report_dir
 
     monkeypatch.setenv(ENGINE_ENV, str(tmp_path / "no-such-program"))
@@ -232,6 +266,7 @@ def test_without_a_layout_program_the_old_picture_is_kept(
 
 
 def test_cli_without_a_layout_program_says_how_to_get_one(tmp_path: Path) -> None:
+    """Witness: the missing program named here, and the files listed in the output folder."""
     proc = qkv("inspect", "--out", str(tmp_path), env={**ENV, ENGINE_ENV: str(tmp_path / "no-such-program")})
     assert proc.returncode == 0, proc.stderr
     folder = tmp_path / f"torch-{torch.__version__}"
@@ -240,6 +275,7 @@ def test_cli_without_a_layout_program_says_how_to_get_one(tmp_path: Path) -> Non
 
 
 def test_how_to_get_a_layout_program(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Witness: the install commands and the missing program path written here."""
     monkeypatch.delenv(ENGINE_ENV, raising=False)
     assert "pip install graphviz-pure" in how_to_get_an_engine()
     assert "apt-get install graphviz" in how_to_get_an_engine()
@@ -249,6 +285,7 @@ def test_how_to_get_a_layout_program(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("kind", ["file", "under-file"])
 def test_cli_bad_out(tmp_path: Path, kind: str) -> None:
+    """Witness: the file written here that blocks the output folder, and its path."""
     blocker = tmp_path / "file.txt"
     blocker.write_text("x")
     out = blocker if kind == "file" else blocker / "sub"
@@ -259,6 +296,7 @@ def test_cli_bad_out(tmp_path: Path, kind: str) -> None:
 
 
 def test_interrupted_write_keeps_old_report(tmp_path: Path, report: dict[str, Any]) -> None:
+    """Witness: report.json's bytes read before the broken write, and the folder listing after it."""
     from qkvtrace.cli.inspect_cmd import write_report_dir
 
     folder = write_report_dir(report, tmp_path).folder
@@ -275,6 +313,7 @@ COMMITTED = ROOT / "reports" / f"torch-{torch.__version__}" / "report.json"
 
 @pytest.mark.skipif(not COMMITTED.exists(), reason=f"no committed report for torch {torch.__version__}")
 def test_committed_report_matches_regeneration(report: dict[str, Any]) -> None:
+    """Witness: the committed report.json for this torch, read with json."""
     committed = json.loads(COMMITTED.read_text())
     assert {(s["name"], s["sha256"]) for s in committed["sources"]} == {
         (s["name"], s["sha256"]) for s in report["sources"]
@@ -291,7 +330,9 @@ def test_committed_report_matches_regeneration(report: dict[str, Any]) -> None:
 @pytest.mark.parametrize("version", sorted(p.parent.name for p in (ROOT / "reports").glob("torch-*/callgraph.dot")))
 def test_committed_pictures_are_what_graphviz_pure_draws(version: str) -> None:
     """graphviz-pure measures text with the fonts it carries, so any machine redraws a committed picture
-    byte for byte; a difference means graphviz-pure changed its output and the pictures need redrawing."""
+    byte for byte; a difference means graphviz-pure changed its output and the pictures need redrawing.
+
+    Witness: the committed callgraph.svg files."""
     folder = ROOT / "reports" / version
     drawing = render_svg((folder / "callgraph.dot").read_text(encoding="utf-8"))
     assert drawing.svg is not None, drawing.problem

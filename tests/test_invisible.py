@@ -38,6 +38,7 @@ def _qkv(lq: int = 4, lk: int = 6) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 @pytest.mark.parametrize("make", [causal_upper_left, causal_lower_right], ids=["upper_left", "lower_right"])
 def test_causal_bias_outside_the_traced_model(make: Any) -> None:
+    """Witness: the same SDPA call with the same CausalBias, run before the trace."""
     q, k, v = _qkv()
     plain = F.scaled_dot_product_attention(q, k, v, attn_mask=make(4, 6))
     with qkvtrace.trace(nn.Linear(1, 1)):
@@ -46,6 +47,7 @@ def test_causal_bias_outside_the_traced_model(make: Any) -> None:
 
 
 def test_causal_bias_errors_are_pytorchs(open_trace: qkvtrace.Trace) -> None:
+    """Witness: the message PyTorch's ``CausalBias`` raises (torch/nn/attention/bias.py), written here."""
     q, k, v = _qkv()
     with pytest.raises(ValueError, match="CausalBias should not be used with causal=True"):
         F.scaled_dot_product_attention(q, k, v, attn_mask=causal_upper_left(4, 6), is_causal=True)
@@ -67,6 +69,7 @@ class Tagged(torch.Tensor):
 
 
 def test_user_tensor_subclass_takes_the_same_branch() -> None:
+    """Witness: the untraced call's output, and the branches the subclass itself logged."""
     q, k, v = _qkv()
     Tagged.seen.clear()
     plain = F.scaled_dot_product_attention(q.as_subclass(Tagged), k, v)
@@ -88,6 +91,7 @@ class CausalBiasLM(nn.Module):
 
 @pytest.mark.parametrize("make", [causal_upper_left, causal_lower_right], ids=["upper_left", "lower_right"])
 def test_traced_model_with_causal_bias_is_recorded_as_a_causal_variant(make: Any) -> None:
+    """Witness: the untraced output, the bias's own variant, and the cells its materialised mask blocks."""
     model = nn.Sequential()
     model.add_module("attn", CausalBiasLM())
     x = torch.randn(B, L, E)
@@ -100,13 +104,15 @@ def test_traced_model_with_causal_bias_is_recorded_as_a_causal_variant(make: Any
     assert call.module == "attn" and call.path == "sdpa"
     assert mask["kind"] == "CausalBias" and mask["variant"] == make(L, L).variant.name
     # what it blocks, from CausalBias's own materialised mask: the strict upper triangle for a square one
-    assert mask["blocked"] == L * (L - 1) // 2 and mask["total"] == L * L
+    own = make(L, L)._materialize()
+    assert mask["blocked"] == int((~own).sum()) == L * (L - 1) // 2 and mask["total"] == own.numel() == L * L
     assert call.sdpa_backend is not None  # the SDPA call CausalBias made reported its kernel
     assert call.qkv.layout == "packed"
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_causal_bias_under_torch_compile(backend: str, open_trace: qkvtrace.Trace) -> None:
+    """Witness: the eager SDPA output with the same CausalBias, outside ``torch.compile``."""
     q, k, v = _qkv()
     expected = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(4, 6))
 
@@ -130,18 +136,23 @@ class EncoderSubclass(nn.TransformerEncoderLayer):
 
 
 def test_torchscript_during_and_after_a_trace() -> None:
-    """Witness: the eager modules' own outputs, which each scripted or traced copy must reproduce."""
+    """Witness: the eager modules' own outputs, computed before the trace, which each scripted or traced copy
+    (and the eager modules inside the trace) must reproduce."""
     x = torch.randn(B, L, E)
     mha = nn.MultiheadAttention(E, H, batch_first=True).eval()
     layer = _encoder_layer()
+    with torch.no_grad():
+        mha_eager, layer_eager = mha(x, x, x)[0], layer(x)
     with qkvtrace.trace(mha) as t:
         scripted = torch.jit.script(mha)
         scripted_layer = torch.jit.script(layer)
         traced_fn = torch.jit.trace(mha, (x, x, x))
         with torch.no_grad():
-            assert torch.allclose(scripted(x, x, x)[0], mha(x, x, x)[0], atol=1e-6)
-            assert torch.allclose(scripted_layer(x), layer(x), atol=1e-6)
-            assert torch.allclose(traced_fn(x, x, x)[0], mha(x, x, x)[0], atol=1e-6)
+            assert torch.allclose(scripted(x, x, x)[0], mha_eager, atol=1e-6)
+            assert torch.allclose(scripted_layer(x), layer_eager, atol=1e-6)
+            assert torch.allclose(traced_fn(x, x, x)[0], mha_eager, atol=1e-6)
+            assert torch.allclose(mha(x, x, x)[0], mha_eager, atol=1e-6)
+            assert torch.allclose(layer(x), layer_eager, atol=1e-6)
     assert t.calls  # the eager calls were recorded
     # afterwards the process is no worse: new classes script as usual and compute what eager PyTorch computes
     sub_eager = EncoderSubclass(E, H, 32, dropout=0.0, batch_first=True).eval()
@@ -154,6 +165,7 @@ def test_torchscript_during_and_after_a_trace() -> None:
 
 
 def test_scripted_model_is_reported_not_silent() -> None:
+    """Witness: the holder is built here with a TorchScript module named ``enc`` (no eager attention to record)."""
     holder = nn.Sequential()
     holder.add_module("enc", torch.jit.script(_encoder_layer()))
     x = torch.randn(B, L, E)
@@ -196,6 +208,7 @@ def _compile_cases() -> dict[str, tuple[nn.Module, Any]]:
 
 @pytest.mark.parametrize("case", list(_compile_cases()))
 def test_explain_counts_are_unchanged(case: str) -> None:
+    """Witness: ``torch._dynamo.explain``'s graph and break counts on the untraced step."""
     model, step = _compile_cases()[case]
     plain = _graph_counts(lambda: step(model))
     with qkvtrace.trace(model):
@@ -206,6 +219,7 @@ def test_explain_counts_are_unchanged(case: str) -> None:
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
 @pytest.mark.parametrize("case", list(_compile_cases()))
 def test_compiled_outputs_bit_for_bit_and_no_recompiles(case: str, backend: str) -> None:
+    """Witness: the compiled step's outputs before the trace, and Dynamo's own ``unique_graphs`` counter."""
     if backend == "inductor":
         pytest.importorskip("torch._inductor")
     model, step = _compile_cases()[case]
@@ -240,6 +254,7 @@ def test_compiled_outputs_bit_for_bit_and_no_recompiles(case: str, backend: str)
 
 
 def test_compiled_module_is_named_in_the_warnings() -> None:
+    """Witness: the name ``body`` given here to the module wrapped by ``torch.compile``."""
     model = nn.Sequential()
     model.add_module("body", torch.compile(_encoder_layer(), backend="eager"))
     x = torch.randn(B, L, E)
@@ -271,7 +286,10 @@ print(repr(out.sum().item()), repr(torch.rand(1).item()))
 
 
 def test_the_first_trace_of_a_process_leaves_the_random_state_alone() -> None:
-    """A seeded step draws the same dropout masks, and the same numbers after it, traced or not."""
+    """A seeded step draws the same dropout masks, and the same numbers after it, traced or not.
+
+    Witness: the same script run untraced in a fresh process, its printed numbers compared as text.
+    """
     import subprocess
     import sys
 

@@ -85,6 +85,7 @@ def disagreeing(tmp_path: Path) -> tuple[Path, qkvtrace.Trace, qkvtrace.Trace]:
 
 
 def test_agreeing_ranks_exit_0(agreeing: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Witness: the two identical rank files the test wrote, read back with ``json``."""
     out_file = tmp_path / "merged.json"
     code, out, err = run(capsys, agreeing, "--json", out_file)
     assert (code, err) == (0, "")
@@ -100,6 +101,7 @@ def test_agreeing_ranks_exit_0(agreeing: Path, tmp_path: Path, capsys: pytest.Ca
 def test_a_rank_off_the_fast_path_is_flagged(
     disagreeing: tuple[Path, qkvtrace.Trace, qkvtrace.Trace], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """Witness: the rank files the test wrote (merge's input), one rank in eval and one in training."""
     folder, t0, t1 = disagreeing
     c0, c1 = t0.calls[0], t1.calls[0]
     assert c0.path != c1.path, "the two ranks' calls were meant to take different paths"
@@ -123,6 +125,7 @@ def test_a_rank_off_the_fast_path_is_flagged(
 
 
 def test_a_call_only_some_ranks_made(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Witness: rank 0 made one call and rank 1 two, by construction; rank 1's second call from its file."""
     _trace(train=False, calls=1).save(tmp_path / "t.rank0.json")
     t1 = _trace(train=False, calls=2)
     t1.save(tmp_path / "t.rank1.json")
@@ -145,6 +148,7 @@ def _with_ranks(t: qkvtrace.Trace, rank: int, world: int) -> dict[str, object]:
 
 
 def test_rank_comes_from_the_records_before_the_name(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Witness: the rank and world size the test wrote into each file's records."""
     t = _trace(train=True)
     (tmp_path / "a.rank7.json").write_text(json.dumps(_with_ranks(t, 1, 4)))
     (tmp_path / "b.json").write_text(json.dumps(_with_ranks(t, 0, 4)))
@@ -169,6 +173,7 @@ def test_rank_comes_from_the_records_before_the_name(tmp_path: Path, capsys: pyt
     ],
 )
 def test_bad_input_exit_2_one_line(tmp_path: Path, files: list[str], message: str) -> None:
+    """Witness: the bad inputs built here (duplicate rank, no rank, a report, empty folder, mixed worlds and ranks)."""
     t = _trace(train=False, calls=2)
     t.save(tmp_path / "x.rank0.json")
     t.save(tmp_path / "y.rank0.json")
@@ -190,13 +195,17 @@ def test_bad_input_exit_2_one_line(tmp_path: Path, files: list[str], message: st
 
 
 def test_json_output_checked_before_work(agreeing: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Witness: the ``--json`` folder given here does not exist."""
     code, out, err = run(capsys, agreeing, "--json", tmp_path / "no" / "such" / "m.json")
     assert code == 2 and out == ""
     assert "folder" in err and "does not exist" in err
 
 
 def test_merge_needs_no_torch(agreeing: Path) -> None:
-    """Files copied off the job's machines merge where PyTorch is not installed."""
+    """Files copied off the job's machines merge where PyTorch is not installed.
+
+    Witness: ``sys.modules['torch'] = None`` makes every ``import torch`` in that process fail.
+    """
     code = (
         "import sys; sys.modules['torch'] = None\n"  # any `import torch` now raises ImportError
         "from qkvtrace.cli.main import main\n"
@@ -208,6 +217,7 @@ def test_merge_needs_no_torch(agreeing: Path) -> None:
 
 
 def test_save_per_rank_outside_torch_distributed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Witness: the ``RANK`` set here, and the saved file read back with ``json`` against the trace it was given."""
     t = _trace(train=False)
     monkeypatch.delenv("RANK", raising=False)
     assert save_per_rank(t, tmp_path / "traces") == tmp_path / "traces" / "trace.rank0.json"
@@ -215,13 +225,16 @@ def test_save_per_rank_outside_torch_distributed(tmp_path: Path, monkeypatch: py
     path = save_per_rank(t.result, tmp_path / "traces", stem="step1")
     assert path == tmp_path / "traces" / "step1.rank3.json"
     assert load_json(path, "qkvtrace.trace/2") == t.to_dict()
+    assert json.loads(path.read_text()) == t.to_dict()
     with pytest.raises(TypeError, match="needs a qkvtrace trace or TraceResult"):
         save_per_rank({"calls": []}, tmp_path)
 
 
 def test_ranks_on_different_pytorch_versions(agreeing: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Witness: the ``torch_version`` the test wrote into rank 1's file, and ``torch.__version__``."""
     data = json.loads((agreeing / "trace.rank1.json").read_text())
     mine = data["torch_version"]
+    assert mine == torch.__version__
     data["torch_version"] = "0.0.0+other"
     (agreeing / "trace.rank1.json").write_text(json.dumps(data))
     code, out, _ = run(capsys, agreeing)
@@ -231,7 +244,10 @@ def test_ranks_on_different_pytorch_versions(agreeing: Path, capsys: pytest.Capt
 
 
 def test_merged_file_is_checked_against_its_schema(agreeing: Path, tmp_path: Path) -> None:
-    """qkvtrace.merge/1 is a registered format: `validate` knows it, and each rank's embedded trace is checked too."""
+    """qkvtrace.merge/1 is a registered format: `validate` knows it, and each rank's embedded trace is checked too.
+
+    Witness: the schema files, and the bad ``path`` value the test wrote into rank 1's trace.
+    """
     merged = merge_traces(load_rank_traces([agreeing]))
     good = tmp_path / "merged.json"
     good.write_text(json.dumps(merged))

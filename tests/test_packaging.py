@@ -16,6 +16,7 @@ else:  # pragma: no cover
 
 
 def test_every_package_folder_is_listed_in_pyproject() -> None:
+    """Witness: the package folders found on disk, against pyproject.toml read with ``tomllib``."""
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     listed = set(config["packages"])
     folders = {"qkvtrace"}

@@ -12,6 +12,7 @@ from qkvtrace import compat, paths
 
 
 def test_backend_names_come_from_pytorch() -> None:
+    """Witness: PyTorch's ``SDPBackend`` enum, its members' names and values."""
     names = compat.sdp_backend_names()
     assert names == {int(m.value): n for n, m in SDPBackend.__members__.items()}
     assert compat.sdp_backend_name(int(SDPBackend.MATH.value)) == "MATH"
@@ -19,11 +20,13 @@ def test_backend_names_come_from_pytorch() -> None:
 
 
 def test_sdpa_backend_follows_the_enabled_kernels() -> None:
+    """Witness: MATH forced by ``sdpa_kernel``; else ``torch._fused_sdp_choice``, named by ``SDPBackend`` here."""
     q = torch.randn(1, 2, 8, 16)
     with sdpa_kernel(SDPBackend.MATH):
         assert paths.sdpa_backend(q, q, q) == "MATH"
     default = paths.sdpa_backend(q, q, q)
-    assert default == compat.sdp_backend_name(torch._fused_sdp_choice(q, q, q))
+    names = {int(m.value): n for n, m in SDPBackend.__members__.items()}
+    assert default == names[int(torch._fused_sdp_choice(q, q, q))]
 
 
 def test_kernel_evidence_sees_the_kernel_and_caches_per_signature() -> None:
@@ -55,6 +58,7 @@ def test_kernel_evidence_sees_the_kernel_and_caches_per_signature() -> None:
 
 
 def test_no_evidence_under_a_user_profiler() -> None:
+    """Witness: a user's profiler opened here (profilers do not nest), so no op list can be measured."""
     ev = paths.KernelEvidence()
     q = torch.randn(1, 2, 8, 16)
     with torch.autograd.profiler.profile():
@@ -72,6 +76,7 @@ def _refusing_check(params: object, debug: bool = False) -> bool:
 
 
 def test_refusal_warnings_become_records() -> None:
+    """Witness: the warnings ``_refusing_check`` emits, written in the test."""
     assert paths.warnings_to_reasons(_refusing_check, object()) == [
         "Flash attention requires q,k,v to have the same last dimension",
         "Expected query, key and value to all be of dtype: {Half, BFloat16}",
@@ -80,9 +85,22 @@ def test_refusal_warnings_become_records() -> None:
 
 
 def test_refusals_with_pytorchs_own_checks_do_not_crash_on_cpu() -> None:
+    """Witness: PyTorch's own ``torch.backends.cuda.can_use_*`` checks, called here on the same query."""
     q = torch.randn(1, 2, 8, 16)
     result = paths.sdpa_refusals(q, q, q, None, 0.0, False)
     if result is None:
         pytest.skip("this PyTorch exposes no can_use_* checks with debug")
     assert set(result) <= {"FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION"}
     assert all(isinstance(r, list) and all(isinstance(x, str) for x in r) for r in result.values())
+    # usable ([]) exactly where PyTorch's own check says so
+    cuda = torch.backends.cuda
+    try:
+        params = cuda.SDPAParams(q, q, q, None, 0.0, False, False)
+    except TypeError:  # before enable_gqa
+        params = cuda.SDPAParams(q, q, q, None, 0.0, False)
+    checks = {"FLASH_ATTENTION": "flash", "EFFICIENT_ATTENTION": "efficient", "CUDNN_ATTENTION": "cudnn"}
+    for backend, reasons in result.items():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            usable = getattr(cuda, f"can_use_{checks[backend]}_attention")(params, True)
+        assert (reasons == []) == usable, (backend, reasons)

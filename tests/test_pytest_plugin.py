@@ -10,6 +10,8 @@ never written out.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 from importlib.metadata import entry_points
 from pathlib import Path
 
@@ -18,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from _witness import learn_kernel_backends, local_at_return, profiled
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import qkvtrace
 from qkvtrace.pytest_plugin import (
@@ -123,12 +126,29 @@ def _mha_reason_in_training() -> str:
     return str(reason)
 
 
+@functools.cache
+def _mha_path_in_inference() -> tuple[str, str | None]:
+    """The path and SDPA backend of ``mha()`` in eval under no_grad: torch.profiler on an untraced run (fast iff
+    its outermost attention op is ``_native_multi_head_attention``; the backend of an SDPA kernel in it, if any)."""
+    m = nn.MultiheadAttention(16, 2, batch_first=True).eval()
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        (segment,) = profiled(lambda: m(x, x, x, need_weights=False)).segments
+    backends = learn_kernel_backends(2, 2, 5, 8)
+    ran = [backends[op] for op in segment if op in backends]
+    return ("fast" if segment[0] == NATIVE_MHA else "fallback"), (ran[0] if ran else None)
+
+
 def test_entry_point_is_registered() -> None:
+    """Witness: the installed distribution's metadata, read with importlib.metadata; the module name written here."""
     found = [ep for ep in entry_points(group="pytest11") if ep.name == "qkvtrace"]
     assert [ep.value for ep in found] == ["qkvtrace.pytest_plugin"]
 
 
 def test_fixture_and_passing_assertions(suite: pytest.Pytester) -> None:
+    """Witness: torch.profiler on an untraced eval/no_grad run of the same MHA (``_mha_path_in_inference``);
+    the backend forced with ``sdpa_kernel(MATH)`` on a block that calls SDPA itself."""
+    path, backend = _mha_path_in_inference()
     suite.makepyfile(
         test_user="""
         import torch
@@ -141,8 +161,8 @@ def test_fixture_and_passing_assertions(suite: pytest.Pytester) -> None:
             x = torch.randn(2, 5, 16)
             with torch.no_grad(), qkvtrace(m) as t:
                 m(x, x, x, need_weights=False)
-            assert_paths(t, {"fast"})
-            qkvtrace.assert_backend(t, None)        # the fast path runs no SDPA kernel
+            assert_paths(t, {__PATH__})
+            qkvtrace.assert_backend(t, __BACKEND__)    # the profiler's SDPA kernel in the call, if any
             assert_no_nan_rows(t)
 
         def test_math_backend(qkvtrace):
@@ -153,13 +173,15 @@ def test_fixture_and_passing_assertions(suite: pytest.Pytester) -> None:
             assert_backend(t, "MATH")
             assert_backend(t.result, {"MATH", "FLASH_ATTENTION"})
             assert_backend(t.to_dict(), "MATH")
-        """
+        """.replace("__PATH__", repr(path)).replace("__BACKEND__", repr(backend))
     )
     result = suite.runpytest("-q")
     result.assert_outcomes(passed=2)
 
 
 def test_assert_paths_failure_shows_the_offending_calls(suite: pytest.Pytester) -> None:
+    """Witness: PyTorch's own ``why_not_fast_path``, read with sys.settrace on an untraced run (set, so the
+    call falls back), and the message the test expects."""
     reason = _mha_reason_in_training()
     suite.makepyfile(
         test_user="""
@@ -188,6 +210,8 @@ def test_assert_paths_failure_shows_the_offending_calls(suite: pytest.Pytester) 
 
 
 def test_any_failure_of_a_test_using_the_fixture_shows_its_calls(suite: pytest.Pytester) -> None:
+    """Witness: PyTorch's own ``why_not_fast_path``, read with sys.settrace on an untraced run (set, so the
+    call falls back), and the section the test expects."""
     reason = _mha_reason_in_training()
     suite.makepyfile(
         test_user="""
@@ -213,6 +237,9 @@ def test_any_failure_of_a_test_using_the_fixture_shows_its_calls(suite: pytest.P
 
 
 def test_assert_backend_failure(suite: pytest.Pytester) -> None:
+    """Witness: the backend forced with ``sdpa_kernel(MATH)``, and PyTorch's flash switch read under it here."""
+    with sdpa_kernel(SDPBackend.MATH):
+        assert not torch.backends.cuda.flash_sdp_enabled(), "sdpa_kernel(MATH) left PyTorch's flash switch on"
     suite.makepyfile(
         test_user="""
         import torch
@@ -237,6 +264,8 @@ def test_assert_backend_failure(suite: pytest.Pytester) -> None:
 
 
 def test_assert_no_nan_rows_failure(suite: pytest.Pytester) -> None:
+    """Witness: the mask built by the test (row 2 masked everywhere), and PyTorch's own SDPA output for
+    such a mask (``_fully_masked_output``): NaN there or not decides the outcomes."""
     suite.makepyfile(
         test_user="""
         import torch
@@ -289,6 +318,8 @@ def _fully_masked_output() -> torch.Tensor:
 
 
 def test_assert_no_future_leak(suite: pytest.Pytester) -> None:
+    """Witness: the models built by the test: SDPA with ``is_causal=True`` (no leak) and without (a leak from
+    position 1 into position 0), and the message the test expects."""
     suite.makepyfile(
         test_user="""
         import torch
@@ -315,6 +346,8 @@ def test_assert_no_future_leak(suite: pytest.Pytester) -> None:
 
 
 def test_empty_trace_fails_and_names_what_it_could_not_see(suite: pytest.Pytester) -> None:
+    """Witness: the model built by the test (no softmax, so no attention call; its root is a LinearAttention),
+    and the message the test expects."""
     suite.makepyfile(
         test_user="""
         import torch
@@ -347,7 +380,10 @@ def test_empty_trace_fails_and_names_what_it_could_not_see(suite: pytest.Pyteste
 
 
 def test_same_as_saved_trace(suite: pytest.Pytester) -> None:
+    """Witness: the golden file the generated test wrote; the inference path from torch.profiler on an untraced
+    run, and PyTorch's own training reason read with sys.settrace (set, so that call falls back)."""
     reason = _mha_reason_in_training()
+    path, _ = _mha_path_in_inference()
     suite.makepyfile(
         test_user="""
         import torch
@@ -374,7 +410,7 @@ def test_same_as_saved_trace(suite: pytest.Pytester) -> None:
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.re_match_lines([r"E\s+AssertionError: the trace differs from .*golden.json \(trace on torch "])
     result.stdout.re_match_lines([r"E\s+#\s+module\s+field\s+reference\s+trace$",
-                                  r"E\s+0\s+\(root\)\s+path\s+fast\s+fallback$",
+                                  rf"E\s+0\s+\(root\)\s+path\s+{path}\s+fallback$",
                                   rf"E\s+0\s+\(root\)\s+why_not_fast_path\s+null\s+{reason}$"])  # fmt: skip
 
 
@@ -386,11 +422,22 @@ def _report_of_installed_torch() -> Path:
 
 
 def test_same_as_committed_report_scenario(qkvtrace: object) -> None:
-    """A probe scenario run now matches the report committed for this PyTorch (the upgrade check)."""
+    """A probe scenario run now matches the report committed for this PyTorch (the upgrade check).
+
+    Witness: the committed report, whose mha_train call is checked here against torch.profiler (its attention
+    ops) and PyTorch's own ``why_not_fast_path`` (sys.settrace), both on an untraced run of the scenario.
+    """
     from qkvtrace.probes import SCENARIOS
 
     folder = _report_of_installed_torch()
     scenario = next(s for s in SCENARIOS if s.name == "mha_train")
+    untraced, run_untraced = scenario.build()
+    segment, *_ = profiled(lambda: run_untraced(untraced)).segments  # the forward call; its backward follows
+    _, (reason,) = local_at_return(nn.MultiheadAttention.forward.__code__, "why_not_fast_path",
+                                   lambda: run_untraced(untraced))  # fmt: skip
+    committed = json.loads((folder / "report.json").read_text())["probes"]["scenarios"]
+    (call,) = next(s for s in committed if s["name"] == "mha_train")["calls"]
+    assert (call["aten_ops"], call["why_not_fast_path"]) == (segment, reason), call
     model, run = scenario.build()
     with qkvtrace(model) as t:  # type: ignore[operator]
         run(model)
@@ -403,6 +450,7 @@ def test_same_as_committed_report_scenario(qkvtrace: object) -> None:
 
 
 def test_same_as_report_needs_a_scenario() -> None:
+    """Witness: the trace dict built by the test (a report path, no scenario), and the message the test expects."""
     folder = _report_of_installed_torch()
     with pytest.raises(ValueError, match=r"is a report \(no scenario given\); pass scenario=, one of: .*mha_train"):
         assert_same_as_report({"schema": "qkvtrace.trace/1", "calls": []}, folder)
@@ -437,6 +485,7 @@ def test_assertions_work_outside_pytest_on_saved_files(tmp_path: Path) -> None:
 
 
 def test_format_calls_adds_rank_when_present() -> None:
+    """Witness: the call dicts built by the test, and the table the test writes out."""
     calls = [
         {"index": 0, "rank": 1, "module": "blocks.0.attn", "path": "fallback", "sdpa_backend": "MATH",
          "why_not_fast_path": "training is enabled"},
@@ -450,6 +499,7 @@ def test_format_calls_adds_rank_when_present() -> None:
 
 
 def test_plugin_can_be_turned_off(suite: pytest.Pytester) -> None:
+    """Witness: pytest's own message for an unknown fixture, with the plugin turned off by ``-p no:qkvtrace``."""
     suite.makepyfile(test_user="def test_x(qkvtrace):\n    pass\n")
     result = suite.runpytest("-q", "-p", "no:qkvtrace")
     result.assert_outcomes(errors=1)
@@ -457,25 +507,39 @@ def test_plugin_can_be_turned_off(suite: pytest.Pytester) -> None:
 
 
 def test_leak_assertion_in_process() -> None:
-    """The leak assertion on the project's own demo LM (causal by construction) holds in both modes."""
+    """The leak assertion on the project's own demo LM (causal by construction) holds in both modes.
+
+    Witness: computed here, changing the last token leaves the outputs at every earlier position as they were.
+    """
     from qkvtrace.demos import demo_tiny_lm
 
     model, (tokens,) = demo_tiny_lm()
     assert_no_future_leak(model, tokens[:1, :6])
+    x = tokens[:1, :6]
+    changed = x.clone()
+    changed[0, -1] = (changed[0, -1] + 1) % 100  # the demo's vocabulary has 100 tokens
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(changed)[:, :-1], model(x)[:, :-1])
 
 
 def test_no_nan_rows_fails_when_the_count_is_unknown() -> None:
-    """A call that raised has no NaN count: no count is no evidence."""
+    """A call that raised has no NaN count: no count is no evidence.
+
+    Witness: the exception PyTorch raises for the same call run untraced.
+    """
     torch.manual_seed(0)
     m = nn.MultiheadAttention(16, 2, batch_first=True)
     x = torch.randn(2, 5, 16)
-    with pytest.raises(RuntimeError), qkvtrace.trace(m) as t:
+    with pytest.raises(RuntimeError) as untraced:
         m(x, x, x, attn_mask=torch.zeros(3, 3))  # a mask of the wrong shape: PyTorch refuses the call
+    raised = f"{untraced.type.__name__}: {untraced.value}"
+    with pytest.raises(RuntimeError), qkvtrace.trace(m) as t:
+        m(x, x, x, attn_mask=torch.zeros(3, 3))
     (call,) = t.calls
-    assert call.error and call.output["nan_count"] is None
+    assert call.error == raised and call.output["nan_count"] is None
     with pytest.raises(AssertionError, match=r"NaN values \?: not counted") as info:
         assert_no_nan_rows(t)
-    assert f"raised {call.error}" in str(info.value)
+    assert f"raised {raised}" in str(info.value)
 
 
 def test_format_calls_shows_the_encoder_layers_reason() -> None:
@@ -504,7 +568,11 @@ def test_format_calls_shows_the_encoder_layers_reason() -> None:
 
 @pytest.mark.slow  # a new interpreter imports torch (~5-10 s); the in-process runs above load the same entry point
 def test_a_fresh_pytest_process_finds_the_plugin(suite: pytest.Pytester) -> None:
-    """As in a user's CI: a new interpreter, no conftest, the plugin found through its entry point."""
+    """As in a user's CI: a new interpreter, no conftest, the plugin found through its entry point.
+
+    Witness: torch.profiler on an untraced eval/no_grad run of the same MHA (``_mha_path_in_inference``).
+    """
+    path, _ = _mha_path_in_inference()
     suite.makepyfile(
         test_user="""
         import torch
@@ -515,14 +583,16 @@ def test_a_fresh_pytest_process_finds_the_plugin(suite: pytest.Pytester) -> None
             x = torch.randn(2, 5, 16)
             with torch.no_grad(), qkvtrace(m) as t:
                 m(x, x, x, need_weights=False)
-            qkvtrace.assert_paths(t, "fast")
-        """
+            qkvtrace.assert_paths(t, __PATH__)
+        """.replace("__PATH__", repr(path))
     )
     result = suite.runpytest_subprocess("-q", "-p", "no:cacheprovider", timeout=300)
     result.assert_outcomes(passed=1)
 
 
 def test_empty_trace_file_names_what_it_could_not_see(tmp_path: Path) -> None:
+    """Witness: the model built by the test (no softmax, so no attention call; its root is a LinearAttention),
+    and the message the test expects."""
     class LinearAttention(nn.Module):  # no softmax over the keys: not attention the trace recognises
         def __init__(self) -> None:
             super().__init__()
@@ -535,9 +605,8 @@ def test_empty_trace_file_names_what_it_could_not_see(tmp_path: Path) -> None:
     m = LinearAttention()
     with qkvtrace.trace(m) as t:
         m(torch.randn(2, 5, 16))
-    assert t.result.unobserved, "the linear attention was meant to be listed as unobserved"
+    assert [(u.module, u.module_type) for u in t.result.unobserved] == [("", "LinearAttention")]
     t.save(tmp_path / "t.json")
     with pytest.raises(AssertionError, match="the trace recorded no attention call") as info:
         assert_backend(tmp_path / "t.json", "MATH")
-    for u in t.result.unobserved:
-        assert f"{u.module or '(root)'} ({u.module_type}): {u.reason}" in str(info.value)
+    assert "\n  (root) (LinearAttention): made no recorded call" in str(info.value)

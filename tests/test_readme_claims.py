@@ -99,6 +99,7 @@ def measure() -> dict[str, Any]:
 
 @pytest.mark.parametrize("version", sorted(CLAIMS))
 def test_readme_states_it_and_the_committed_report_agrees(version: str) -> None:
+    """Witness: the text of docs/probe.md and the committed report file, against CLAIMS written here."""
     sentence, facts = CLAIMS[version]
     assert _flat(sentence) in _flat((ROOT / "docs" / "probe.md").read_text()), "docs/probe.md changed: update CLAIMS"
     report = _report(version)
@@ -107,6 +108,7 @@ def test_readme_states_it_and_the_committed_report_agrees(version: str) -> None:
 
 
 def test_the_installed_pytorch_does_what_the_readme_says() -> None:
+    """Witness: ``measure()``: PyTorch's own outputs, gradients and profiler, with no qkvtrace involved."""
     if TORCH not in CLAIMS:
         pytest.skip(f"docs/probe.md states no fully-masked-row behaviour for torch {TORCH}")
     _, facts = CLAIMS[TORCH]
@@ -117,6 +119,7 @@ def test_the_installed_pytorch_does_what_the_readme_says() -> None:
 
 
 def test_the_committed_report_of_this_version_matches_this_pytorch() -> None:
+    """Witness: ``measure()``: PyTorch's own outputs, gradients and profiler, with no qkvtrace involved."""
     report = _report(TORCH)
     if report is None:
         pytest.skip(f"no committed report for torch {TORCH}")

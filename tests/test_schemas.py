@@ -23,7 +23,6 @@ from jsonschema import Draft202012Validator
 
 from qkvtrace.cli.main import main
 from qkvtrace.errors import SchemaError
-from qkvtrace.records import TraceResult
 from qkvtrace.validation import MAX_JSON_BYTES, check_document, load_json, load_trace, schema_file, schema_ids
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,23 +44,49 @@ def run(capsys: pytest.CaptureFixture[str], *args: str | Path) -> tuple[int, str
 # -- the schema files ------------------------------------------------------------
 
 
+def _schema_files() -> dict[str, dict[str, Any]]:
+    """Each file in qkvtrace/schemas/, read with json, by the id its ``schema`` property fixes."""
+    schemas = (json.loads(p.read_text(encoding="utf-8")) for p in sorted(SCHEMAS.glob("*.json")))
+    return {schema["properties"]["schema"]["const"]: schema for schema in schemas}
+
+
+def _jsonschema_errors(data: Any, schema_id: str) -> list[str]:
+    """What jsonschema itself says of ``data`` against the schema file of ``schema_id`` (no qkvtrace code)."""
+    from referencing import Registry, Resource
+
+    schemas = _schema_files()
+    registry: Registry[Any] = Registry().with_resources(
+        [(schema["$id"], Resource.from_contents(schema)) for schema in schemas.values()]
+    )
+    validator = Draft202012Validator(schemas[schema_id], registry=registry)
+    return [f"{error.json_path}: {error.message}" for error in validator.iter_errors(data)]
+
+
 def test_one_schema_file_per_id() -> None:
+    """Witness: the files in qkvtrace/schemas/, read with json: the id each one's ``schema`` const fixes."""
     ids = schema_ids()
     assert {"qkvtrace.trace/2", "qkvtrace.report/1", "qkvtrace.diff/1"} <= set(ids)
+    consts = {p.name: json.loads(p.read_text())["properties"]["schema"] for p in SCHEMAS.glob("*.json")}
     assert sorted(p.name for p in SCHEMAS.glob("*.json")) == sorted(schema_file(i) for i in ids)
+    assert sorted(c["const"] for c in consts.values()) == sorted(ids)  # one file per id, and no file without one
     for schema_id in ids:
         schema = json.loads((SCHEMAS / schema_file(schema_id)).read_text())
         Draft202012Validator.check_schema(schema)  # each is itself a valid Draft 2020-12 schema
-        assert schema["properties"]["schema"] == {"const": schema_id}
+        assert consts[schema_file(schema_id)] == {"const": schema_id}
 
 
 @pytest.mark.parametrize("path", COMMITTED, ids=lambda p: str(p.relative_to(REPORTS)))
 def test_committed_reports_and_diffs_validate(path: Path) -> None:
+    """Witness: the folder each committed file sits in (diffs/ or torch-*/), and jsonschema with the schema file."""
     data = load_json(path)
-    assert data["schema"] == ("qkvtrace.diff/1" if path.parent.name == "diffs" else "qkvtrace.report/1")
+    expected = "qkvtrace.diff/1" if path.parent.name == "diffs" else "qkvtrace.report/1"
+    assert data["schema"] == expected
+    assert _jsonschema_errors(json.loads(path.read_text(encoding="utf-8")), expected) == []
 
 
 def test_every_file_the_tool_writes_validates(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Witness: the schema id this test expects of each command, the ids the schema files fix, and jsonschema
+    itself run on every file with its schema file."""
     written: dict[str, list[Path]] = {}
 
     def write(schema_id: str, name: str, *args: str | Path, code: int = 0) -> None:
@@ -124,7 +149,10 @@ def test_every_file_the_tool_writes_validates(tmp_path: Path, capsys: pytest.Cap
     write("qkvtrace.streammerge/1", "sm.json", "merge", tmp_path / "run.rank0.jsonl")
     assert kinds[0] == "start" and kinds[-1] == "end" and {"first", "change", "step"} <= set(kinds)
 
-    assert set(written) == set(schema_ids())  # every schema id has a writer here
+    assert set(written) == set(_schema_files())  # every schema file has a writer here
+    for schema_id, paths in written.items():
+        for path in paths:
+            assert _jsonschema_errors(json.loads(path.read_text(encoding="utf-8")), schema_id) == [], path
     files = [p for paths in written.values() for p in paths]
     code, out, err = run(capsys, "validate", *files)
     assert (code, err) == (0, ""), err
@@ -134,6 +162,8 @@ def test_every_file_the_tool_writes_validates(tmp_path: Path, capsys: pytest.Cap
 
 
 def test_validate_refuses_with_one_line_per_bad_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Witness: the report damaged here (callgraph null), the absent file and the folder, and the messages
+    written here."""
     bad = tmp_path / "report.json"
     bad.write_text(json.dumps({**json.loads(GOOD.read_text()), "callgraph": None}))
     code, out, err = run(capsys, "validate", GOOD, bad, tmp_path / "absent.json", REPORTS / "diffs")
@@ -177,6 +207,7 @@ def _good() -> dict[str, Any]:
     ],
 )  # fmt: skip
 def test_message_names_the_first_bad_place(damage: Callable[[dict[str, Any]], Any], message: str) -> None:
+    """Witness: the committed report with one field damaged here, and the message written here."""
     report = _good()
     damage(report)
     with pytest.raises(SchemaError) as info:
@@ -185,6 +216,7 @@ def test_message_names_the_first_bad_place(damage: Callable[[dict[str, Any]], An
 
 
 def test_shallowest_error_wins_then_document_order() -> None:
+    """Witness: the places this test damages, named in the messages written here."""
     report = _good()
     report["callgraph"]["edges"][5]["callee"] = 1
     report["callgraph"]["edges"][3]["caller"] = None
@@ -206,12 +238,19 @@ def trace_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_load_trace_reads_what_trace_wrote(trace_file: Path) -> None:
+    """Witness: the trace file read with json in the test."""
     loaded = load_trace(trace_file)
-    assert loaded == TraceResult.from_dict(json.loads(trace_file.read_text()))
+    data = json.loads(trace_file.read_text())
     assert loaded.calls and loaded.gradients
+    assert [(c.index, c.module, c.path) for c in loaded.calls] == [
+        (c["index"], c["module"], c["path"]) for c in data["calls"]
+    ]
+    assert [g.q.grad_norm for g in loaded.gradients] == [g["q"]["grad_norm"] for g in data["gradients"]]
+    assert json.loads(json.dumps(loaded.to_dict())) == data  # nothing lost or changed on the way in
 
 
 def test_trace_schema_allows_fields_added_later(trace_file: Path, tmp_path: Path) -> None:
+    """Witness: the trace JSON extended here with fields a later version might add."""
     data = json.loads(trace_file.read_text())
     call = data["calls"][0]
     call.update(evidence="unavailable: another profiler was active", aten_ops=None, compiled=True, thread=None)
@@ -248,6 +287,7 @@ def test_trace_schema_allows_fields_added_later(trace_file: Path, tmp_path: Path
 def test_load_trace_refuses_damaged_traces(
     trace_file: Path, tmp_path: Path, damage: Callable[[dict[str, Any]], Any], message: str
 ) -> None:
+    """Witness: the trace JSON with one field damaged here, and the message written here."""
     data = json.loads(trace_file.read_text())
     damage(data)
     path = tmp_path / "t.json"
@@ -350,11 +390,13 @@ ACCEPTED = {"sources-empty-list", "agreement-nan", "agreement-missing", "extra-k
 
 
 def test_fuzz_has_enough_variants() -> None:
+    """Witness: the VARIANTS and ACCEPTED tables written in this file."""
     assert len(VARIANTS) >= 40 and ACCEPTED < VARIANTS.keys()
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_fuzz_diff_refuses_or_diffs(variant: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Witness: the damaged file built here from the committed report, and ACCEPTED written here."""
     bad = tmp_path / "report.json"
     bad.write_bytes(VARIANTS[variant](GOOD.read_bytes()))
     written = tmp_path / "d.json"
@@ -372,6 +414,7 @@ def test_fuzz_diff_refuses_or_diffs(variant: str, tmp_path: Path, capsys: pytest
 
 
 def test_over_large_and_unreadable_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Witness: a sparse file made here one byte over the limit, and a copy made unreadable here."""
     huge = tmp_path / "huge.json"
     with huge.open("wb") as fh:  # sparse: no disk space used
         fh.truncate(MAX_JSON_BYTES + 1)
@@ -391,6 +434,7 @@ THROUGH_SUBPROCESS = ["truncated-half", "binary-png", "callgraph-null", "schema-
 
 @pytest.mark.parametrize("variant", THROUGH_SUBPROCESS)
 def test_fuzz_through_the_real_command(variant: str, tmp_path: Path) -> None:
+    """Witness: the damaged file built here, named in the one line a real subprocess writes."""
     bad = tmp_path / "report.json"
     bad.write_bytes(VARIANTS[variant](GOOD.read_bytes()))
     proc = subprocess.run([sys.executable, "-m", "qkvtrace", "diff", str(GOOD), str(bad)], capture_output=True,
@@ -401,6 +445,7 @@ def test_fuzz_through_the_real_command(variant: str, tmp_path: Path) -> None:
 
 
 def test_validate_through_the_real_command() -> None:
+    """Witness: the committed reports and diffs listed here with glob."""
     proc = subprocess.run([sys.executable, "-m", "qkvtrace", "validate", *map(str, COMMITTED)], capture_output=True,
                           text=True, env=ENV, timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
@@ -408,7 +453,9 @@ def test_validate_through_the_real_command() -> None:
 
 
 def test_compare_refuses_a_damaged_collector_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """`compare` reads JSON from another interpreter's collector: it is checked like a file."""
+    """`compare` reads JSON from another interpreter's collector: it is checked like a file.
+
+    Witness: a fake interpreter written here whose collector prints a report with ``sources`` null."""
     damaged = tmp_path / "collected.json"
     damaged.write_text(json.dumps({**_good(), "sources": None}))
     fake = tmp_path / "python"
@@ -426,6 +473,7 @@ def test_compare_refuses_a_damaged_collector_report(tmp_path: Path, capsys: pyte
 
 
 def test_diff_reports_checks_reports_given_in_memory() -> None:
+    """Witness: the committed report damaged here in memory, and the message written here."""
     from qkvtrace.diff import diff_reports
 
     broken = _good()
@@ -436,7 +484,9 @@ def test_diff_reports_checks_reports_given_in_memory() -> None:
 
 
 def test_report_collector_imports_without_jsonschema() -> None:
-    """The collector `compare` ships to other environments (torch only) must not need jsonschema."""
+    """The collector `compare` ships to other environments (torch only) must not need jsonschema.
+
+    Witness: a fresh interpreter in which the test blocks importing jsonschema and referencing."""
     code = "import sys\nfor name in ('jsonschema', 'referencing'): sys.modules[name] = None\nimport qkvtrace.report"
     proc = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, env=ENV,
                           timeout=120)  # fmt: skip

@@ -50,6 +50,7 @@ def bert(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def test_hf_folder_loads_the_saved_weights(bert: dict[str, Path], tmp_path: Path) -> None:
+    """Witness: the saved weights read back by transformers itself; the layer count of the config built here."""
     transformers = pytest.importorskip("transformers")
     # --backward: with gradients on, the Q/K/V rows are derived from the call's graph (no graph, no rows)
     proc = qkv("trace", f"hf:{bert['weights']}", "--backward", "--columns", "weights", "--json",
@@ -66,6 +67,9 @@ def test_hf_folder_loads_the_saved_weights(bert: dict[str, Path], tmp_path: Path
 
 
 def test_hf_random_init_needs_only_the_config(bert: dict[str, Path], tmp_path: Path) -> None:
+    """Witness: the config built by the test, and transformers building its architecture from it here with
+    PyTorch's RNG set to 0 (the fixed random weights the page promises); the RNG state read before and after."""
+    transformers = pytest.importorskip("transformers")
     assert not any(p.suffix in (".safetensors", ".bin") for p in bert["config"].iterdir())
     out = tmp_path / "t.json"
     proc = qkv("trace", f"hf:{bert['config']}", "--random-init", "--backward", "--input-shape", "3,11", "--json",
@@ -78,13 +82,20 @@ def test_hf_random_init_needs_only_the_config(bert: dict[str, Path], tmp_path: P
     state = torch.random.get_rng_state()
     again = load_target(f"hf:{bert['config']}", random_init=True).model
     assert torch.equal(torch.random.get_rng_state(), state)
-    q = again.bert.encoder.layer[0].attention.self.query.weight
-    assert calls[0]["qkv"]["q"]["weight_norm"] == pytest.approx(float(q.detach().norm()), rel=1e-6)
+    config = transformers.AutoConfig.from_pretrained(bert["config"])
+    (arch,) = config.architectures
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        built = getattr(transformers, arch)(config)
+    for model in (again, built):  # in this process, and in the command's
+        q = model.bert.encoder.layer[0].attention.self.query.weight
+        assert calls[0]["qkv"]["q"]["weight_norm"] == pytest.approx(float(q.detach().norm()), rel=1e-6)
     without = qkv("trace", f"hf:{bert['config']}")
     one_line_error(without, "no weights", "--random-init")
 
 
 def test_hf_inputs_come_from_the_config(bert: dict[str, Path]) -> None:
+    """Witness: the config built by the test (vocab_size=97, max_position_embeddings=40)."""
     pytest.importorskip("transformers")
     loaded = load_target(f"hf:{bert['config']}", random_init=True)
     (ids,), kwargs = loaded.make_inputs(4, 9)
@@ -95,6 +106,7 @@ def test_hf_inputs_come_from_the_config(bert: dict[str, Path]) -> None:
 
 
 def test_hf_vision_model_gets_images_of_the_config_size(tmp_path: Path) -> None:
+    """Witness: the config built by the test (24-pixel images, 8-pixel patches, one layer), worked out here."""
     transformers = pytest.importorskip("transformers")
     config = transformers.ViTConfig(image_size=24, patch_size=8, num_channels=3, hidden_size=32, num_hidden_layers=1,
                                     num_attention_heads=4, intermediate_size=64)  # fmt: skip
@@ -119,11 +131,13 @@ def test_hf_vision_model_gets_images_of_the_config_size(tmp_path: Path) -> None:
     ],
 )
 def test_hf_bad_targets(target: str, needles: list[str]) -> None:
+    """Witness: the target built by the test, and the message the test expects."""
     pytest.importorskip("transformers")
     one_line_error(qkv("trace", *target.split()), *needles)
 
 
 def test_hf_folder_without_config(tmp_path: Path) -> None:
+    """Witness: the empty folder the test made, and the message the test expects."""
     pytest.importorskip("transformers")
     (tmp_path / "empty").mkdir()
     one_line_error(qkv("trace", f"hf:{tmp_path / 'empty'}", "--random-init"), "no config.json")
@@ -133,7 +147,9 @@ def test_hf_folder_without_config(tmp_path: Path) -> None:
                          [("hf", "transformers", "hf"), ("timm", "timm", "timm"),
                           ("torchvision", "torchvision", "torchvision")])  # fmt: skip
 def test_missing_library_is_one_clear_line(tmp_path: Path, prefix: str, library: str, extra: str) -> None:
-    """A library that cannot be imported (absent, or built for another torch) is named, with what to install."""
+    """A library that cannot be imported (absent, or built for another torch) is named, with what to install.
+
+    Witness: the blocking package the test wrote on PYTHONPATH, and the message the test expects."""
     blocked = tmp_path / library
     blocked.mkdir()
     (blocked / "__init__.py").write_text(f"raise ImportError('{library} is blocked for this test')\n")
@@ -148,6 +164,7 @@ def _importable(name: str) -> str | None:
 
 
 def test_timm_model_random_weights(tmp_path: Path) -> None:
+    """Witness: the named architecture's published shape (12 blocks, 224-pixel images in 16-pixel patches)."""
     why = _importable("timm")
     if why:
         pytest.skip(f"timm cannot be imported beside this torch ({why}); the error path is tested above")
@@ -158,6 +175,7 @@ def test_timm_model_random_weights(tmp_path: Path) -> None:
 
 
 def test_torchvision_model_random_weights(tmp_path: Path) -> None:
+    """Witness: the named architecture's published shape (12 encoder layers of ``nn.MultiheadAttention``)."""
     why = _importable("torchvision")
     if why:
         pytest.skip(f"torchvision cannot be imported beside this torch ({why}); the error path is tested above")
@@ -168,6 +186,7 @@ def test_torchvision_model_random_weights(tmp_path: Path) -> None:
 
 
 def test_unknown_library_model_names(tmp_path: Path) -> None:
+    """Witness: the model name the test makes up, expected in the message."""
     for library in ("timm", "torchvision"):
         if _importable(library) is None:
             proc = qkv("trace", f"{library}:no_such_model_xyz")
@@ -175,6 +194,7 @@ def test_unknown_library_model_names(tmp_path: Path) -> None:
 
 
 def test_load_target_errors_are_target_errors() -> None:
+    """Witness: the target built by the test, and the exception type and message the test expects."""
     with pytest.raises(TargetError, match="names no model"):
         load_target("timm:")
 
@@ -195,7 +215,9 @@ class _Patches(torch.nn.Module):
 def test_library_glue_with_stand_in_libraries(monkeypatch: pytest.MonkeyPatch) -> None:
     """What qkvtrace itself does for timm:/torchvision: — the arguments it passes (random weights), the input
     size it reads, its message for an unknown name — checked with stand-ins where the libraries cannot be
-    imported beside this torch. The real libraries are traced above when they can be."""
+    imported beside this torch. The real libraries are traced above when they can be.
+
+    Witness: the stand-ins the test wrote, which record what they are asked; the RNG state read before and after."""
     import types
 
     asked: list[tuple[str, object]] = []

@@ -198,7 +198,10 @@ def test_cli_exit_codes_and_outputs(tmp_path: Path) -> None:
 
 
 def test_cli_refuses_bad_input_in_one_line(tmp_path: Path) -> None:
-    """A damaged trace, and a trace beside a report: exit 2, one line naming the file (no traceback)."""
+    """A damaged trace, and a trace beside a report: exit 2, one line naming the file (no traceback).
+
+    Witness: the damaged file the test wrote (an index that is not a number), and the committed report folder.
+    """
     good = tmp_path / "good.json"
     good.write_text(json.dumps({"schema": "qkvtrace.trace/1", "calls": [], "gradients": [], "routes": [],
                                 "unobserved": [], "warnings": [], "torch_version": "x"}))  # fmt: skip
