@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from qkvtrace import compat
-from qkvtrace.records import AttentionCall
+from qkvtrace.records import AttentionCall, QKVInfo, SliceInfo
 from qkvtrace.slices import Projection
 from qkvtrace.tracer import routes
 
@@ -25,8 +25,8 @@ if TYPE_CHECKING:
     from qkvtrace.tracer.session import Trace
 
 __all__ = [
-    "Target", "deliver", "dtype_name", "frame_of", "modes", "nan_count", "nested_lengths", "shape", "wants_backward",
-    "wants_maps",
+    "Target", "deliver", "dtype_name", "frame_of", "modes", "nan_count", "nested_lengths", "qkv_info", "shape",
+    "wants_backward", "wants_maps",
 ]  # fmt: skip
 
 #: an open trace that records a call, its name for the module, and the call's index in it
@@ -54,6 +54,19 @@ def nan_count(t: Any) -> torch.Tensor | int | None:
         parts = [torch.count_nonzero(torch.isnan(x)) for x in t.unbind()]
         return torch.stack(parts).sum() if parts else 0
     return torch.count_nonzero(torch.isnan(t))
+
+
+def qkv_info(trace: Trace, projection: Projection | str, tensors: tuple[Any, Any, Any]) -> QKVInfo:
+    """The call's Q/K/V slices (``projection``'s, shared while its parameters are unchanged) with the norm of
+    each tensor the attention received (a 0-dim tensor, read when the trace resolves; ``None`` when nested)."""
+    parts = {}
+    with torch.no_grad():
+        base = trace.norms.qkv(projection)
+        for part, t in zip(("q", "k", "v"), tensors, strict=True):
+            norm = None if t.is_nested else torch.linalg.vector_norm(t.detach().float())
+            info = getattr(base, part) or SliceInfo(None, None, None, None)
+            parts[part] = dataclasses.replace(info, activation_norm=norm)  # type: ignore[arg-type]  # resolved later
+    return QKVInfo(layout=base.layout, holder=base.holder, reason=base.reason, **parts)
 
 
 def modes(module: nn.Module) -> dict[str, bool]:

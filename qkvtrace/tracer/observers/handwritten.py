@@ -46,9 +46,9 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from qkvtrace import compat, maps, patterns
-from qkvtrace.records import AttentionCall, QKVInfo, SliceInfo
+from qkvtrace.records import AttentionCall
 from qkvtrace.tracer import registry, routes
-from qkvtrace.tracer.build import Target, deliver, modes, nan_count, shape, wants_backward, wants_maps
+from qkvtrace.tracer.build import Target, deliver, modes, nan_count, qkv_info, shape, wants_backward, wants_maps
 
 __all__ = ["PATH", "candidate_modules", "entry_point_called", "stop_watching", "suspended", "watch", "watch_refused",
            "watching_any"]
@@ -420,13 +420,8 @@ def _record(node: _Node, form: tuple[str, ...], v: torch.Tensor, out: torch.Tens
     final = tuple(probs.shape)
     blocked, bias = patterns.combine(list(node.terms), final)
     scale, cap = _scale_and_cap(node.steps)
+    qkv = qkv_info(first, projection, (q, k, v))
     with torch.no_grad():
-        base = first.norms.qkv(projection)
-        parts = {}
-        for part, t in (("q", q), ("k", k), ("v", v)):
-            info = getattr(base, part) or SliceInfo(None, None, None, None)
-            parts[part] = dataclasses.replace(info, activation_norm=torch.linalg.vector_norm(t.detach().float()))  # type: ignore[arg-type]
-        qkv = QKVInfo(layout=base.layout, holder=base.holder, reason=base.reason, **parts)
         rows: Any = 0
         if blocked is not None:
             rows = blocked.all(dim=-1).expand(final[:-1]).sum()

@@ -20,7 +20,6 @@ behalf report their kernel to it.
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from collections.abc import Callable
 from dataclasses import asdict
@@ -30,9 +29,9 @@ import torch
 from torch import nn
 
 from qkvtrace import maps, masks, paths, refusals
-from qkvtrace.records import AttentionCall, QKVInfo, SliceInfo
+from qkvtrace.records import AttentionCall
 from qkvtrace.tracer import registry, routes
-from qkvtrace.tracer.build import Target, deliver, modes, nan_count, shape, wants_backward, wants_maps
+from qkvtrace.tracer.build import Target, deliver, modes, nan_count, qkv_info, shape, wants_backward, wants_maps
 from qkvtrace.tracer.install import redispatch_sdpa, relevant_overrides
 from qkvtrace.tracer.observers.mha import OpenMHA, arg
 
@@ -280,13 +279,7 @@ def _record(
                 blocked = masks.blocked_by_additive(mask)
             mask_record = asdict(masks.mask_info(mask, blocked, true_means))
         rows = fully_masked_rows(q, k, None if _overrides(mask) else mask, a.is_causal)
-        base = first.norms.qkv(projection)
-        parts = {}
-        for part, t in (("q", q), ("k", k), ("v", v)):
-            norm = None if t.is_nested else torch.linalg.vector_norm(t.detach().float())
-            info = getattr(base, part) or SliceInfo(None, None, None, None)
-            parts[part] = dataclasses.replace(info, activation_norm=norm)  # type: ignore[arg-type]  # resolved later
-        qkv = QKVInfo(layout=base.layout, holder=base.holder, reason=base.reason, **parts)
+    qkv = qkv_info(first, projection, (q, k, v))
     return AttentionCall(
         index=-1,
         module="",
