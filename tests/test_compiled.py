@@ -97,7 +97,10 @@ def _fresh(kind: str, train: bool) -> tuple[nn.Module, torch.Tensor]:
 @pytest.mark.parametrize("kind", list(MODELS))
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_compiled_before_the_trace_is_not_recompiled_inside_it(backend: str, kind: str, train: bool) -> None:
-    """Compiled and run before the trace: no graph compiled inside it or after it; outputs and grads bit-equal."""
+    """Compiled and run before the trace: no graph compiled inside it or after it; outputs and grads bit-equal.
+
+    Witness: the graph count of the counting backend written here, and the same compiled model run untraced.
+    """
     torch._dynamo.reset()
     model, x = _fresh(kind, train)
     counting = Counting(backend)
@@ -116,7 +119,10 @@ def test_compiled_before_the_trace_is_not_recompiled_inside_it(backend: str, kin
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_compiled_inside_the_trace_is_reused_after_it(backend: str) -> None:
-    """Compiled inside a trace: reused after it closes with no new graph, as one compiled without a trace."""
+    """Compiled inside a trace: reused after it closes with no new graph, as one compiled without a trace.
+
+    Witness: the counting backend's graph count, and an untraced twin compiled with no trace open.
+    """
     torch._dynamo.reset()
     model, x = _fresh("packed-sdpa+mha", True)
     twin = _fresh("packed-sdpa+mha", True)[0]
@@ -132,7 +138,10 @@ def test_compiled_inside_the_trace_is_reused_after_it(backend: str) -> None:
 
 
 def test_module_compiled_in_place_before_the_trace_is_not_recompiled() -> None:
-    """``module.compile()`` (compiled in place) before the trace: no new graph inside or after it."""
+    """``module.compile()`` (compiled in place) before the trace: no new graph inside or after it.
+
+    Witness: the counting backend's graph count, and the same model's untraced run before the trace.
+    """
     torch._dynamo.reset()
     model, x = _fresh("packed-sdpa+mha", True)
     counting = Counting("eager")
@@ -147,7 +156,10 @@ def test_module_compiled_in_place_before_the_trace_is_not_recompiled() -> None:
 
 
 def test_module_compiled_in_place_inside_the_trace_is_reused_after_it() -> None:
-    """``module.compile()`` inside the trace: no new graph after it closes; outputs equal an untraced twin's."""
+    """``module.compile()`` inside the trace: no new graph after it closes; outputs equal an untraced twin's.
+
+    Witness: the counting backend's graph count, and an untraced twin compiled in place with no trace open.
+    """
     torch._dynamo.reset()
     model, x = _fresh("packed-sdpa+mha", True)
     twin = _fresh("packed-sdpa+mha", True)[0]
@@ -166,7 +178,10 @@ def test_module_compiled_in_place_inside_the_trace_is_reused_after_it() -> None:
 
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
 def test_explain_counts_graphs_and_breaks_alike_traced_and_untraced(train: bool) -> None:
-    """``torch._dynamo.explain`` of a compiled call: the same graph and break counts inside a trace as outside."""
+    """``torch._dynamo.explain`` of a compiled call: the same graph and break counts inside a trace as outside.
+
+    Witness: ``torch._dynamo.explain`` of the same model with no trace open.
+    """
     torch._dynamo.reset()
     model, x = _fresh("encoder", train)
     compiled = torch.compile(model, backend="eager")

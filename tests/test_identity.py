@@ -106,7 +106,10 @@ class ByName(nn.Module):
 
 @pytest.mark.parametrize("make", [causal_upper_left, causal_lower_right], ids=["upper_left", "lower_right"])
 def test_traced_model_calling_by_name_with_causal_bias(make: Any) -> None:
-    """A traced model's by-name call with CausalBias: output equal to the untraced call, and recorded once."""
+    """A traced model's by-name call with CausalBias: output equal to the untraced call, and recorded once.
+
+    Witness: the same model's untraced call, and the one CausalBias call the test makes.
+    """
     q, k, v = _qkv()
     model = ByName()
     plain = model(q, k, v, make(23, 56))

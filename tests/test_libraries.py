@@ -380,6 +380,7 @@ def assert_same_results(witness: Witness, witness_grads: dict[str, Any], run: Ru
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", list(MODELS))
 def test_library_model_matches_the_witness(name: str, mode: str, kernel_backend: dict[str, str]) -> None:
+    """Witness: the untraced run under torch.profiler (tests/_witness.py), and the model's own attention modules."""
     witness, witness_grads = untraced(name, mode)
     run, out, t = traced(name, mode)
 
@@ -406,6 +407,7 @@ def test_library_model_matches_the_witness(name: str, mode: str, kernel_backend:
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_library_model_qkv_slices_and_gradients(name: str) -> None:
+    """Witness: norms computed here from the model's own parameters and their .grad, rows per each library's layout."""
     spec = MODELS[name]
     run, _, t = traced(name, "train")
     modules = attention_modules(name, run.model)
@@ -481,6 +483,7 @@ def test_hand_written_attention_is_recorded(name: str, mode: str) -> None:
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_observed_attention_is_not_listed_unobserved(name: str) -> None:
+    """Witness: none independent (both sides are qkvtrace's own output, its calls and its unobserved list)."""
     _, _, t = traced(name, "eval")
     recorded = {c.module for c in t.calls}
     assert recorded

@@ -110,6 +110,8 @@ MHA_CASES = {
 @pytest.mark.parametrize("masks", ["none", "bool", "float"])
 @pytest.mark.parametrize("case", list(MHA_CASES))
 def test_mha_maps_equal_pytorchs_weights(case: str, masks: str) -> None:
+    """Witness: nn.MultiheadAttention's own need_weights=True, average_attn_weights=False weights from the same
+    call; the zeros at masked positions come from the masks built here."""
     opts = {"batch_first": True, **MHA_CASES[case]}
     mha = nn.MultiheadAttention(E, H, **opts).eval()
     bf = opts["batch_first"]
@@ -141,6 +143,8 @@ def test_mha_maps_equal_pytorchs_weights(case: str, masks: str) -> None:
 
 
 def test_fast_path_map_equals_the_weights_pytorch_returns_on_its_fallback() -> None:
+    """Witness: the same module called again untraced with need_weights=True, average_attn_weights=False on the
+    same inputs (PyTorch's fallback weights); the zero column is the padded key built here."""
     mha = nn.MultiheadAttention(E, H, batch_first=True).eval()
     x = torch.randn(B, L, E)
     kpm = torch.zeros(B, L, dtype=torch.bool)
@@ -158,6 +162,8 @@ def test_fast_path_map_equals_the_weights_pytorch_returns_on_its_fallback() -> N
 
 
 def test_is_causal_fallback_uses_the_causal_mask_pytorch_uses() -> None:
+    """Witness: the float64 causal softmax(QKᵀ/√d) written here on Q and K projected here with the module's
+    in_proj_weight and in_proj_bias."""
     mha = nn.MultiheadAttention(E, H, batch_first=True).train()
     x = torch.randn(B, L, E)
     causal = nn.Transformer.generate_square_subsequent_mask(L)
@@ -174,6 +180,8 @@ def test_is_causal_fallback_uses_the_causal_mask_pytorch_uses() -> None:
 
 
 def test_unbatched_mha_call() -> None:
+    """Witness: nn.MultiheadAttention's own need_weights=True, average_attn_weights=False weights for the same
+    unbatched call; the leading batch of 1 is the unbatched input built here."""
     mha = nn.MultiheadAttention(E, H).eval()
     x = torch.randn(L, E)
     with qkvtrace.trace(mha, attention_maps=True) as t, torch.no_grad():
@@ -184,6 +192,8 @@ def test_unbatched_mha_call() -> None:
 
 
 def test_direct_multi_head_attention_forward_call() -> None:
+    """Witness: the weights F.multi_head_attention_forward itself returns (need_weights=True,
+    average_attn_weights=False) for the same call."""
     class Direct(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -207,6 +217,8 @@ def test_direct_multi_head_attention_forward_call() -> None:
 
 
 def test_a_fully_masked_row_is_reported_not_nan() -> None:
+    """Witness: the mask built here (query 2 blocked), nn.MultiheadAttention's own weights for the other rows, and
+    the count of rows PyTorch returned as NaN in every head."""
     mha = nn.MultiheadAttention(E, H, batch_first=True).eval()
     x = torch.randn(B, L, E)
     attn = torch.zeros(L, L, dtype=torch.bool)
@@ -250,6 +262,8 @@ SDPA_CASES: dict[str, Any] = {
 
 @pytest.mark.parametrize("case", list(SDPA_CASES))
 def test_sdpa_maps_equal_the_math_backends_weights(case: str) -> None:
+    """Witness: the weights of aten::_scaled_dot_product_attention_math and a float64 softmax(QKᵀ·scale + mask)
+    written here, both on the call's own inputs."""
     (q, k, v), kwargs = SDPA_CASES[case]()
     if "enable_gqa" in kwargs and not _sdpa_takes_gqa():
         pytest.skip(f"scaled_dot_product_attention of torch {torch.__version__} has no enable_gqa")
@@ -273,6 +287,7 @@ def test_sdpa_maps_equal_the_math_backends_weights(case: str) -> None:
 
 
 def test_sdpa_fully_masked_row_and_masked_positions() -> None:
+    """Witness: the boolean mask built here (row 3 all blocked) and the MATH backend's weights on the same inputs."""
     q, k, v = _qkv()
     mask = torch.ones(L, L, dtype=torch.bool).tril()  # True = attend for SDPA
     mask[3] = False
@@ -295,6 +310,8 @@ def test_sdpa_fully_masked_row_and_masked_positions() -> None:
 @pytest.mark.parametrize("norm_first", [False, True])
 @pytest.mark.parametrize("padding", [False, True])
 def test_fused_encoder_layer_maps(norm_first: bool, padding: bool) -> None:
+    """Witness: each layer's own self_attn called with need_weights=True, average_attn_weights=False on the input
+    that layer saw (after norm1, applied here, when norm_first)."""
     layer = nn.TransformerEncoderLayer(E, H, 64, dropout=0.0, batch_first=True, norm_first=norm_first)
     enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=padding and not norm_first).eval()
     x = torch.randn(B, 6, E)
@@ -326,6 +343,8 @@ def test_fused_encoder_layer_maps(norm_first: bool, padding: bool) -> None:
 
 
 def test_heads_and_batch_index_select_parts_of_the_full_map() -> None:
+    """Witness: none independent (the selected map is compared with qkvtrace's own full map of the same call, not
+    with PyTorch's weights); the shape and indices are the heads=[3, 1], batch_index=1 asked for here."""
     q, k, v = _qkv()
     model = SDPAModule()
     with qkvtrace.trace(model, attention_maps=True) as full, torch.no_grad():
@@ -339,6 +358,8 @@ def test_heads_and_batch_index_select_parts_of_the_full_map() -> None:
 
 
 def test_asking_for_a_head_the_call_lacks_says_so() -> None:
+    """Witness: heads=[7] asked for here against the H=4 heads of the Q, K, V built here, and the fresh module
+    instance that the trace was never given."""
     with qkvtrace.trace(SDPAModule(), attention_maps=True, heads=[7]) as t, torch.no_grad():
         SDPAModule()(*_qkv())
     assert not t.calls  # a fresh module instance: not the traced one
@@ -351,6 +372,8 @@ def test_asking_for_a_head_the_call_lacks_says_so() -> None:
 
 
 def test_maps_over_the_bounds_are_refused_with_a_clear_message() -> None:
+    """Witness: the sizes built here (40 x 40 tokens, max_map_tokens=32, a budget of 1.5 maps computed here) and
+    the module's own output of an untraced repeat of the call."""
     model = SDPAModule()
     q, k, v = _qkv(lq=40, lk=40)
     with qkvtrace.trace(model, attention_maps=True, max_map_tokens=32) as t, torch.no_grad():
@@ -374,6 +397,7 @@ def test_maps_over_the_bounds_are_refused_with_a_clear_message() -> None:
 
 @pytest.mark.parametrize("bad", [{"heads": [-1]}, {"batch_index": "0"}, {"max_map_tokens": 0}, {"max_map_mb": -1.0}])
 def test_bad_options_are_refused(bad: dict[str, Any]) -> None:
+    """Witness: the invalid values written here (a negative head, a string batch index, bounds of 0 and -1.0)."""
     with pytest.raises(ValueError):
         qkvtrace.trace(nn.Linear(2, 2), attention_maps=True, **bad)
 
@@ -382,6 +406,8 @@ def test_bad_options_are_refused(bad: dict[str, Any]) -> None:
 
 
 def test_maps_live_in_the_result_only_and_go_with_it() -> None:
+    """Witness: the ids of the module's attributes taken here before the call, and a weakref to the map that
+    Python's gc clears once the result is deleted."""
     mha = nn.MultiheadAttention(E, H, batch_first=True).eval()
     before = {id(v) for v in vars(mha).values()}
     x = torch.randn(B, L, E)
@@ -396,6 +422,7 @@ def test_maps_live_in_the_result_only_and_go_with_it() -> None:
 
 
 def test_a_trace_without_maps_gets_none_beside_one_with_maps() -> None:
+    """Witness: the options of the two traces made here, one without attention_maps and one with it."""
     q, k, v = _qkv()
     model = SDPAModule()
     with qkvtrace.trace(model) as plain, qkvtrace.trace(model, attention_maps=True) as mapped, torch.no_grad():
@@ -405,6 +432,8 @@ def test_a_trace_without_maps_gets_none_beside_one_with_maps() -> None:
 
 
 def test_maps_draw_no_random_numbers_and_note_dropout() -> None:
+    """Witness: the same dropout call traced without maps from the same RNG state set here, the next torch.rand
+    draw after each run, and the dropout=0.5 given to the module here."""
     mha = nn.MultiheadAttention(E, H, dropout=0.5, batch_first=True).train()
     x = torch.randn(B, L, E)
     runs = []
@@ -419,6 +448,8 @@ def test_maps_draw_no_random_numbers_and_note_dropout() -> None:
 
 
 def test_json_has_maps_only_when_asked(tmp_path: Path) -> None:
+    """Witness: the trace-2.json schema, the mask built here (query 1 blocked in every batch and head), and for
+    the round trip the in-memory result the file was written from."""
     mha = nn.MultiheadAttention(E, H, batch_first=True).eval()
     x = torch.randn(B, L, E)
     attn = torch.zeros(L, L, dtype=torch.bool)
@@ -450,6 +481,8 @@ def _cli(*args: str, pre: str = "") -> subprocess.CompletedProcess[str]:
 
 
 def test_cli_maps_writes_pictures_per_call_and_head_and_a_grid(tmp_path: Path) -> None:
+    """Witness: the file names implied by the options passed here (the demo's 2 layers x heads 0, 3 and a grid x
+    png/svg), the demo's VOCABULARY word for its first token, its input's batch size, and the schema."""
     pytest.importorskip("matplotlib")
     out = tmp_path / "maps"
     r = _cli("trace", "demo:tiny-lm", "--maps", str(out), "--map-heads", "0,3", "--json", str(tmp_path / "t.json"))
@@ -475,6 +508,7 @@ def test_cli_maps_writes_pictures_per_call_and_head_and_a_grid(tmp_path: Path) -
 
 
 def test_cli_maps_without_matplotlib_says_how_to_get_it(tmp_path: Path) -> None:
+    """Witness: matplotlib made unimportable here (a None entry in sys.modules); the hint is pyproject's plot extra."""
     r = _cli("trace", "demo:mha", "--maps", str(tmp_path / "m"), pre="import sys; sys.modules['matplotlib'] = None; ")
     assert r.returncode == 2
     assert 'pip install "qkvtrace[plot]"' in r.stderr
@@ -482,12 +516,15 @@ def test_cli_maps_without_matplotlib_says_how_to_get_it(tmp_path: Path) -> None:
 
 
 def test_cli_show_maps_prints_small_maps_in_the_terminal() -> None:
+    """Witness: the --map-heads 0 option passed here; the check is only that the text names a map and head 0."""
     r = _cli("trace", "demo:mha", "--show-maps", "--map-heads", "0")
     assert r.returncode == 0, r.stderr
     assert "attention map" in r.stdout and "head 0" in r.stdout
 
 
 def test_pictures_name_fully_masked_rows_and_use_the_vocabulary(tmp_path: Path) -> None:
+    """Witness: the vocabulary and ids built here (the second item all padding), H heads per call, and the
+    rendered text read back here."""
     pytest.importorskip("matplotlib")
     from qkvtrace.render.maps_render import call_labels, terminal_maps, token_labels, write_map_pictures
 
@@ -531,6 +568,7 @@ def test_pictures_name_fully_masked_rows_and_use_the_vocabulary(tmp_path: Path) 
 
 
 def test_readme_maps_sample_is_what_trace_prints() -> None:
+    """Witness: the sample in docs/maps.md (printed with torch 2.13.0), against a fresh run of the command it shows."""
     import os
 
     if not torch.__version__.startswith(README_TORCH):
@@ -547,6 +585,8 @@ def test_readme_maps_sample_is_what_trace_prints() -> None:
 
 
 def test_causal_bias_override_mask_is_materialised() -> None:
+    """Witness: the float64 softmax written here with the lower-right causal mask built here by
+    tril(diagonal=6 - 3)."""
     from torch.nn.attention.bias import causal_lower_right
 
     q, k, v = _qkv(lq=3, lk=6)
@@ -560,6 +600,7 @@ def test_causal_bias_override_mask_is_materialised() -> None:
 
 
 def test_a_flex_attention_call_says_why_it_has_no_map() -> None:
+    """Witness: the flex_attention call built here, the one path whose score_mod the map cannot read."""
     flex = pytest.importorskip("torch.nn.attention.flex_attention")
 
     class Flex(nn.Module):
@@ -576,6 +617,7 @@ def test_a_flex_attention_call_says_why_it_has_no_map() -> None:
 
 
 def test_a_call_that_raises_has_no_map_and_says_so() -> None:
+    """Witness: the mismatched key and value lengths built here, which make nn.MultiheadAttention raise."""
     mha = nn.MultiheadAttention(E, H, batch_first=True).eval()
     with qkvtrace.trace(mha, attention_maps=True) as t, torch.no_grad(), pytest.raises(AssertionError):
         mha(torch.randn(B, L, E), torch.randn(B, L + 1, E), torch.randn(B, L + 2, E))
@@ -585,7 +627,8 @@ def test_a_call_that_raises_has_no_map_and_says_so() -> None:
 
 @pytest.mark.parametrize("padding", [False, True])
 def test_fused_encoder_layer_merged_causal_mask(padding: bool) -> None:
-    """A src_mask (and a padding mask) reach the fused builtin merged (mask_type 2): the map reads that mask."""
+    """A src_mask (and a padding mask) reach the fused builtin merged (mask_type 2): the map reads that mask.
+    Witness: each layer's own self_attn with need_weights=True and the same masks on the input that layer saw."""
     layer = nn.TransformerEncoderLayer(E, H, 64, dropout=0.0, batch_first=True)
     enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
     x = torch.randn(B, 6, E)
@@ -607,7 +650,8 @@ def test_fused_encoder_layer_merged_causal_mask(padding: bool) -> None:
 
 
 def test_demo_tiny_lm_labels_its_maps_with_words() -> None:
-    """The demo language model carries a vocabulary, so its pictures show words, not ids."""
+    """The demo language model carries a vocabulary, so its pictures show words, not ids.
+    Witness: the demo's VOCABULARY looked up here for each id of its input."""
 
     from qkvtrace.demos import VOCABULARY, demo_tiny_lm
     from qkvtrace.render.maps_render import token_labels

@@ -40,6 +40,9 @@ def test_a_long_run_reports_exactly_the_steps_where_attention_changed(tmp_path: 
 
     The run keeps records of the first call and of those two changes only,
     in at most 2 MB (tracemalloc), and every call is counted.
+
+    Witness: the steps and call counts set by the test, the path of each mode from torch.profiler on one
+    untraced call, and tracemalloc for the memory held.
     """
     STEPS, MASK_AT, EVAL_AT = steps, steps * 3 // 10, steps * 7 // 10
     torch.manual_seed(0)
@@ -85,7 +88,10 @@ def test_a_long_run_reports_exactly_the_steps_where_attention_changed(tmp_path: 
 
 
 def test_a_killed_run_leaves_a_stream_summarize_reads(tmp_path: Path) -> None:
-    """A process killed by SIGKILL at step 40 (the test's own script): its stream is read back with the change."""
+    """A process killed by SIGKILL at step 40 (the test's own script): its stream is read back with the change.
+
+    Witness: the script written here, which switches to eval at step 25 and kills itself at step 40.
+    """
     stream = tmp_path / "killed.jsonl"
     script = tmp_path / "run.py"
     script.write_text(
@@ -117,7 +123,10 @@ def test_a_killed_run_leaves_a_stream_summarize_reads(tmp_path: Path) -> None:
 
 
 def test_summarize_refuses_what_is_not_a_stream(tmp_path: Path) -> None:
-    """A file that is not a stream, and a missing one: exit 2 with one line naming it."""
+    """A file that is not a stream, and a missing one: exit 2 with one line naming it.
+
+    Witness: the file the test wrote (not a stream) and a path it never created.
+    """
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"schema": "qkvtrace.trace/1"}\nnot json\n{}\n')
     for path in (bad, tmp_path / "missing.jsonl"):
@@ -156,7 +165,10 @@ def test_tensorboard_gets_the_scalars(tmp_path: Path) -> None:
 
 
 def test_keep_all_refuses_stream_options() -> None:
-    """``stream_to`` without ``keep="changes"`` is a usage error (ValueError), and ``step()`` needs it too."""
+    """``stream_to`` without ``keep="changes"`` is a usage error (ValueError), and ``step()`` needs it too.
+
+    Witness: the calls the test makes, built without ``keep="changes"``.
+    """
     with pytest.raises(ValueError, match="keep='changes'"):
         qkvtrace.trace(nn.Linear(1, 1), stream_to="x.jsonl")
     with qkvtrace.trace(nn.Linear(1, 1)) as t, pytest.raises(RuntimeError, match="keep='changes'"):
@@ -213,7 +225,10 @@ def test_merge_flags_the_rank_that_changed_alone(tmp_path: Path) -> None:
 
 
 def test_merge_of_ranks_that_changed_together_agrees(tmp_path: Path) -> None:
-    """Both ranks switch to eval at step 1 (set by the test): one change, made by both; exit 0."""
+    """Both ranks switch to eval at step 1 (set by the test): one change, made by both; exit 0.
+
+    Witness: the two rank streams written here, each switched to eval at step 1 by the test.
+    """
     _rank_streams(tmp_path, {0: 1, 1: 1})
     out = _merge(tmp_path / "run.rank0.jsonl", tmp_path / "run.rank1.jsonl", "--json", tmp_path / "m.json")
     assert out.returncode == 0, out.stdout + out.stderr
@@ -223,7 +238,10 @@ def test_merge_of_ranks_that_changed_together_agrees(tmp_path: Path) -> None:
 
 
 def test_merge_refuses_traces_and_streams_together(tmp_path: Path) -> None:
-    """A trace file beside a stream, and two streams of one rank: exit 2, one line, no traceback."""
+    """A trace file beside a stream, and two streams of one rank: exit 2, one line, no traceback.
+
+    Witness: the files the test wrote (a trace file, and a copy of rank 0's stream under a second name).
+    """
     _rank_streams(tmp_path, {0: 1})
     (tmp_path / "trace.rank1.json").write_text("{}")
     out = _merge(tmp_path / "run.rank0.jsonl", tmp_path / "trace.rank1.json")
@@ -234,7 +252,10 @@ def test_merge_refuses_traces_and_streams_together(tmp_path: Path) -> None:
 
 
 def test_rank_placeholder_names_the_stream(tmp_path: Path) -> None:
-    """``stream_to`` holding ``{rank}`` is filled in (rank 0 outside torch.distributed); the file is where it says."""
+    """``stream_to`` holding ``{rank}`` is filled in (rank 0 outside torch.distributed); the file is where it says.
+
+    Witness: the path the test chose, with rank 0 put in by the test, and the file read back from there.
+    """
     mha = nn.MultiheadAttention(E, H, batch_first=True)
     x = torch.randn(B, L, E)
     with qkvtrace.trace(mha, keep="changes", stream_to=tmp_path / "r{rank}.jsonl") as t:

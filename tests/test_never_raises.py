@@ -154,7 +154,10 @@ def test_a_failing_observer_changes_nothing_the_caller_sees(
 def test_a_refused_call_raises_pytorchs_exception_even_when_observing_fails(
     where: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A call PyTorch refuses: the exception the untraced call raises (type and message) is the one raised."""
+    """A call PyTorch refuses: the exception the untraced call raises (type and message) is the one raised.
+
+    Witness: PyTorch's exception from the same call with no trace open.
+    """
     model = SelfAttend(_mha(True))
     bad = torch.randn(B, L, E + 1)
     with pytest.raises(Exception) as untraced:

@@ -83,7 +83,11 @@ CASES: dict[str, tuple[Callable[[], tuple[Any, ...]], dict[str, Any]]] = {
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_cpu_refusal_is_pytorchs_own_warning(case: str) -> None:
-    """Each refusal PyTorch's CPU selection gives here, read from a traced direct SDPA call."""
+    """Each refusal PyTorch's CPU selection gives here, read from a traced direct SDPA call.
+
+    Witness: PyTorch's warnings when the test forces FLASH_ATTENTION on the same tensors untraced,
+    ``torch._fused_sdp_choice``, ``_get_sdp_priority_order``, and the untraced output.
+    """
     make, kwargs = CASES[case]
     args = make()
     chosen = _chosen(*args, kwargs.get("attn_mask"), kwargs.get("dropout_p", 0.0), False)

@@ -90,6 +90,7 @@ def _assert_routes(route: Any, ref: dict[str, torch.Tensor]) -> None:
 
 @pytest.mark.parametrize("need_weights", [False, True])
 def test_mha_backward_kernel_is_the_node_an_uninstrumented_run_builds(need_weights: bool) -> None:
+    """Witness: the autograd graph of an un-instrumented run of the same call (attention_core and graph_names)."""
     torch.manual_seed(0)
     m = nn.MultiheadAttention(E, H, batch_first=True)
     x = _weights()
@@ -108,6 +109,8 @@ def test_mha_backward_kernel_is_the_node_an_uninstrumented_run_builds(need_weigh
 
 @pytest.mark.parametrize("backend", [SDPBackend.MATH, SDPBackend.FLASH_ATTENTION])
 def test_sdpa_backward_kernel_per_forced_backend(backend: SDPBackend) -> None:
+    """Witness: the autograd graph of an un-instrumented run under the same forced backend, and the backend forced
+    here."""
     model = _SeparateProjections()
     x = _weights()
     with sdpa_kernel(backend):
@@ -121,6 +124,8 @@ def test_sdpa_backward_kernel_per_forced_backend(backend: SDPBackend) -> None:
 
 
 def test_no_graph_says_why() -> None:
+    """Witness: the grad state set here for each call: no_grad, inference_mode, and parameters set here not to
+    require grad."""
     m = nn.MultiheadAttention(E, H, batch_first=True).eval()
     layer = nn.TransformerEncoderLayer(E, H, 32, batch_first=True).eval()
     x = _weights()
@@ -145,6 +150,8 @@ def test_no_graph_says_why() -> None:
 
 @pytest.mark.parametrize("need_weights", [False, True])
 def test_mha_routes_equal_autograd_grad_on_a_copy(need_weights: bool) -> None:
+    """Witness: torch.autograd.grad of the same loss through explicit softmax attention recomputed here on a copy
+    of the module, with Q, K, V as leaves."""
     torch.manual_seed(1)
     m = nn.MultiheadAttention(E, H, batch_first=True)
     x = _weights(1)
@@ -160,6 +167,8 @@ def test_mha_routes_equal_autograd_grad_on_a_copy(need_weights: bool) -> None:
 
 
 def test_mha_with_separate_kdim_vdim_and_a_padding_mask() -> None:
+    """Witness: torch.autograd.grad on a copy with explicit softmax attention and the padding mask built here; the
+    separate layout follows from the kdim and vdim set here."""
     torch.manual_seed(2)
     m = nn.MultiheadAttention(E, H, kdim=10, vdim=12)  # sequence first, q/k/v_proj_weight separate
     query = torch.randn(T, B, E)
@@ -202,6 +211,7 @@ def _separate_reference(model: _SeparateProjections, x: torch.Tensor) -> dict[st
 
 @pytest.mark.parametrize("backend", [SDPBackend.MATH, SDPBackend.FLASH_ATTENTION])
 def test_direct_sdpa_routes_equal_autograd_grad(backend: SDPBackend) -> None:
+    """Witness: torch.autograd.grad on an explicit causal softmax attention recomputed here on a copy of the model."""
     model = _SeparateProjections()
     x = _weights(2)
     ref = _separate_reference(model, x)
@@ -238,6 +248,7 @@ def test_one_entry_per_forward_call_with_shared_weights_and_accumulation() -> No
 
 
 def test_routes_keep_no_activation_alive() -> None:
+    """Witness: a weakref to Q's projection output taken here by a forward hook, cleared by Python's gc."""
     model = _SeparateProjections()
     x = _weights(5)
     kept: list[weakref.ref[torch.Tensor]] = []
@@ -255,6 +266,8 @@ def test_routes_keep_no_activation_alive() -> None:
 
 
 def test_routes_off_records_none_and_json_round_trips(tmp_path: Any) -> None:
+    """Witness: routes=False given here; for the round trip, the schema and the in-memory result the file was
+    saved from."""
     model = _SeparateProjections()
     x = _weights(6)
     with qkvtrace.trace(model, routes=False) as t:

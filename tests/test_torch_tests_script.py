@@ -249,6 +249,7 @@ def test_without_the_flag_pytest_would_import_qkvtrace(tmp_path: Path) -> None:
 
 
 def test_bad_input_exits_2_with_one_line(tiny: Path) -> None:
+    """Witness: a path the test never created, and a ``--model`` that is no nn.Module (``torch.ones(2)``)."""
     nope = tiny.parent / "nope.py"
     missing = run_script(str(nope))
     assert missing.returncode == 2

@@ -306,6 +306,7 @@ def untraced(name: str, cls: Any) -> tuple[Witness, dict[str, Any]]:
 def test_traced_run_matches_the_witness(
     name: str, maps: bool, packed_attention_cls: Any, kernel_backend: dict[str, str]
 ) -> None:
+    """Witness: the untraced run under torch.profiler (tests/_witness.py), with its outputs and gradients."""
     _, modules, direct = SCENARIOS[name]
     n_calls = len(modules)
     witness, witness_grads = untraced(name, packed_attention_cls)
@@ -363,6 +364,8 @@ def test_traced_run_matches_the_witness(
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_why_not_fast_path_is_pytorchs_own(name: str, packed_attention_cls: Any) -> None:
+    """Witness: the string literals of PyTorch's installed forward, the profiler of the untraced run, and
+    PyTorch's own reason variables read at return on an untraced run (tests/_witness.py)."""
     witness, _ = untraced(name, packed_attention_cls)
     run = build(name, packed_attention_cls)
     with qkvtrace.trace(run.model) as t:
@@ -404,6 +407,7 @@ def test_why_not_fast_path_is_pytorchs_own(name: str, packed_attention_cls: Any)
 @pytest.mark.parametrize("maps", [False, True], ids=["plain", "maps"])
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_untraced_traced_untraced_run_the_same_kernels(name: str, maps: bool, packed_attention_cls: Any) -> None:
+    """Witness: torch.profiler on the untraced runs before and after the trace, and the module names in SCENARIOS."""
     first = profiled(build(name, packed_attention_cls).forward)
 
     run = build(name, packed_attention_cls)
@@ -420,6 +424,8 @@ def test_untraced_traced_untraced_run_the_same_kernels(name: str, maps: bool, pa
 
 
 def test_every_recorded_path_is_in_the_vocabulary() -> None:
+    """Witness: none independent (the allowed set is qkvtrace's own ``records.PATHS``: a consistency check).
+    The paths themselves are checked against the profiler in test_traced_run_matches_the_witness."""
     from qkvtrace.demos import DEMOS
     from qkvtrace.records import PATHS
 
