@@ -500,3 +500,15 @@ def test_a_long_run_counts_hand_written_calls_and_reports_the_change(tmp_path: A
     first = next(json.loads(line) for line in (tmp_path / "run.jsonl").read_text().splitlines()
                  if json.loads(line).get("kind") == "first")  # fmt: skip
     assert first["record"]["inputs"]["attn_mask"]["pattern"] == "causal"  # resolved before it was written
+
+
+def test_torch_compile_inside_a_later_trace_does_not_claim_watching_stopped() -> None:
+    """Witness: the second trace's model built here, which holds no attention module, so nothing was watched."""
+    model, x = build("at")
+    with qkvtrace.trace(model) as t:
+        model(x)
+    assert [c.path for c in t.calls] == ["hand_written"]
+    plain = nn.Sequential(nn.Linear(E, E))
+    with qkvtrace.trace(plain) as later:
+        torch.compile(lambda: None)  # made, never run: Dynamo compiles nothing
+    assert not any("not watched" in w for w in later.result.warnings), later.result.warnings

@@ -14,7 +14,7 @@ import contextlib
 import itertools
 import re
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -314,15 +314,12 @@ class Trace:
 
     def _watch_hand_written(self, model: nn.Module, stack: contextlib.ExitStack) -> None:
         """Hooks that watch the model's own attention-looking modules for attention written by hand."""
-        compiled = _inside_compiled(model)
-        named = [(n, m) for n, m in self._names.values() if id(m) not in compiled]
-        candidates = handwritten.candidate_modules(named, _may_attend)
+        candidates = _hand_written_candidates(self._names.values(), _inside_compiled(model))
         if candidates and handwritten.watch_refused():
             self.note(handwritten.NOT_WATCHED)
             return
         for m in candidates:
-            for handle in handwritten.watch(m):
-                stack.callback(handle.remove)
+            stack.callback(handwritten.unwatch, handwritten.watch(m))
 
     def _fsdp1_gather(self) -> Callable[[], Any] | None:
         """For a model wrapped in FSDP1 (``FullyShardedDataParallel``): whole parameters and ``.grad`` on
@@ -461,23 +458,33 @@ def _related(a: str, b: str) -> bool:
     return a == b or not a or not b or a.startswith(b + ".") or b.startswith(a + ".")
 
 
+def _named_for_attention(name: str, module: nn.Module) -> bool:
+    """``attn``/``attention`` in the module's own name or its class name."""
+    return bool(_ATTENTION_NAME.search(name.rpartition(".")[2]) or _ATTENTION_NAME.search(type(module).__name__))
+
+
 def _looks_like_attention(name: str, module: nn.Module) -> bool:
     if isinstance(module, nn.MultiheadAttention):
         return True
     children = list(module.children())
     if not children:
         return False  # a leaf (a projection, a dropout, a norm) is not an attention module
-    last = name.rpartition(".")[2]
-    if _ATTENTION_NAME.search(last) or _ATTENTION_NAME.search(type(module).__name__):
-        return True
-    return isinstance(guess_projection(module), Projection)
+    return _named_for_attention(name, module) or isinstance(guess_projection(module), Projection)
 
 
-def _may_attend(name: str, module: nn.Module) -> bool:
-    """Watched for attention written by hand: looks like attention, or is a leaf named for it (``Attend``)."""
-    if _looks_like_attention(name, module):
-        return True
-    return bool(_ATTENTION_NAME.search(name.rpartition(".")[2]) or _ATTENTION_NAME.search(type(module).__name__))
+def _hand_written_candidates(named: Iterable[tuple[str, nn.Module]], compiled: set[int]) -> list[nn.Module]:
+    """The modules watched for attention written by hand: the model's own modules that look like attention
+    (leaves named for it too, as ``Attend``), none on or inside PyTorch's attention modules (an active mode
+    refuses their fast paths), none scripted or compiled."""
+    named = [(n, m) for n, m in named if id(m) not in compiled]
+    torch_attention = [n for n, m in named if isinstance(m, handwritten.TORCH_ATTENTION)]
+    scripted = compat.scripted_module_types()
+    return [
+        m for name, m in named
+        if not type(m).__module__.startswith("torch.") and not (scripted and isinstance(m, scripted))
+        and not any(_related(name, t) for t in torch_attention)
+        and (_looks_like_attention(name, m) or _named_for_attention(name, m))
+    ]  # fmt: skip
 
 
 def _calibrate(model: nn.Module) -> None:

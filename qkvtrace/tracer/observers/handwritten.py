@@ -50,8 +50,8 @@ from qkvtrace.records import AttentionCall
 from qkvtrace.tracer import registry, routes
 from qkvtrace.tracer.build import Target, deliver, modes, nan_count, qkv_info, shape, wants_backward, wants_maps
 
-__all__ = ["PATH", "candidate_modules", "entry_point_called", "stop_watching", "suspended", "watch", "watch_refused",
-           "watching_any"]
+__all__ = ["PATH", "TORCH_ATTENTION", "entry_point_called", "stop_watching", "suspended", "unwatch", "watch",
+           "watch_refused", "watching_any"]
 
 PATH = "hand_written"
 #: ``aten_ops`` stay empty: no attention kernel runs; ``inputs["form"]`` lists the torch functions the module called
@@ -70,7 +70,7 @@ _SOFTMAX = frozenset({"softmax", "_softmax"})
 _DROPOUT = frozenset({"dropout", "dropout_", "native_dropout"})
 
 #: PyTorch's modules whose fast paths an active mode refuses: never inside or around a candidate
-_TORCH_ATTENTION = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer,
+TORCH_ATTENTION = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer,
                     nn.TransformerEncoder, nn.TransformerDecoder, nn.Transformer)  # fmt: skip
 
 _local = threading.local()
@@ -125,25 +125,6 @@ def _state() -> _State:
 # -- which modules are watched -------------------------------------------------------------
 
 
-def candidate_modules(named: list[tuple[str, nn.Module]], looks_like_attention: Any) -> list[nn.Module]:
-    """The modules to watch: attention-looking modules of the model's own code, apart from PyTorch's attention."""
-    torch_attention = [n for n, m in named if isinstance(m, _TORCH_ATTENTION)]
-    scripted = compat.scripted_module_types()
-    out = []
-    for name, m in named:
-        if type(m).__module__.startswith("torch.") or (scripted and isinstance(m, scripted)):
-            continue
-        if any(_related(name, t) for t in torch_attention):
-            continue
-        if looks_like_attention(name, m):
-            out.append(m)
-    return out
-
-
-def _related(a: str, b: str) -> bool:
-    return a == b or not a or not b or a.startswith(b + ".") or b.startswith(a + ".")
-
-
 def watch_refused() -> bool:
     """Watching would disturb compiled code: Dynamo holds compiled code (until ``torch._dynamo.reset()``).
 
@@ -165,6 +146,14 @@ def watch(module: nn.Module) -> list[Any]:
         post = module.register_forward_hook(_leave)
     _handles.extend((pre, post))
     return [pre, post]
+
+
+def unwatch(handles: list[Any]) -> None:
+    """Remove hooks made by :func:`watch` (a trace ends)."""
+    for handle in handles:
+        handle.remove()
+        if handle in _handles:
+            _handles.remove(handle)
 
 
 def watching_any() -> bool:
@@ -421,12 +410,11 @@ def _record(node: _Node, form: tuple[str, ...], v: torch.Tensor, out: torch.Tens
     blocked, bias = patterns.combine(list(node.terms), final)
     scale, cap = _scale_and_cap(node.steps)
     qkv = qkv_info(first, projection, (q, k, v))
-    with torch.no_grad():
-        rows: Any = 0
-        if blocked is not None:
+    rows: Any = 0
+    mask = None
+    if blocked is not None:
+        with torch.no_grad():
             rows = blocked.all(dim=-1).expand(final[:-1]).sum()
-        mask = None
-        if blocked is not None:
             dtypes = sorted({str(t.tensor.dtype) for t in node.terms})
             mask = {"kind": "bool" if all(t.kind != "add" for t in node.terms) else "float", "dtype": dtypes[0],
                     "shape": list(blocked.shape), "true_means": None, "blocked": blocked.sum(),
