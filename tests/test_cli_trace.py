@@ -264,7 +264,9 @@ def test_readme_trace_samples_are_what_trace_prints() -> None:
 def test_readme_library_model_sample_is_what_trace_prints(tmp_path: Path) -> None:
     """docs/trace.md's tiny BERT, made from its config alone as the page says, traced by name.
 
-    Witness: none independent; a change detector: the page's sample (the tool's output, once) against a run now.
+    Witness: the page's sample is a change detector (the tool's output, once) against a run now; independently,
+    the attention modules are the BertSelfAttention modules of the model built here from the same config, and the
+    kernel each mode names is the one torch.profiler sees in an untraced forward of that model.
     """
     transformers = pytest.importorskip("transformers")
     if not torch.__version__.startswith("2.13.0"):  # the header names the release; reasons differ by release
@@ -278,6 +280,17 @@ def test_readme_library_model_sample_is_what_trace_prints(tmp_path: Path) -> Non
                               text=True, env={**env, "COLUMNS": columns}, cwd=tmp_path, timeout=300)  # fmt: skip
         shown = command if columns == "100" else f"COLUMNS={columns} {command}"
         assert _printed(proc) == _readme_output(shown)
+        train = "--train" in command
+        config = transformers.AutoConfig.from_pretrained(tmp_path / "tiny-bert")
+        model = transformers.AutoModel.from_config(config, attn_implementation="sdpa").train(train)
+        attention = [n for n, m in model.named_modules() if type(m).__name__ == "BertSelfAttention"]
+        assert len(attention) == 2 and all(n in proc.stdout for n in attention), attention
+        with torch.profiler.profile() as prof, torch.set_grad_enabled(train):
+            model(torch.randint(0, 1000, (1, 8)))
+        ops = {e.name for e in prof.events()}
+        kernel = "MATH" if "aten::_scaled_dot_product_attention_math" in ops else "FLASH_ATTENTION"
+        assert kernel == ("MATH" if train else "FLASH_ATTENTION"), ops & {"aten::_scaled_dot_product_attention_math"}
+        assert proc.stdout.count(kernel) >= 2
 
 
 def test_help_names_the_library_targets() -> None:

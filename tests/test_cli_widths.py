@@ -358,7 +358,9 @@ def scenarios() -> list[dict[str, Any]]:
 def test_probe_scenarios_keep_paths_and_reasons_whole(scenarios: list[dict[str, Any]], width: int) -> None:
     """probe's first table, from the scenarios measured here, at each width.
 
-    Witness: none independent; the facts are the scenarios qkvtrace measured, the renderer's input."""
+    Witness: the renderer's input (the scenarios measured here) against its printed text at a width chosen
+    here: what is checked is that no fact is cut, not the facts, whose witness is the untraced profiler run in
+    test_witness.py."""
     from qkvtrace.render.terminal import scenarios_table
 
     buf = io.StringIO()

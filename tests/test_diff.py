@@ -79,10 +79,18 @@ def test_same_version_is_empty(reports: dict[str, dict]) -> None:
 
 
 def test_committed_diffs_are_what_diff_prints(reports: dict[str, dict]) -> None:
-    """Witness: none independent; a change detector for the committed diff files (the tool's output, once)."""
+    """Witness: a change detector for the committed diff files (the tool's output, once); independently, the
+    functions a diff lists as added, removed and changed are recomputed here from the two committed reports'
+    source texts, compared as plain strings."""
     for a, b in ((OLD, MID), (MID, NEW)):
         committed = json.loads((REPORTS / "diffs" / f"{a}..{b}.json").read_text())
         assert committed == json.loads(json.dumps(diff_reports(reports[a], reports[b])))
+        before = {s["name"]: s["text"] for s in reports[a]["sources"]}
+        after = {s["name"]: s["text"] for s in reports[b]["sources"]}
+        assert sorted(committed["sources"]["added"]) == sorted(after.keys() - before.keys())
+        assert sorted(committed["sources"]["removed"]) == sorted(before.keys() - after.keys())
+        changed = sorted(n for n in before.keys() & after.keys() if before[n] != after[n])
+        assert sorted(committed["sources"]["changed"]) == changed and changed, (a, b)
         assert (REPORTS / "diffs" / f"{a}..{b}.svg").read_text().lstrip().startswith("<?xml")
 
 
@@ -116,7 +124,8 @@ def test_cli_diff_without_a_layout_program_writes_the_rest(tmp_path: Path) -> No
 def test_committed_diff_pictures_are_what_graphviz_pure_draws(reports: dict[str, dict]) -> None:
     """Byte for byte on any machine (graphviz-pure carries its fonts); redraw them when graphviz-pure changes.
 
-    Witness: none independent; a change detector for the committed pictures."""
+    Witness: a change detector for the committed pictures (graphviz-pure's drawing, once); what the pictures show
+    is witnessed by test_committed_diffs_are_what_diff_prints."""
     for a, b in ((OLD, MID), (MID, NEW)):
         drawing = render_svg(diff_dot(reports[a], reports[b], diff_reports(reports[a], reports[b])))
         assert drawing.svg is not None, drawing.problem

@@ -101,10 +101,17 @@ def test_agreeing_ranks_exit_0(agreeing: Path, tmp_path: Path, capsys: pytest.Ca
 def test_a_rank_off_the_fast_path_is_flagged(
     disagreeing: tuple[Path, qkvtrace.Trace, qkvtrace.Trace], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Witness: the rank files the test wrote (merge's input), one rank in eval and one in training."""
+    """Witness: the rank files the test wrote (merge's input), one rank in eval and one in training; that their
+    paths really differ is witnessed by torch.profiler on an untraced run of each rank's step (the fused kernel
+    ``aten::_native_multi_head_attention`` runs in inference only)."""
     folder, t0, t1 = disagreeing
     c0, c1 = t0.calls[0], t1.calls[0]
-    assert c0.path != c1.path, "the two ranks' calls were meant to take different paths"
+    for train, call in ((False, c0), (True, c1)):
+        m, x = _mha().train(train), torch.randn(2, 5, 16)
+        with torch.set_grad_enabled(train), torch.profiler.profile() as prof:
+            m(x, x, x, need_weights=False)
+        fused = "aten::_native_multi_head_attention" in {e.name for e in prof.events()}
+        assert fused == (not train) and (call.path == "fast") == fused, (train, call.path)
     out_file = tmp_path / "merged.json"
     code, out, err = run(capsys, folder / "trace.rank0.json", folder / "trace.rank1.json", "--json", out_file)
     assert (code, err) == (1, "")
