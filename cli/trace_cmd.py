@@ -49,6 +49,7 @@ examples:
   qkvtrace trace demo:tiny-lm --maps maps/ --show-maps   # attention maps, kernels unchanged
   qkvtrace trace hf:./tiny-bert --random-init --columns type,weights
   qkvtrace trace timm:vit_tiny_patch16_224 --input-shape 1,1
+  qkvtrace trace demo:tiny-lm --compile            # what inductor makes of each attention
 """
 
 
@@ -77,6 +78,10 @@ def register(sub: Any) -> None:
         help="model.eval() before the run (default)",
     )
     p.add_argument("--input-shape", metavar="B,T", help="batch and sequence length of made-up inputs (default 2,16)")
+    p.add_argument("--compile", metavar="BACKEND", nargs="?", const="inductor", default=None,
+                   help="run the model through torch.compile (backend inductor unless named: aot_eager, eager, "
+                        "...) and show what the compiled graphs do with each attention (rows marked compiled)"
+                   )  # fmt: skip
     p.add_argument("--json", metavar="FILE", type=Path, help="also write the qkvtrace.trace/2 JSON here")
     p.add_argument("--columns", metavar="LIST", type=_columns, default=None,
                    help=f"secondary columns, comma-separated: {', '.join(COLUMNS)} or all "
@@ -134,7 +139,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
                                   random_init=args.random_init)  # fmt: skip
         status(f"running {args.target}")
         result, loss_kind = _run(args, loaded)
-    mode = args.mode + (", backward" if args.backward else "")
+    mode = args.mode + (", backward" if args.backward else "") + (f", compiled: {args.compile}" if args.compile else "")
     title = f"qkvtrace trace {args.target}  (torch {torch.__version__}, {mode})"
     console.print(trace_table(result, title=title, width=console.width, columns=args.columns), crop=False)
     console.print(summary_line(result, width=console.width), soft_wrap=True)
@@ -184,6 +189,11 @@ def _run(args: argparse.Namespace, loaded: Any) -> tuple[Any, str | None]:
 
     model, call_args, call_kwargs = loaded.model, loaded.args, loaded.kwargs
     model.train(args.mode == "train")
+    if args.compile is not None:
+        backends = torch._dynamo.list_backends(exclude_tags=())
+        if args.compile not in backends:
+            raise InputError(f"--compile {args.compile!r}: not a torch.compile backend here; choose from "
+                             f"{', '.join(sorted(backends))}")  # fmt: skip
     maps = args.show_maps or args.maps is not None
     options = {"attention_maps": True, "heads": args.map_heads, "batch_index": args.map_batch,
                "max_map_tokens": args.max_map_tokens, "max_map_mb": args.max_map_mb} if maps else {}  # fmt: skip
@@ -193,8 +203,9 @@ def _run(args: argparse.Namespace, loaded: Any) -> tuple[Any, str | None]:
         raise InputError(f"attention map options: {exc}") from None
     loss_kind = None
     with tracer as tr, torch.set_grad_enabled(args.backward):
+        runner = model if args.compile is None else torch.compile(model, backend=args.compile)
         try:
-            out = model(*call_args, **call_kwargs)
+            out = runner(*call_args, **call_kwargs)
         except Exception as exc:
             raise InputError(
                 f"running {args.target} on its example inputs raised {type(exc).__name__}: {exc}; "

@@ -23,6 +23,7 @@ __all__ = [
     "TRACE_SCHEMA",
     "TRACE_SCHEMAS",
     "AttentionCall",
+    "CompiledAttention",
     "GradientRecord",
     "MapTensors",
     "MaskInfo",
@@ -339,6 +340,49 @@ class Unobserved:
     reason: str
 
 
+@dataclass(slots=True)
+class CompiledAttention:
+    """One attention operation in a graph ``torch.compile`` made while the trace was open.
+
+    Read from PyTorch's own compile log: the FX graph Dynamo captured (module,
+    the function as written, shapes), the ATen graph AOTAutograd made of it and
+    the code inductor generated (what actually runs). Made once per graph, at
+    compile time: compiled code runs with no Python between its kernels, so how
+    often it ran is not observed (``runtime``).
+    """
+
+    index: int
+    module: str
+    module_type: str
+    #: the attention as the model wrote it: ``sdpa``, ``MultiheadAttention``, ``fused_encoder_layer``, ``flex``
+    #: or ``hand_written``
+    entry: str
+    #: the function(s) in Dynamo's graph, as called
+    written: str
+    #: Dynamo's compile id of the graph (``frame/compile``)
+    graph: str
+    #: what compiled the graph, as its log shows: ``inductor``, ``aot`` (AOTAutograd, e.g. ``aot_eager``) or
+    #: ``dynamo`` (the graph runs as captured: ``eager`` or a custom backend)
+    compiler: str
+    shapes: list[list[int]]
+    dtypes: list[str]
+    #: the mask as the graph passes it: ``none``, ``is_causal``, ``bool tensor``, ``float tensor``, or for
+    #: attention written by hand the operations between the scores and the softmax that mask or bias them
+    mask: str
+    #: what the compiled forward calls for this attention, in order (ATen ops, extern kernels, generated kernels)
+    runs: list[str] = field(default_factory=list)
+    #: the same for its backward, where a backward graph was compiled
+    backward: list[str] = field(default_factory=list)
+    #: the SDPA backend whose kernel the compiled code calls (``None``: no SDPA kernel, or not known)
+    sdpa_backend: str | None = None
+    #: what the compiler changed, in words (``None``: the attention runs as written)
+    rewritten: str | None = None
+    #: the log events each fact rests on
+    evidence: list[str] = field(default_factory=list)
+    runtime: str = "not observed"
+    compiled: bool = True
+
+
 @dataclass
 class TraceResult:
     """Everything one trace observed."""
@@ -352,6 +396,8 @@ class TraceResult:
     warnings: list[str] = field(default_factory=list)
     #: Gradient routes into each call's Q, K, V, per call and backward pass.
     routes: list[RouteRecord] = field(default_factory=list)
+    #: Attention operations in graphs ``torch.compile`` made while the trace was open.
+    compiled: list[CompiledAttention] = field(default_factory=list)
 
     def to_dict(self, *, maps: bool = False) -> dict[str, Any]:
         """The ``qkvtrace.trace/2`` JSON object (``maps``: with the attention maps' values)."""
@@ -363,6 +409,7 @@ class TraceResult:
             "unobserved": [asdict(u) for u in self.unobserved],
             "warnings": list(self.warnings),
             "routes": [asdict(r) for r in self.routes],
+            "compiled": [asdict(c) for c in self.compiled],
         }
 
     def to_json(self, *, maps: bool = False) -> str:
@@ -435,7 +482,15 @@ class TraceResult:
             unobserved=unobserved,
             warnings=list(data.get("warnings", [])),
             routes=routes,
+            compiled=[_compiled(c) for c in data.get("compiled", [])],
         )
+
+
+_COMPILED_FIELDS = frozenset(f.name for f in fields(CompiledAttention))
+
+
+def _compiled(data: dict[str, Any]) -> CompiledAttention:
+    return CompiledAttention(**{k: v for k, v in data.items() if k in _COMPILED_FIELDS})
 
 
 def _slice(data: dict[str, Any], version_1: bool = False) -> SliceInfo:

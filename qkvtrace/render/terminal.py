@@ -20,7 +20,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from qkvtrace.records import AttentionCall, GradientRecord, SliceGrad, TraceResult, kernel_refusal
+from qkvtrace.records import AttentionCall, CompiledAttention, GradientRecord, SliceGrad, TraceResult, kernel_refusal
 
 __all__ = [
     "COLUMNS",
@@ -215,7 +215,22 @@ def trace_table(
         }
         rows.append([Text(f"#{call.index}", style="dim"), call.module or "(root)", _path(call.path),
                      _backend(call.sdpa_backend), *(cells[c] for c in extra), _why(call)])  # fmt: skip
+    for op in result.compiled:  # what torch.compile made of attention, marked "compiled"
+        runs = "\n".join(op.runs) or "-"
+        cells = {"type": op.module_type, "weights": "-", "grads": "-", "ops": runs}
+        rows.append([Text(f"#c{op.index}", style="dim"), op.module or "(root)",
+                     Text(f"compiled {op.entry}", style=_PATH_STYLE.get(op.entry, "")), _backend(op.sdpa_backend),
+                     *(cells[c] for c in extra), _compiled_why(op)])  # fmt: skip
     return records_view(title, cols, rows, width=width, title_cols=2)
+
+
+def _compiled_why(op: CompiledAttention) -> Text:
+    """For a compiled operation: what compiled it, what it runs, and what the compiler changed."""
+    text = Text(f"{op.compiler} graph {op.graph}: runs ", style="dim")
+    text.append(", ".join(op.runs) or "-")
+    if op.rewritten:
+        text.append("\n" + op.rewritten)
+    return text
 
 
 def summary_line(result: TraceResult, *, width: int | None = None) -> str:
@@ -230,6 +245,10 @@ def summary_line(result: TraceResult, *, width: int | None = None) -> str:
     grads = len({g.backward_index for g in result.gradients})
     parts = [f"{n} attention call{'s' if n != 1 else ''}", f"paths: {paths}", f"backends: {backends}"]
     parts += [f"backward passes recorded: {grads}"] if grads else []
+    if result.compiled:
+        k = len(result.compiled)
+        rewritten = sum(1 for op in result.compiled if op.rewritten)
+        parts += [f"compiled: {k} attention op{'s' if k != 1 else ''} ({rewritten} rewritten by the compiler)"]
     if width is None:
         return " · ".join(parts)
     lines = [parts[0]]

@@ -26,6 +26,7 @@ from qkvtrace.dataflow import derived_projection
 from qkvtrace.monitor import Event, Monitor
 from qkvtrace.records import (
     AttentionCall,
+    CompiledAttention,
     GradientRecord,
     MapTensors,
     RouteRecord,
@@ -34,6 +35,7 @@ from qkvtrace.records import (
     squared_shares,
 )
 from qkvtrace.slices import NormCache, Projection, guess_projection, mha_projection
+from qkvtrace.tracer import compiled as compiled_log
 from qkvtrace.tracer import registry
 from qkvtrace.tracer.gradients import GradientRecorder
 from qkvtrace.tracer.install import installation
@@ -183,6 +185,7 @@ class Trace:
                             self._grads.watch(m, found)
             registry.register(self)
             stack.callback(registry.unregister, self)
+            stack.enter_context(compiled_log.listening())
             self._watch_hand_written(model, stack)
         except BaseException:
             stack.close()
@@ -278,6 +281,19 @@ class Trace:
         if self.record_routes and core is not None:
             self._grads.watch_routes(call.index, call.module, core)
 
+    def add_compiled(self, record: CompiledAttention) -> None:
+        """An attention operation of a graph ``torch.compile`` made while this trace was open."""
+        with self._note_lock:
+            record.index = len(self._result.compiled)
+            self._result.compiled.append(record)
+
+    def drop_compiled(self, record: CompiledAttention) -> None:
+        """A graph compiled again (Dynamo restarted the frame): its earlier operations go."""
+        with self._note_lock:
+            self._result.compiled = [c for c in self._result.compiled if c is not record]
+            for i, c in enumerate(self._result.compiled):
+                c.index = i
+
     def attach_map(self, call: AttentionCall, source: Any) -> None:
         """Compute ``call``'s attention map from ``source`` (after the real call), or record why not."""
         budget = self.maps
@@ -371,8 +387,17 @@ class Trace:
                 regions.append((name, "torch.compile"))
             elif scripted_types and isinstance(m, scripted_types):
                 regions.append((name, "TorchScript"))
+        compiled_modules = {c.module for c in self._result.compiled}
         for name, kind in regions:
             inside = sum(1 for c in self._result.calls if _within(c.module, name))
+            made = sum(1 for c in self._result.compiled if _within(c.module, name))
+            if made:
+                self._result.warnings.append(
+                    f"{name or '(root)'} runs through {kind}: {made} attention operation(s) of graphs compiled while "
+                    "the trace was open are recorded under `compiled` (from PyTorch's compile log); how often the "
+                    "compiled code ran them is not observed"
+                )
+                continue
             if inside:  # Dynamo ran them eagerly (some releases fall back on attention): real calls, recorded
                 self._result.warnings.append(
                     f"{name or '(root)'} runs through {kind}: {inside} attention call(s) inside it ran outside "
@@ -385,11 +410,16 @@ class Trace:
                 if kind == "torch.compile"
                 else ""
             )
-            self._result.warnings.append(
-                f"{name or '(root)'} runs through {kind}: attention calls inside it are not observed{stands_aside}; "
-                "its modules are listed as unobserved"
+            before = (
+                "; graphs compiled before the trace opened are not in the compile log it reads"
+                if kind == "torch.compile"
+                else ""
             )
-        seen_names = [self._names[i][0] for i in self._seen if i in self._names]
+            self._result.warnings.append(
+                f"{name or '(root)'} runs through {kind}: attention calls inside it are not observed{stands_aside}"
+                f"{before}; its modules are listed as unobserved"
+            )
+        seen_names = [self._names[i][0] for i in self._seen if i in self._names] + sorted(compiled_modules)
         for name, m in sorted(self._names.values(), key=lambda e: e[0]):
             if not _looks_like_attention(name, m):
                 continue

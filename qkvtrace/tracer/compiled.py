@@ -1,0 +1,559 @@
+"""What ``torch.compile`` made of attention, read from PyTorch's own compile log.
+
+Compiled code runs with no Python between its kernels, so the wrappers that
+record eager calls stand aside there (:mod:`qkvtrace.tracer.install`). What
+a compiled graph *does* with attention is decided once, at compile time, and
+PyTorch writes it down: while any trace is open, a handler listens on the
+structured compile log (the ``torch.__trace`` logger that ``TORCH_TRACE`` and
+tlparse read). Each event is emitted from inside the compiler, with the graph
+it describes at hand:
+
+* ``dynamo_output_graph``: the FX graph Dynamo captured. Each node carries its
+  module stack (``nn_module_stack``) and example values (shapes, dtypes); the
+  frame's own locals resolve a module path such as ``L['self'].layers[0].attn``
+  to the module object, so the owner is the traced module itself, not a name
+  that looks right.
+* ``aot_inference_graph`` / ``aot_forward_graph`` / ``aot_backward_graph``: the
+  ATen graphs AOTAutograd made (``aot_eager``, ``inductor``); each node names
+  the Dynamo node it came from (``from_node``, or ``source_fn_stack``).
+* ``inductor_output_code``: the code inductor generated, whose comments name,
+  for every kernel it calls, the Dynamo nodes and the ATen ops it came from --
+  so a hand-written softmax that inductor's pattern matcher replaced with an
+  SDPA kernel shows up as exactly that.
+
+The handler reads the graphs and stores plain records; it never changes a
+graph, a guard or a cache key, and it runs only while a graph is compiled.
+A graph compiled before the trace opened is not in the log the trace hears.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+import threading
+import types
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from qkvtrace.records import CompiledAttention
+from qkvtrace.tracer import registry
+
+if TYPE_CHECKING:
+    from qkvtrace.tracer.session import Trace
+
+__all__ = ["RUNTIME_NOT_OBSERVED", "listening"]
+
+RUNTIME_NOT_OBSERVED = (
+    "not observed: compiled code runs its kernels with no Python between them; a hook to count them would be "
+    "compiled into the graph (a recompile for graphs made without it)"
+)
+
+_LOG = "torch.__trace"
+_DYNAMO = "dynamo_output_graph"
+_AOT = ("aot_inference_graph", "aot_forward_graph", "aot_backward_graph")
+_CODE = "inductor_output_code"
+_BREAK = "dynamo_graph_break_reason"
+
+#: Dynamo graph targets that are an attention entry point, by the function's name
+_ENTRY = {
+    "scaled_dot_product_attention": "sdpa",
+    "multi_head_attention_forward": "MultiheadAttention",
+    "_native_multi_head_attention": "MultiheadAttention",
+    "_transformer_encoder_layer_fwd": "fused_encoder_layer",
+    "flex_attention": "flex",
+}
+_MODULE_ENTRY = {"MultiheadAttention": "MultiheadAttention", "TransformerEncoderLayer": "fused_encoder_layer",
+                 "TransformerDecoderLayer": "MultiheadAttention"}  # fmt: skip
+_MATMUL = {"matmul", "bmm", "baddbmm", "einsum", "__matmul__"}
+_SOFTMAX = {"softmax", "_softmax", "safe_softmax", "_safe_softmax"}
+#: operations that carry the scores to the softmax, or its probabilities to the value matmul, unchanged in kind
+_BETWEEN = {
+    "truediv", "div", "mul", "__truediv__", "__mul__", "add", "__add__", "iadd", "__iadd__", "sub", "masked_fill",
+    "masked_fill_", "where", "tanh", "float", "to", "type", "type_as", "view", "reshape", "contiguous", "transpose",
+    "dropout", "_dropout", "clone", "squeeze", "unsqueeze", "half", "bfloat16", "dropout_",
+}  # fmt: skip
+_MASKING = {"add", "__add__", "iadd", "__iadd__", "sub", "masked_fill", "masked_fill_", "where"}
+_SOURCE = re.compile(r"#\s*(?:Topologically Sorted )?Source Nodes: \[(.*?)\], Original ATen: \[(.*?)\]")
+_CALLEE = re.compile(
+    r"((?:torch\.ops\.)?aten\.[\w.]+|extern_kernels\.\w+)\(|^\s*((?:cpp|triton|cuda)_\w+)(?:\.run)?\("
+)
+_BUFFER = re.compile(r"\bbuf\d+\b")
+
+
+def _name(target: Any) -> str:
+    """The bare name of an FX node's target (a function, a method name or an op overload)."""
+    if isinstance(target, str):
+        return target
+    name = getattr(target, "__name__", None) or str(target)
+    return name.split(".")[-1] if "::" not in name else name.split("::")[-1].split(".")[0]
+
+
+@dataclass
+class _Pending:
+    """One attention operation of a Dynamo graph, as each open trace names it."""
+
+    nodes: tuple[str, ...]
+    records: list[tuple[Trace, CompiledAttention]] = field(default_factory=list)
+
+
+#: graph key (frame id, frame compile id) -> its attention operations, while traces are open
+_graphs: dict[tuple[Any, Any], list[_Pending]] = {}
+_lock = threading.Lock()
+_users = 0
+_handler: _Handler | None = None
+
+
+class _Handler(logging.Handler):
+    #: the trace log's ``propagate`` before the handler came, restored when it goes
+    propagated = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            metadata = getattr(record, "metadata", None)
+            if not isinstance(metadata, dict) or not metadata:
+                return
+            event = next(iter(metadata))
+            if event == "artifact" and (metadata.get("artifact") or {}).get("name") == _BREAK:
+                _graph_break(getattr(record, "payload", None) or "")
+                return
+            if event not in (_DYNAMO, _CODE, *_AOT):
+                return
+            key = (metadata.get("frame_id"), metadata.get("frame_compile_id"))
+            if event == _DYNAMO:
+                _read_dynamo(key, sys._getframe(1))
+            elif event in _AOT:
+                _read_aot(key, event, sys._getframe(1))
+            else:
+                _read_code(key, getattr(record, "payload", None) or "")
+        except Exception as e:  # never into the compiler: what could not be read is said in the trace
+            for t in registry.open_traces():
+                t.note(f"a torch.compile log event could not be read ({type(e).__name__}: {e})")
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        pass
+
+
+class listening:
+    """Listen on PyTorch's compile log while at least one trace is open."""
+
+    def __enter__(self) -> listening:
+        global _users, _handler
+        with _lock:
+            if _users == 0:
+                _handler = _Handler(logging.DEBUG)
+                log = logging.getLogger(_LOG)
+                # PyTorch's trace log never propagates (it sets so when it configures logging); if something
+                # turned that off, the user's own handlers would now receive its records: keep them its own
+                _handler.propagated = log.propagate
+                log.propagate = False
+                log.addHandler(_handler)
+            _users += 1
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        global _users, _handler
+        with _lock:
+            _users -= 1
+            if _users == 0 and _handler is not None:
+                log = logging.getLogger(_LOG)
+                log.removeHandler(_handler)
+                log.propagate = _handler.propagated
+                _handler = None
+                _graphs.clear()
+
+
+def _graph_break(payload: str) -> None:
+    """Dynamo gave up on part of a frame: that part runs eagerly, where the trace stands aside."""
+    lines = [line.strip() for line in payload.splitlines() if line.strip()]
+    said = [next((x for x in lines if x.startswith(key)), None) for key in ("Graph break", "Explanation:")]
+    reason = "; ".join(x for x in said if x) or next(
+        (x for x in reversed(lines) if not x.startswith(("File ", "^", "~"))), ""
+    )
+    ident = threading.get_ident()
+    for t in registry.open_traces():
+        if t.thread in (None, ident):
+            t.note(
+                f"torch.compile broke a graph ({reason[:300] or 'reason not given'}); the code between graphs runs "
+                "eagerly while the trace stands aside, so attention there is not observed"
+            )
+
+
+# -- the Dynamo graph: what the model wrote ------------------------------------
+
+
+#: where the emitting frame holds the graph, when the event's ``payload_fn`` holds only its text
+_HELD_AS = {"aot_forward_graph": "fw_module", "aot_backward_graph": "bw_module", "aot_inference_graph": "fw_module"}
+
+
+def _graph_module(frame: types.FrameType | None, event: str = _DYNAMO) -> tuple[Any, Any]:
+    """The GraphModule an event describes (held by the event's ``payload_fn``, or by the frame that emitted it)
+    and, for Dynamo's graph, the ``OutputGraph`` that emitted it (its caller's ``self``)."""
+    for _ in range(12):
+        if frame is None or frame.f_code.co_name == "trace_structured":
+            break
+        frame = frame.f_back
+    if frame is None:
+        return None, None
+    gm = None
+    payload = frame.f_locals.get("payload_fn")
+    for cell in getattr(payload, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(value, torch.fx.GraphModule):
+            gm = value
+            break
+    caller = frame.f_back
+    if gm is None and caller is not None:
+        held = caller.f_locals.get(_HELD_AS.get(event, "gm"))
+        gm = held if isinstance(held, torch.fx.GraphModule) else None
+    owner = caller.f_locals.get("self") if caller is not None else None
+    return gm, (owner if type(owner).__name__ == "OutputGraph" else None)
+
+
+def _module_at(path: str, scope: dict[str, Any]) -> nn.Module | None:
+    """Follow ``L['self'].layers[0].attn`` from the compiled frame's locals to the module object."""
+    head = re.match(r"L\['([^']+)'\]", path)
+    if head is None:
+        return None
+    obj: Any = scope.get(head.group(1))
+    for attr, index, key in re.findall(r"\.(\w+)|\[(\d+)\]|\['([^']+)'\]", path[head.end() :]):
+        if obj is None:
+            return None
+        if attr:
+            obj = getattr(obj, attr, None)
+        elif index:
+            obj = obj[int(index)] if isinstance(obj, (nn.ModuleList, nn.Sequential)) else None
+        else:
+            obj = obj._modules.get(key) if isinstance(obj, nn.Module) else None
+    return obj if isinstance(obj, nn.Module) else None
+
+
+def _owner(node: Any, scope: dict[str, Any], root: str) -> nn.Module | None:
+    """The innermost module on the node's stack; the frame's own module for a node outside any submodule."""
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        path = list(stack.values())[-1][0]
+        return _module_at(path, scope) if isinstance(path, str) else None
+    obj = scope.get(root)
+    return obj if isinstance(obj, nn.Module) else None
+
+
+def _root_name(gm: Any) -> str:
+    """The frame's local that holds its module (``self``, or what the method calls it), as the module stacks
+    of the graph's nodes name it."""
+    for node in gm.graph.nodes:
+        for path, _ in (node.meta.get("nn_module_stack") or {}).values():
+            head = re.match(r"L\['([^']+)'\]", path) if isinstance(path, str) else None
+            if head:
+                return head.group(1)
+    return "self"
+
+
+def _value(node: Any) -> Any:
+    return node.meta.get("example_value", node.meta.get("val")) if hasattr(node, "meta") else None
+
+
+def _tensors(nodes: list[Any]) -> tuple[list[list[int]], list[str]]:
+    shapes, dtypes = [], []
+    for n in nodes:
+        v = _value(n)
+        if isinstance(v, torch.Tensor):
+            shapes.append([int(s) for s in v.shape])
+            dtypes.append(str(v.dtype).replace("torch.", ""))
+    return shapes, dtypes
+
+
+def _arg_nodes(node: Any) -> list[Any]:
+    return [a for a in node.args if isinstance(a, torch.fx.Node)]
+
+
+def _sdpa_mask(node: Any) -> str:
+    mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
+    if isinstance(mask, torch.fx.Node):
+        v = _value(mask)
+        return "bool tensor" if isinstance(v, torch.Tensor) and v.dtype == torch.bool else "float tensor"
+    causal = node.kwargs.get("is_causal", node.args[5] if len(node.args) > 5 else False)
+    return "is_causal" if causal is True else "none"
+
+
+def _hand_written(softmax: Any) -> tuple[Any, Any, list[str]] | None:
+    """The scores matmul before a softmax and the value matmul after it, with the masking ops between."""
+    masking: list[str] = []
+    node, scores = softmax, None
+    for _ in range(12):
+        args = _arg_nodes(node)
+        if not args:
+            return None
+        node = args[0]
+        name = _name(node.target)
+        if name in _MATMUL and len(_arg_nodes(node)) >= 2:
+            scores = node
+            break
+        if name not in _BETWEEN:
+            return None
+        if name in _MASKING:
+            masking.append(name)
+    if scores is None:
+        return None
+    frontier, out = [softmax], None
+    for _ in range(8):
+        users = [u for n in frontier for u in n.users]
+        out = next((u for u in users if _name(u.target) in _MATMUL and frontier[0] in _arg_nodes(u)[:1]), None)
+        if out is None:
+            out = next((u for u in users if _name(u.target) in _MATMUL), None)
+        if out is not None:
+            break
+        frontier = [u for u in users if _name(u.target) in _BETWEEN]
+        if not frontier:
+            return None
+    return (scores, out, masking) if out is not None else None
+
+
+@dataclass
+class _Operation:
+    """One attention operation found in a Dynamo graph."""
+
+    owner: nn.Module | None
+    entry: str
+    mask: str
+    inputs: list[Any]
+    written: str
+    nodes: tuple[str, ...]
+
+
+def _operation(node: Any, gm: Any, scope: dict[str, Any], root: str) -> _Operation | None:
+    """The attention operation ``node`` is (an entry point, a kept module, or the softmax of a hand-written
+    matmul-softmax-matmul), or ``None``."""
+    if node.op == "call_module":  # a module Dynamo kept whole (releases that do not inline torch.nn modules)
+        sub = gm.get_submodule(node.target)
+        kind = _MODULE_ENTRY.get(type(sub).__name__) if type(sub).__module__.startswith("torch.nn") else None
+        if kind is None:
+            return None
+        written = f"{type(sub).__name__} (kept whole in the graph)"
+        return _Operation(sub, kind, "as the call passes it", _arg_nodes(node)[:3], written, (node.name,))
+    if node.op not in ("call_function", "call_method"):
+        return None
+    entry = _ENTRY.get(_name(node.target))
+    if entry is not None:
+        owner = _owner(node, scope, root)
+        mask = _sdpa_mask(node) if entry == "sdpa" else "as the call passes it"
+        if entry == "sdpa" and isinstance(owner, nn.MultiheadAttention):
+            entry = "MultiheadAttention"
+        return _Operation(owner, entry, mask, _arg_nodes(node)[:3], _written(node), (node.name,))
+    if _name(node.target) not in _SOFTMAX:
+        return None
+    found = _hand_written(node)
+    if found is None:
+        return None
+    scores, out, masking = found
+    owner = _owner(node, scope, root)
+    return _Operation(
+        owner,
+        "MultiheadAttention" if isinstance(owner, nn.MultiheadAttention) else "hand_written",
+        " → ".join(masking) if masking else "none",
+        _arg_nodes(scores)[:2] + [a for a in _arg_nodes(out) if a is not node][:1],
+        f"{_written(scores)} → {_written(node)} → {_written(out)}",
+        (scores.name, node.name, out.name),
+    )
+
+
+def _read_dynamo(key: tuple[Any, Any], frame: types.FrameType | None) -> None:
+    gm, og = _graph_module(frame)
+    if gm is None:
+        return
+    scope = getattr(og, "local_scope", None) or {}
+    root = _root_name(gm)
+    ident = threading.get_ident()
+    traces = [t for t in registry.open_traces() if t.thread in (None, ident)]
+    graph = f"{key[0]}/{key[1]}"
+    found: list[_Pending] = []
+    for node in gm.graph.nodes:
+        op = _operation(node, gm, scope, root)
+        if op is None or op.owner is None:
+            continue
+        shapes, dtypes = _tensors(op.inputs)
+        pending = _Pending(op.nodes)
+        for t in traces:
+            module = t.name_of(op.owner)
+            if module is None:
+                continue
+            record = CompiledAttention(
+                index=0, module=module, module_type=type(op.owner).__name__, entry=op.entry, written=op.written,
+                graph=graph, compiler="dynamo", shapes=shapes, dtypes=dtypes, mask=op.mask,
+                runs=[f"{op.written} (the graph as captured: PyTorch picks the kernel when it runs)"],
+                evidence=[f"Dynamo graph {graph}: node {node.name}"], runtime=RUNTIME_NOT_OBSERVED,
+            )  # fmt: skip
+            t.add_compiled(record)
+            pending.records.append((t, record))
+        if pending.records:
+            found.append(pending)
+    with _lock:
+        for old in _graphs.pop(key, []):  # the same frame compiled again (a restart): the new graph stands
+            for t, record in old.records:
+                t.drop_compiled(record)
+        if found:
+            _graphs[key] = found
+
+
+def _written(node: Any) -> str:
+    if node.op == "call_method":
+        return f"Tensor.{node.target}"
+    target = node.target
+    module = getattr(target, "__module__", None) or ""
+    name = getattr(target, "__name__", None) or str(target)
+    if module in ("_operator", "operator"):
+        return {"matmul": "@", "truediv": "/", "mul": "*"}.get(name, name)
+    return f"{module}.{name}" if module else name
+
+
+# -- AOTAutograd's graphs and inductor's code: what runs ------------------------
+
+
+def _source_names(node: Any) -> list[str]:
+    """The Dynamo nodes an ATen node came from."""
+    names = []
+    for origin in node.meta.get("from_node") or ():
+        name = getattr(origin, "name", None) or (origin[0] if isinstance(origin, tuple) else None)
+        if isinstance(name, str):
+            names.append(name)
+    for entry in [*(node.meta.get("source_fn_stack") or ()), *(node.meta.get("fwd_source_fn_stack") or ())]:
+        if isinstance(entry, tuple) and entry and isinstance(entry[0], str):
+            names.append(entry[0])
+    return names
+
+
+def _read_aot(key: tuple[Any, Any], event: str, frame: types.FrameType | None) -> None:
+    with _lock:
+        pending = list(_graphs.get(key, ()))
+    if not pending:
+        return
+    gm, _ = _graph_module(frame, event)
+    if gm is None:
+        return
+    backward = event == "aot_backward_graph"
+    for p in pending:
+        ops = []
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and set(_source_names(node)) & set(p.nodes):
+                ops.append(_op_name(node.target))
+        ops = [op for op in dict.fromkeys(ops) if _interesting(op)]
+        if not ops:
+            continue
+        for _, record in p.records:
+            record.compiler = "aot"  # inductor's code, read later, says what inductor made of this graph
+            (record.backward if backward else record.runs)[:] = ops
+            record.evidence.append(f"AOTAutograd {event.split('_')[1]} graph: {', '.join(ops)}")
+            if not backward:
+                _backend_from(record, ops)
+
+
+def _op_name(target: Any) -> str:
+    """``aten._softmax`` for ``torch.ops.aten._softmax.default`` (as graphs and generated code name ops)."""
+    text = str(target).removeprefix("torch.ops.")
+    return text[:-8] if text.endswith(".default") else text
+
+
+def _interesting(op: str) -> bool:
+    return any(s in op for s in ("attention", "bmm", "softmax", "matmul", "baddbmm", "flex", "_native_multi_head",
+                                 "_transformer_encoder"))  # fmt: skip
+
+
+def _backend_from(record: CompiledAttention, ops: list[str]) -> None:
+    from qkvtrace.paths import shared_evidence
+
+    kernels = ["aten::" + op.split("aten.")[-1] for op in ops if "aten." in op]
+    backend = shared_evidence().backend_of("cpu" if not torch.cuda.is_available() else "cuda", kernels)
+    if backend is not None:
+        record.sdpa_backend = backend
+
+
+def _code_calls(code: str) -> list[tuple[str, list[str], str, list[str], list[str]]]:
+    """``(callee, source nodes, original ATen ops, buffers written, buffers read)`` of every call the generated
+    ``call`` makes. Inductor comments the extern kernels and ATen fallbacks it calls with the Dynamo nodes they
+    came from; the kernels it generates carry no such comment on the CPU, so those are tied to attention by the
+    buffers they share with the commented calls (:func:`_read_code`)."""
+    body = code.split("def call(", 1)[-1]
+    calls = []
+    sources: list[str] = []
+    aten = ""
+    for line in body.splitlines():
+        m = _SOURCE.search(line)
+        if m:
+            sources, aten = [x.strip() for x in m.group(1).split(",") if x.strip()], m.group(2)
+            continue
+        if line.lstrip().startswith("#"):
+            continue
+        c = _CALLEE.search(line)
+        if c is None:
+            continue
+        callee = _op_name(c.group(1) or c.group(2))
+        buffers = _BUFFER.findall(line)
+        written = _BUFFER.findall(line.split("=", 1)[0]) if re.match(r"\s*buf\d+\s*=", line) else []
+        written += _BUFFER.findall(line.split("out=", 1)[1]) if "out=" in line else []
+        generated = c.group(2) is not None
+        calls.append((callee, [] if generated else sources, "" if generated else aten, written,
+                      [b for b in buffers if b not in written]))  # fmt: skip
+        sources, aten = [], ""  # a comment describes the one call after it
+    return calls
+
+
+def _read_code(key: tuple[Any, Any], code: str) -> None:
+    with _lock:
+        pending = list(_graphs.get(key, ()))
+    if not pending or not code:
+        return
+    calls = _code_calls(code)
+    is_backward = "backward" in " ".join(aten for _, _, aten, _, _ in calls)
+    # a commented call whose nodes several attention operations claim belongs to the one named last
+    owner: dict[int, int] = {}
+    for i, (_, srcs, _, _, _) in enumerate(calls):
+        claims = [(max(srcs.index(n) for n in p.nodes if n in srcs), j) for j, p in enumerate(pending)
+                  if set(p.nodes) & set(srcs)]  # fmt: skip
+        if claims:
+            owner[i] = max(claims)[1]
+    # the SDPA kernel inductor's pattern matcher puts in place of a hand-written attention names none of its
+    # nodes (only those of the views before it): such kernels go, in order, to the hand-written operations none
+    # of whose calls remain
+    orphans = [i for i, (callee, _, aten, _, _) in enumerate(calls)
+               if i not in owner and "scaled_dot_product" in callee and callee.startswith("aten.")]  # fmt: skip
+    vanished = [j for j, p in enumerate(pending) if len(p.nodes) > 1 and j not in owner.values()]
+    for i, j in zip(orphans, vanished, strict=False):  # a kernel or an operation left over stays unpaired
+        owner[i] = j
+    for j, p in enumerate(pending):
+        first, last = p.nodes[0], p.nodes[-1]
+        mine = {i for i, o in owner.items() if o == j}
+        if len(p.nodes) > 1:  # generated code between the scores and the output matmul: the softmax and its kin
+            made = {b for i in mine if first in calls[i][1] for b in calls[i][3]}
+            used = {b for i in mine if last in calls[i][1] for b in calls[i][4]}
+            for i, (_, srcs, _, written, read) in enumerate(calls):
+                if not srcs and made & set(read + written) and used & set(read + written):
+                    mine.add(i)
+        chosen = [calls[i] for i in sorted(mine)]
+        names = list(dict.fromkeys(callee for callee, *_ in chosen))
+        for _, record in p.records:
+            record.compiler = "inductor"
+            if is_backward:
+                record.backward = names
+            else:
+                record.runs = names
+                _backend_from(record, names)
+                _rewrites(record, [(callee, aten) for callee, _, aten, _, _ in chosen])
+            where = "backward" if is_backward else "forward"
+            record.evidence.append(f"inductor {where} code: {', '.join(names) or 'no call named for it'}")
+
+
+def _rewrites(record: CompiledAttention, kernels: list[tuple[str, str]]) -> None:
+    fused = next((c for c, _ in kernels if c.startswith("aten.")
+                  and any(s in c for s in ("scaled_dot_product", "_efficient_attention", "flash_attention"))),
+                 None)  # fmt: skip
+    by_hand = record.entry == "hand_written" or (record.entry == "MultiheadAttention" and "softmax" in record.written)
+    if by_hand and fused:
+        record.rewritten = f"inductor's pattern matcher replaced the matmul-softmax-matmul with {fused}"
+    elif not by_hand and fused is None and not any(c.startswith(("aten.", "extern")) for c, _ in kernels):
+        record.rewritten = "inductor compiled it into generated code: no attention kernel is called for it"
