@@ -132,6 +132,8 @@ def _probes(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, Any]]:
           "mask_semantics", pb.get("mask_semantics", []))  # fmt: skip
     keyed(pa.get("fully_masked_rows", []), ("api", "backend"), ("result", "grad_finite"), "fully_masked_rows",
           pb.get("fully_masked_rows", []))  # fmt: skip
+    if pa.get("inductor", {}).get("forms") and pb.get("inductor", {}).get("forms"):  # measured in both
+        keyed(pa["inductor"]["forms"], ("form", "mode"), ("fused", "kernel"), "inductor", pb["inductor"]["forms"])
 
     ag_a, ag_b = pa.get("agreement", {}), pb.get("agreement", {})
     fa = {(r["backend"], r["dtype"]): r.get("max_abs_diff") for r in ag_a.get("sdpa", [])}

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from qkvtrace import behaviour, introspect, probes, reference
+from qkvtrace import behaviour, inductor_forms, introspect, probes, reference
 from qkvtrace.reportio import REPORT_SCHEMA, dumps_report, load_report
 
 __all__ = ["REPORT_SCHEMA", "collect_report", "dumps_report", "environment", "load_report", "report_dirname"]
@@ -71,6 +71,7 @@ def collect_report(progress: Callable[[str], None] | None = None) -> dict[str, A
     measured = behaviour.run_behaviour()
     say("measuring the tutorial's models against PyTorch")
     measured["reference"] = reference.measure()
+    measured["inductor"] = inductor_forms.measure(progress=say)
 
     # Builtins: the aten ops they were seen dispatching to in the scenarios.
     builtin_ops: dict[str, set[str]] = {}

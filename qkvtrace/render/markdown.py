@@ -183,6 +183,22 @@ def _agreement(data: dict[str, Any]) -> list[str]:
     return out
 
 
+def _inductor(data: dict[str, Any]) -> list[str]:
+    if data.get("skipped"):
+        return [f"Not measured: {data['skipped']}."]
+    out = ["Each form compiled with `torch.compile(backend=\"inductor\")` inside a trace; what its generated code",
+           "calls, read from PyTorch's compile log.", "",
+           "| form | mode | replaced | what the compiled code calls |", "|---|---|---|---|"]  # fmt: skip
+    for row in data.get("forms", []):
+        if row.get("error"):
+            replaced, calls = "?", f"not measured: {row['error']}"
+        else:
+            replaced = "yes" if row["fused"] else "no"
+            calls = ", ".join(f"`{r}`" for r in row["runs"]) or "(nothing that names its nodes)"
+        out.append(f"| `{row['written']}` | {row['mode']} | {replaced} | {calls} |")
+    return out
+
+
 def behaviour_markdown(probes: dict[str, Any]) -> list[str]:
     """The measured-warnings sections (empty when the report has none)."""
     lines: list[str] = []
@@ -194,6 +210,9 @@ def behaviour_markdown(probes: dict[str, Any]) -> list[str]:
         lines += ["## Agreement with the reference attention", ""]
         lines += ["Reference: `softmax(Q K^T / sqrt(d_head) + M) V` in float64.", ""]
         lines += [*_agreement(probes["agreement"]), ""]
+    if probes.get("inductor"):
+        lines += ["## What inductor does with attention written by hand (measured)", ""]
+        lines += [*_inductor(probes["inductor"]), ""]
     if probes.get("reference"):
         from qkvtrace.render.tutorial import reference_markdown
 

@@ -82,6 +82,7 @@ _CALLEE = re.compile(
     r"((?:torch\.ops\.)?aten\.[\w.]+|extern_kernels\.\w+)\(|^\s*((?:cpp|triton|cuda)_\w+)(?:\.run)?\("
 )
 _BUFFER = re.compile(r"\bbuf\d+\b")
+_REUSE = re.compile(r"\s*(buf\d+) = (?:reinterpret_tensor\()?(buf\d+)\b[^;]*;\s*del \2\b")
 
 
 def _name(target: Any) -> str:
@@ -482,7 +483,12 @@ def _code_calls(code: str) -> list[tuple[str, list[str], str, list[str], list[st
     calls = []
     sources: list[str] = []
     aten = ""
+    alias: dict[str, str] = {}  # inductor reuses buffers: ``buf4 = buf2; del buf2  # reuse`` (or a reinterpret_tensor)
     for line in body.splitlines():
+        reuse = _REUSE.match(line)
+        if reuse:
+            alias[reuse.group(1)] = alias.get(reuse.group(2), reuse.group(2))
+            continue
         m = _SOURCE.search(line)
         if m:
             sources, aten = [x.strip() for x in m.group(1).split(",") if x.strip()], m.group(2)
@@ -493,9 +499,10 @@ def _code_calls(code: str) -> list[tuple[str, list[str], str, list[str], list[st
         if c is None:
             continue
         callee = _op_name(c.group(1) or c.group(2))
-        buffers = _BUFFER.findall(line)
+        buffers = [alias.get(b, b) for b in _BUFFER.findall(line)]
         written = _BUFFER.findall(line.split("=", 1)[0]) if re.match(r"\s*buf\d+\s*=", line) else []
         written += _BUFFER.findall(line.split("out=", 1)[1]) if "out=" in line else []
+        written = [alias.get(b, b) for b in written]
         generated = c.group(2) is not None
         calls.append((callee, [] if generated else sources, "" if generated else aten, written,
                       [b for b in buffers if b not in written]))  # fmt: skip
@@ -535,7 +542,7 @@ def _read_code(key: tuple[Any, Any], code: str) -> None:
                 if not srcs and made & set(read + written) and used & set(read + written):
                     mine.add(i)
         chosen = [calls[i] for i in sorted(mine)]
-        names = list(dict.fromkeys(callee for callee, *_ in chosen))
+        names = [callee for callee, *_ in chosen]
         for _, record in p.records:
             record.compiler = "inductor"
             if is_backward:
@@ -544,6 +551,8 @@ def _read_code(key: tuple[Any, Any], code: str) -> None:
                 record.runs = names
                 _backend_from(record, names)
                 _rewrites(record, [(callee, aten) for callee, _, aten, _, _ in chosen])
+                if not chosen and len(p.nodes) > 1:
+                    record.rewritten = "inductor rewrote it: no call in the generated code comes from its nodes"
             where = "backward" if is_backward else "forward"
             record.evidence.append(f"inductor {where} code: {', '.join(names) or 'no call named for it'}")
 
