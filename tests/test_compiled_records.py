@@ -413,3 +413,99 @@ def test_inspect_says_which_written_forms_inductor_replaces() -> None:
         if row["fused"] is False:
             assert "aten::bmm" in seen and not kernels
     print({(r["form"], r["mode"]): r["fused"] for r in data["forms"]})
+
+
+def _flex_or_skip() -> Any:
+    try:
+        from torch.nn.attention.flex_attention import flex_attention
+    except ImportError:
+        pytest.skip(f"torch {torch.__version__} has no FlexAttention")
+    return flex_attention
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", pytest.param("inductor", marks=needs_compiler)])
+def test_flex_attention_compiled(backend: str) -> None:
+    """Witness: the graph Dynamo hands a backend written here (a flex_attention node in module ``attn``), and
+    the eager module's output (the compiled one is close to it)."""
+    flex_attention = _flex_or_skip()
+
+    class Causal(nn.Module):
+        def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: torch.where(qi >= ki, s, -float("inf")))
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = Causal()
+
+        def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return self.attn(q, k, v)
+
+    model = Model()
+    q, k, v = (torch.randn(1, 2, 128, 16) for _ in range(3))
+    graph = _dynamo_graph(model, q, k, v)
+    flex_nodes = [_module_name(p) for _, f, p in graph if "flex_attention" in f]
+    assert flex_nodes == ["attn"], graph
+    torch._dynamo.reset()
+    with qkvtrace.trace(model) as t, torch.no_grad():
+        out = torch.compile(model, backend=backend)(q, k, v)
+    torch._dynamo.reset()
+    assert torch.allclose(out, model(q, k, v), atol=1e-5)
+    (op,) = t.result.compiled
+    assert (op.module, op.entry, op.shapes) == ("attn", "flex", [[1, 2, 128, 16]] * 3)
+    assert op.runs and op.rewritten is None
+    if backend == "inductor":  # flex's natural mode: one kernel generated from its template
+        assert any("flex_attention" in r for r in op.runs), op.runs
+
+
+def test_a_transformers_model_compiled() -> None:
+    """Witness: GPT-2's attention modules found here by class name (GPT2Attention), and the graph Dynamo hands
+    a backend written here (its SDPA nodes' modules); the compiled output equals the untraced compiled run's."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=32)
+    torch.manual_seed(0)
+    model = transformers.GPT2Model(config).eval()
+    model.config._attn_implementation = "sdpa"
+    ids = torch.randint(0, 64, (2, 12))
+    attention = sorted(n for n, m in model.named_modules() if type(m).__name__ == "GPT2Attention")
+    graph = _dynamo_graph(model, ids)
+    in_graph = sorted({_module_name(p) for _, f, p in graph if f == "scaled_dot_product_attention"})
+    assert in_graph == attention, (in_graph, attention)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        expected = torch.compile(model, backend="aot_eager")(ids).last_hidden_state
+    torch._dynamo.reset()
+    with qkvtrace.trace(model) as t, torch.no_grad():
+        out = torch.compile(model, backend="aot_eager")(ids).last_hidden_state
+    torch._dynamo.reset()
+    assert torch.equal(out, expected)
+    assert sorted(op.module for op in t.result.compiled) == attention
+    assert all(op.entry == "sdpa" and op.compiler == "aot" and op.sdpa_backend for op in t.result.compiled)
+    assert not {u.module for u in t.result.unobserved} & set(attention)
+
+
+def test_transformer_encoder_in_training() -> None:
+    """Witness: the graph Dynamo hands a backend written here for the same encoder in training (the modules of
+    its attention nodes), and torch.profiler on an untraced aot_eager step (an SDPA kernel runs exactly when the
+    records name one)."""
+    layer = nn.TransformerEncoderLayer(E, H, dim_feedforward=32, dropout=0.0, batch_first=True)
+    torch.manual_seed(0)
+    enc = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False).train()
+    x = torch.randn(B, T, E)
+    graph = _dynamo_graph(enc, x)
+    kinds = ("scaled_dot_product_attention", "multi_head_attention_forward", "MultiheadAttention")
+    in_graph = sorted({_module_name(p) for _, f, p in graph if f in kinds})
+    if not in_graph:  # the release keeps the encoder whole in its graph (torch 2.4): no attention node to read
+        assert [f for _, f, _ in graph] == ["TransformerEncoder"], graph
+        t, _ = _traced(enc, "aot_eager", x, train=True)
+        assert t.result.compiled == []
+        assert {"layers.0.self_attn", "layers.1.self_attn"} <= {u.module for u in t.result.unobserved}
+        return
+    assert in_graph == ["layers.0.self_attn", "layers.1.self_attn"], graph
+    seen = _profiled_ops(enc, "aot_eager", x, train=True)
+    sdpa_ran = any(op.startswith("aten::_scaled_dot_product") for op in seen)
+    t, _ = _traced(enc, "aot_eager", x, train=True)
+    assert sorted(op.module for op in t.result.compiled) == in_graph
+    for op in t.result.compiled:
+        assert op.entry == "MultiheadAttention" and op.compiler == "aot"
+        assert any("_scaled_dot_product" in r for r in op.runs) == sdpa_ran, op.runs

@@ -78,9 +78,7 @@ _BETWEEN = {
 }  # fmt: skip
 _MASKING = {"add", "__add__", "iadd", "__iadd__", "sub", "masked_fill", "masked_fill_", "where"}
 _SOURCE = re.compile(r"#\s*(?:Topologically Sorted )?Source Nodes: \[(.*?)\], Original ATen: \[(.*?)\]")
-_CALLEE = re.compile(
-    r"((?:torch\.ops\.)?aten\.[\w.]+|extern_kernels\.\w+)\(|^\s*((?:cpp|triton|cuda)_\w+)(?:\.run)?\("
-)
+_CALLEE = re.compile(r"((?:torch\.ops\.)?aten\.[\w.]+|extern_kernels\.\w+)\(|^\s*((?:cpp|triton|cuda)_\w+)(?:\.run)?\(")
 _BUFFER = re.compile(r"\bbuf\d+\b")
 _REUSE = re.compile(r"\s*(buf\d+) = (?:reinterpret_tensor\()?(buf\d+)\b[^;]*;\s*del \2\b")
 
@@ -337,7 +335,8 @@ def _operation(node: Any, gm: Any, scope: dict[str, Any], root: str) -> _Operati
         if kind is None:
             return None
         written = f"{type(sub).__name__} (kept whole in the graph)"
-        return _Operation(sub, kind, "as the call passes it", _arg_nodes(node)[:3], written, (node.name,))
+        owner = _owner(node, scope, root) if node.meta.get("nn_module_stack") else sub  # the user's own module
+        return _Operation(owner, kind, "as the call passes it", _arg_nodes(node)[:3], written, (node.name,))
     if node.op not in ("call_function", "call_method"):
         return None
     entry = _ENTRY.get(_name(node.target))
@@ -516,7 +515,8 @@ def _read_code(key: tuple[Any, Any], code: str) -> None:
     if not pending or not code:
         return
     calls = _code_calls(code)
-    is_backward = "backward" in " ".join(aten for _, _, aten, _, _ in calls)
+    # a backward graph takes the incoming gradients (``tangents_1``, ...), a forward one never does
+    is_backward = "tangents_" in code.split("def call(", 1)[-1].split("\n", 3)[1]
     # a commented call whose nodes several attention operations claim belongs to the one named last
     owner: dict[int, int] = {}
     for i, (_, srcs, _, _, _) in enumerate(calls):
@@ -531,6 +531,13 @@ def _read_code(key: tuple[Any, Any], code: str) -> None:
                if i not in owner and "scaled_dot_product" in callee and callee.startswith("aten.")]  # fmt: skip
     vanished = [j for j, p in enumerate(pending) if len(p.nodes) > 1 and j not in owner.values()]
     for i, j in zip(orphans, vanished, strict=False):  # a kernel or an operation left over stays unpaired
+        owner[i] = j
+    # FlexAttention compiles into a kernel inductor generates from its template, named after the op
+    templates = [i for i, (callee, srcs, _, _, _) in enumerate(calls) if not srcs and "flex_attention" in callee]
+    flex = [
+        j for j, p in enumerate(pending) if p.records and p.records[0][1].entry == "flex" and j not in owner.values()
+    ]
+    for i, j in zip(templates, flex, strict=False):
         owner[i] = j
     for j, p in enumerate(pending):
         first, last = p.nodes[0], p.nodes[-1]
@@ -564,5 +571,6 @@ def _rewrites(record: CompiledAttention, kernels: list[tuple[str, str]]) -> None
     by_hand = record.entry == "hand_written" or (record.entry == "MultiheadAttention" and "softmax" in record.written)
     if by_hand and fused:
         record.rewritten = f"inductor's pattern matcher replaced the matmul-softmax-matmul with {fused}"
-    elif not by_hand and fused is None and not any(c.startswith(("aten.", "extern")) for c, _ in kernels):
+    elif record.entry != "flex" and not by_hand and fused is None and not any(c.startswith(("aten.", "extern"))
+                                                                             for c, _ in kernels):  # fmt: skip
         record.rewritten = "inductor compiled it into generated code: no attention kernel is called for it"
