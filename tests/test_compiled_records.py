@@ -138,18 +138,20 @@ def _profiled_ops(model: nn.Module, backend: str, *args: Any, train: bool = Fals
     return {e.name for e in prof.events()}
 
 
-def _traced(model: nn.Module, backend: str, *args: Any, train: bool = False) -> tuple[qkvtrace.Trace, Any]:
+def _traced(model: nn.Module, backend: str, *args: Any, train: bool = False, fullgraph: bool = False
+            ) -> tuple[qkvtrace.Trace, Any]:  # fmt: skip
     torch._dynamo.reset()
     with qkvtrace.trace(model) as t, torch.set_grad_enabled(train):
-        out = torch.compile(model, backend=backend)(*args)
+        out = torch.compile(model, backend=backend, fullgraph=fullgraph)(*args)
         if train:
             out.sum().backward()
     torch._dynamo.reset()
     return t, out
 
 
+@pytest.mark.parametrize("fullgraph", [False, True], ids=["graph-breaks-allowed", "fullgraph"])
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
-def test_every_attention_in_the_graph_is_recorded_with_its_module(backend: str) -> None:
+def test_every_attention_in_the_graph_is_recorded_with_its_module(backend: str, fullgraph: bool) -> None:
     """Witness: the FX graph Dynamo hands a backend written here -- its SDPA nodes and its softmax nodes with
     their innermost module -- and the shapes computed from the model's sizes."""
     model, x = _model()
@@ -162,7 +164,7 @@ def test_every_attention_in_the_graph_is_recorded_with_its_module(backend: str) 
     mha_in_graph = any(_module_name(p) == "mha" and f not in ("getitem", "transpose", "contiguous")
                        for _, f, p in graph)  # fmt: skip
 
-    t, _ = _traced(model, backend, x)
+    t, _ = _traced(model, backend, x, fullgraph=fullgraph)
     ops = t.result.compiled
     assert all(op.compiled for op in ops)
     by_module = {op.module: op for op in ops}
@@ -509,3 +511,39 @@ def test_transformer_encoder_in_training() -> None:
     for op in t.result.compiled:
         assert op.entry == "MultiheadAttention" and op.compiler == "aot"
         assert any("_scaled_dot_product" in r for r in op.runs) == sdpa_ran, op.runs
+
+
+def test_counting_runs_of_compiled_code_misses_them_or_recompiles() -> None:
+    """Why ``runtime`` says "not observed", measured with the only per-call hook a module offers, a forward hook
+    that counts. Witnesses: the hook's own count and Dynamo's ``unique_graphs`` counter. Added after the graph was
+    compiled, the hook never runs (the count says 0 for calls that happened); present when it is compiled, it runs
+    but the frame is compiled again (and once more when the hook goes)."""
+    model, x = _model()
+    counters = torch._dynamo.utils.counters
+    outcomes = {}
+    for when in ("after", "before"):
+        torch._dynamo.reset()
+        counters.clear()
+        calls = [0]
+
+        def hook(*args: Any, calls: list[int] = calls) -> None:
+            calls[0] += 1
+
+        compiled = torch.compile(model, backend="eager")
+        handle = model.by_hand.register_forward_hook(hook) if when == "before" else None
+        with torch.no_grad():
+            compiled(x)
+            handle = handle or model.by_hand.register_forward_hook(hook)
+            first = counters["stats"]["unique_graphs"]
+            for _ in range(3):
+                compiled(x)
+            handle.remove()
+            compiled(x)
+        outcomes[when] = (calls[0], counters["stats"]["unique_graphs"] - first)
+    torch._dynamo.reset()
+    missed, recompiled_after = outcomes["after"]
+    seen, recompiled_before = outcomes["before"]
+    assert missed == 0 or recompiled_after > 0, outcomes  # three calls happened; a free hook saw none of them
+    assert seen >= 4 and recompiled_before > 0, outcomes  # a hook that sees them costs compilations
+    print(f"hook added after compiling: {missed} of 3 calls counted, {recompiled_after} recompiles; "
+          f"present when compiled: {seen} counted, {recompiled_before} recompiles")

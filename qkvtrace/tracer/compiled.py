@@ -48,8 +48,8 @@ if TYPE_CHECKING:
 __all__ = ["RUNTIME_NOT_OBSERVED", "listening"]
 
 RUNTIME_NOT_OBSERVED = (
-    "not observed: compiled code runs its kernels with no Python between them; a hook to count them would be "
-    "compiled into the graph (a recompile for graphs made without it)"
+    "not observed: compiled code runs its kernels with no Python between them; a counting hook added after "
+    "compiling never runs, and one present when compiling makes Dynamo compile again"
 )
 
 _LOG = "torch.__trace"
