@@ -547,3 +547,27 @@ def test_counting_runs_of_compiled_code_misses_them_or_recompiles() -> None:
     assert seen >= 4 and recompiled_before > 0, outcomes  # a hook that sees them costs compilations
     print(f"hook added after compiling: {missed} of 3 calls counted, {recompiled_after} recompiles; "
           f"present when compiled: {seen} counted, {recompiled_before} recompiles")
+
+
+def test_sdpa_decomposed_by_aot_autograd_is_said() -> None:
+    """Witness: torch.profiler on an untraced aot_eager training step of the same module: whether an SDPA kernel
+    runs. SDPA with dropout in training is decomposed into ATen ops on this CPU on some releases; the record
+    says "decomposed" exactly when no SDPA kernel runs, and names the kernel when one does."""
+
+    class Dropping(nn.Module):
+        def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=0.1 if self.training else 0.0)
+
+    model = Dropping().train()
+    q, k, v = (torch.randn(B, H, T, D, requires_grad=True) for _ in range(3))
+    seen = _profiled_ops(model, "aot_eager", q, k, v, train=True)
+    kernels = [op for op in seen if op.startswith("aten::_scaled_dot_product") and "backward" not in op]
+    t, _ = _traced(model, "aot_eager", q, k, v, train=True)
+    (op,) = t.result.compiled
+    assert op.entry == "sdpa" and op.compiler == "aot"
+    if kernels:
+        assert op.rewritten is None and "aten." + kernels[0].split("::")[1] in op.runs, (op.runs, kernels)
+    else:
+        assert op.rewritten and op.rewritten.startswith("decomposed into ATen ops"), op
+        assert not any("scaled_dot_product" in r for r in op.runs)
+    print("kernels:", kernels, "| record:", op.runs, op.rewritten)

@@ -451,6 +451,9 @@ def _read_aot(key: tuple[Any, Any], event: str, frame: types.FrameType | None) -
             record.evidence.append(f"AOTAutograd {event.split('_')[1]} graph: {', '.join(ops)}")
             if not backward:
                 _backend_from(record, ops)
+                written_kernel = "scaled_dot_product" in record.written or record.entry == "flex"
+                if written_kernel and not any(k in op for op in ops for k in ("attention", "flex")):
+                    record.rewritten = f"decomposed into ATen ops ({', '.join(ops)}): no attention kernel is called"
 
 
 def _op_name(target: Any) -> str:
