@@ -33,19 +33,25 @@ def full() -> dict[str, Any]:
     return run_walkthrough()  # the tutorial's run: "我 喜欢 机器人", 100 epochs, lr 0.3, seed 31
 
 
-def _replay(epochs: int) -> dict[str, Any]:
-    """The walkthrough's run replayed in plain PyTorch, no trace: the model built from RNG state 31, SGD lr 0.3,
-    the sentence's first forward and step, ``epochs`` epochs on the eight sentences, the sentence after."""
+def _plain_run() -> tuple[dict[str, int], torch.Tensor, torch.Tensor, torch.Tensor, SentimentAttention, Any]:
+    """The walkthrough's set-up written out in plain PyTorch: the vocabulary of the eight sentences in order of
+    first appearance, the first sentence's ids, the training batch, the model built after manual_seed(31) and
+    SGD at lr 0.3."""
     vocab: dict[str, int] = {"<unk>": 0}
     for text in TEXTS:
         for word in text.split():
             vocab.setdefault(word, len(vocab))
     tokens = torch.tensor([[vocab[w] for w in TEXTS[0].split()]])
     train_ids = torch.tensor([[vocab[w] for w in t.split()] for t in TEXTS])
-    train_labels = torch.tensor(LABELS)
     torch.manual_seed(31)
     model = SentimentAttention(len(vocab)).train()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.3)
+    return vocab, tokens, train_ids, torch.tensor(LABELS), model, torch.optim.SGD(model.parameters(), lr=0.3)
+
+
+def _replay(epochs: int) -> dict[str, Any]:
+    """The walkthrough's run replayed in plain PyTorch, no trace: the model built from RNG state 31, SGD lr 0.3,
+    the sentence's first forward and step, ``epochs`` epochs on the eight sentences, the sentence after."""
+    vocab, tokens, train_ids, train_labels, model, optimizer = _plain_run()
     w = model.attention.in_proj_weight
     rows = {"q": slice(0, 8), "k": slice(8, 16), "v": slice(16, 24)}  # PyTorch's documented packing
 
@@ -130,17 +136,8 @@ def test_the_numbers_are_pytorchs_replayed_here(full: dict[str, Any]) -> None:
     """Witness: the same run replayed here in plain PyTorch, no trace: the model built after the same
     manual_seed, PyTorch's own attention weights, logits, cross-entropy, ``.grad`` of the packed weight's
     row blocks [0,8), [8,16), [16,24) (PyTorch's documented packing), the SGD step and 100 epochs."""
-    vocab: dict[str, int] = {"<unk>": 0}
-    for text in TEXTS:
-        for word in text.split():
-            vocab.setdefault(word, len(vocab))
+    vocab, tokens, train_ids, train_labels, model, optimizer = _plain_run()
     assert full["vocab"] == vocab
-    tokens = torch.tensor([[vocab[w] for w in TEXTS[0].split()]])
-    train_ids = torch.tensor([[vocab[w] for w in t.split()] for t in TEXTS])
-    train_labels = torch.tensor(LABELS)
-    torch.manual_seed(31)
-    model = SentimentAttention(len(vocab)).train()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.3)
     w = model.attention.in_proj_weight
     rows = {"q": slice(0, 8), "k": slice(8, 16), "v": slice(16, 24)}
     for part, r in rows.items():
