@@ -41,6 +41,7 @@ from torch import nn
 
 from qkvtrace.records import CompiledAttention
 from qkvtrace.tracer import registry
+from qkvtrace.tracer.build import dtype_name
 
 if TYPE_CHECKING:
     from qkvtrace.tracer.session import Trace
@@ -77,9 +78,11 @@ _BETWEEN = {
     "dropout", "_dropout", "clone", "squeeze", "unsqueeze", "half", "bfloat16", "dropout_",
 }  # fmt: skip
 _MASKING = {"add", "__add__", "iadd", "__iadd__", "sub", "masked_fill", "masked_fill_", "where"}
-_SOURCE = re.compile(r"#\s*(?:Topologically Sorted )?Source Nodes: \[(.*?)\], Original ATen: \[(.*?)\]")
+_SOURCE = re.compile(r"#\s*(?:Topologically Sorted )?Source Nodes: \[(.*?)\]")
 _CALLEE = re.compile(r"((?:torch\.ops\.)?aten\.[\w.]+|extern_kernels\.\w+)\(|^\s*((?:cpp|triton|cuda)_\w+)(?:\.run)?\(")
 _BUFFER = re.compile(r"\bbuf\d+\b")
+#: the head of a module path in Dynamo's module stacks: the compiled frame's local that holds it
+_LOCAL = re.compile(r"L\['([^']+)'\]")
 _REUSE = re.compile(r"\s*(buf\d+) = (?:reinterpret_tensor\()?(buf\d+)\b[^;]*;\s*del \2\b")
 
 
@@ -96,6 +99,9 @@ class _Pending:
     """One attention operation of a Dynamo graph, as each open trace names it."""
 
     nodes: tuple[str, ...]
+    entry: str
+    #: the device of its tensors, whose kernel-to-backend table names the SDPA backend
+    device: str
     records: list[tuple[Trace, CompiledAttention]] = field(default_factory=list)
 
 
@@ -217,7 +223,7 @@ def _graph_module(frame: types.FrameType | None, event: str = _DYNAMO) -> tuple[
 
 def _module_at(path: str, scope: dict[str, Any]) -> nn.Module | None:
     """Follow ``L['self'].layers[0].attn`` from the compiled frame's locals to the module object."""
-    head = re.match(r"L\['([^']+)'\]", path)
+    head = _LOCAL.match(path)
     if head is None:
         return None
     obj: Any = scope.get(head.group(1))
@@ -248,7 +254,7 @@ def _root_name(gm: Any) -> str:
     of the graph's nodes name it."""
     for node in gm.graph.nodes:
         for path, _ in (node.meta.get("nn_module_stack") or {}).values():
-            head = re.match(r"L\['([^']+)'\]", path) if isinstance(path, str) else None
+            head = _LOCAL.match(path) if isinstance(path, str) else None
             if head:
                 return head.group(1)
     return "self"
@@ -258,14 +264,16 @@ def _value(node: Any) -> Any:
     return node.meta.get("example_value", node.meta.get("val")) if hasattr(node, "meta") else None
 
 
-def _tensors(nodes: list[Any]) -> tuple[list[list[int]], list[str]]:
-    shapes, dtypes = [], []
+def _tensors(nodes: list[Any]) -> tuple[list[list[int]], list[str], str]:
+    """Shapes and dtypes of the tensors the nodes stand for, and their device (``cpu`` when none is known)."""
+    shapes, dtypes, device = [], [], "cpu"
     for n in nodes:
         v = _value(n)
         if isinstance(v, torch.Tensor):
             shapes.append([int(s) for s in v.shape])
-            dtypes.append(str(v.dtype).replace("torch.", ""))
-    return shapes, dtypes
+            dtypes.append(dtype_name(v.dtype))
+            device = v.device.type
+    return shapes, dtypes, device
 
 
 def _arg_nodes(node: Any) -> list[Any]:
@@ -377,8 +385,8 @@ def _read_dynamo(key: tuple[Any, Any], frame: types.FrameType | None) -> None:
         op = _operation(node, gm, scope, root)
         if op is None or op.owner is None:
             continue
-        shapes, dtypes = _tensors(op.inputs)
-        pending = _Pending(op.nodes)
+        shapes, dtypes, device = _tensors(op.inputs)
+        pending = _Pending(op.nodes, op.entry, device)
         for t in traces:
             module = t.name_of(op.owner)
             if module is None:
@@ -437,12 +445,11 @@ def _read_aot(key: tuple[Any, Any], event: str, frame: types.FrameType | None) -
     if gm is None:
         return
     backward = event == "aot_backward_graph"
+    # each ATen op of interest with the Dynamo nodes it came from, read once for all operations of the graph
+    aten = [(set(_source_names(n)), op) for n in gm.graph.nodes
+            if n.op == "call_function" and _interesting(op := _op_name(n.target))]  # fmt: skip
     for p in pending:
-        ops = []
-        for node in gm.graph.nodes:
-            if node.op == "call_function" and set(_source_names(node)) & set(p.nodes):
-                ops.append(_op_name(node.target))
-        ops = [op for op in dict.fromkeys(ops) if _interesting(op)]
+        ops = list(dict.fromkeys(op for sources, op in aten if sources & set(p.nodes)))
         if not ops:
             continue
         for _, record in p.records:
@@ -450,7 +457,7 @@ def _read_aot(key: tuple[Any, Any], event: str, frame: types.FrameType | None) -
             (record.backward if backward else record.runs)[:] = ops
             record.evidence.append(f"AOTAutograd {event.split('_')[1]} graph: {', '.join(ops)}")
             if not backward:
-                _backend_from(record, ops)
+                _backend_from(record, ops, p.device)
                 written_kernel = "scaled_dot_product" in record.written or record.entry == "flex"
                 if written_kernel and not any(k in op for op in ops for k in ("attention", "flex")):
                     record.rewritten = f"decomposed into ATen ops ({', '.join(ops)}): no attention kernel is called"
@@ -467,24 +474,22 @@ def _interesting(op: str) -> bool:
                                  "_transformer_encoder"))  # fmt: skip
 
 
-def _backend_from(record: CompiledAttention, ops: list[str]) -> None:
+def _backend_from(record: CompiledAttention, ops: list[str], device: str) -> None:
     from qkvtrace.paths import shared_evidence
 
     kernels = ["aten::" + op.split("aten.")[-1] for op in ops if "aten." in op]
-    backend = shared_evidence().backend_of("cpu" if not torch.cuda.is_available() else "cuda", kernels)
+    backend = shared_evidence().backend_of(device, kernels)
     if backend is not None:
         record.sdpa_backend = backend
 
 
-def _code_calls(code: str) -> list[tuple[str, list[str], str, list[str], list[str]]]:
-    """``(callee, source nodes, original ATen ops, buffers written, buffers read)`` of every call the generated
-    ``call`` makes. Inductor comments the extern kernels and ATen fallbacks it calls with the Dynamo nodes they
-    came from; the kernels it generates carry no such comment on the CPU, so those are tied to attention by the
-    buffers they share with the commented calls (:func:`_read_code`)."""
-    body = code.split("def call(", 1)[-1]
+def _code_calls(body: str) -> list[tuple[str, list[str], list[str], list[str]]]:
+    """``(callee, source nodes, buffers written, buffers read)`` of every call the generated
+    ``call`` (``body``: its code) makes. Inductor comments the extern kernels and ATen fallbacks it calls with the
+    Dynamo nodes they came from; the kernels it generates carry no such comment on the CPU, so those are tied to
+    attention by the buffers they share with the commented calls (:func:`_read_code`)."""
     calls = []
     sources: list[str] = []
-    aten = ""
     alias: dict[str, str] = {}  # inductor reuses buffers: ``buf4 = buf2; del buf2  # reuse`` (or a reinterpret_tensor)
     for line in body.splitlines():
         reuse = _REUSE.match(line)
@@ -493,7 +498,7 @@ def _code_calls(code: str) -> list[tuple[str, list[str], str, list[str], list[st
             continue
         m = _SOURCE.search(line)
         if m:
-            sources, aten = [x.strip() for x in m.group(1).split(",") if x.strip()], m.group(2)
+            sources = [x.strip() for x in m.group(1).split(",") if x.strip()]
             continue
         if line.lstrip().startswith("#"):
             continue
@@ -506,9 +511,8 @@ def _code_calls(code: str) -> list[tuple[str, list[str], str, list[str], list[st
         written += _BUFFER.findall(line.split("out=", 1)[1]) if "out=" in line else []
         written = [alias.get(b, b) for b in written]
         generated = c.group(2) is not None
-        calls.append((callee, [] if generated else sources, "" if generated else aten, written,
-                      [b for b in buffers if b not in written]))  # fmt: skip
-        sources, aten = [], ""  # a comment describes the one call after it
+        calls.append((callee, [] if generated else sources, written, [b for b in buffers if b not in written]))
+        sources = []  # a comment describes the one call after it
     return calls
 
 
@@ -517,12 +521,13 @@ def _read_code(key: tuple[Any, Any], code: str) -> None:
         pending = list(_graphs.get(key, ()))
     if not pending or not code:
         return
-    calls = _code_calls(code)
+    body = code.split("def call(", 1)[-1]
+    calls = _code_calls(body)
     # a backward graph takes the incoming gradients (``tangents_1``, ...), a forward one never does
-    is_backward = "tangents_" in code.split("def call(", 1)[-1].split("\n", 3)[1]
+    is_backward = "tangents_" in body.split("\n", 3)[1]
     # a commented call whose nodes several attention operations claim belongs to the one named last
     owner: dict[int, int] = {}
-    for i, (_, srcs, _, _, _) in enumerate(calls):
+    for i, (_, srcs, _, _) in enumerate(calls):
         claims = [(max(srcs.index(n) for n in p.nodes if n in srcs), j) for j, p in enumerate(pending)
                   if set(p.nodes) & set(srcs)]  # fmt: skip
         if claims:
@@ -530,25 +535,23 @@ def _read_code(key: tuple[Any, Any], code: str) -> None:
     # the SDPA kernel inductor's pattern matcher puts in place of a hand-written attention names none of its
     # nodes (only those of the views before it): such kernels go, in order, to the hand-written operations none
     # of whose calls remain
-    orphans = [i for i, (callee, _, aten, _, _) in enumerate(calls)
+    orphans = [i for i, (callee, _, _, _) in enumerate(calls)
                if i not in owner and "scaled_dot_product" in callee and callee.startswith("aten.")]  # fmt: skip
     vanished = [j for j, p in enumerate(pending) if len(p.nodes) > 1 and j not in owner.values()]
     for i, j in zip(orphans, vanished, strict=False):  # a kernel or an operation left over stays unpaired
         owner[i] = j
     # FlexAttention compiles into a kernel inductor generates from its template, named after the op
-    templates = [i for i, (callee, srcs, _, _, _) in enumerate(calls) if not srcs and "flex_attention" in callee]
-    flex = [
-        j for j, p in enumerate(pending) if p.records and p.records[0][1].entry == "flex" and j not in owner.values()
-    ]
+    templates = [i for i, (callee, srcs, _, _) in enumerate(calls) if not srcs and "flex_attention" in callee]
+    flex = [j for j, p in enumerate(pending) if p.entry == "flex" and j not in owner.values()]
     for i, j in zip(templates, flex, strict=False):
         owner[i] = j
     for j, p in enumerate(pending):
         first, last = p.nodes[0], p.nodes[-1]
         mine = {i for i, o in owner.items() if o == j}
         if len(p.nodes) > 1:  # generated code between the scores and the output matmul: the softmax and its kin
-            made = {b for i in mine if first in calls[i][1] for b in calls[i][3]}
-            used = {b for i in mine if last in calls[i][1] for b in calls[i][4]}
-            for i, (_, srcs, _, written, read) in enumerate(calls):
+            made = {b for i in mine if first in calls[i][1] for b in calls[i][2]}
+            used = {b for i in mine if last in calls[i][1] for b in calls[i][3]}
+            for i, (_, srcs, written, read) in enumerate(calls):
                 if not srcs and made & set(read + written) and used & set(read + written):
                     mine.add(i)
         chosen = [calls[i] for i in sorted(mine)]
@@ -559,21 +562,21 @@ def _read_code(key: tuple[Any, Any], code: str) -> None:
                 record.backward = names
             else:
                 record.runs = names
-                _backend_from(record, names)
-                _rewrites(record, [(callee, aten) for callee, _, aten, _, _ in chosen])
+                _backend_from(record, names, p.device)
+                _rewrites(record, names)
                 if not chosen and len(p.nodes) > 1:
                     record.rewritten = "inductor rewrote it: no call in the generated code comes from its nodes"
             where = "backward" if is_backward else "forward"
             record.evidence.append(f"inductor {where} code: {', '.join(names) or 'no call named for it'}")
 
 
-def _rewrites(record: CompiledAttention, kernels: list[tuple[str, str]]) -> None:
-    fused = next((c for c, _ in kernels if c.startswith("aten.")
+def _rewrites(record: CompiledAttention, kernels: list[str]) -> None:
+    fused = next((c for c in kernels if c.startswith("aten.")
                   and any(s in c for s in ("scaled_dot_product", "_efficient_attention", "flash_attention"))),
                  None)  # fmt: skip
     by_hand = record.entry == "hand_written" or (record.entry == "MultiheadAttention" and "softmax" in record.written)
     if by_hand and fused:
         record.rewritten = f"inductor's pattern matcher replaced the matmul-softmax-matmul with {fused}"
     elif record.entry != "flex" and not by_hand and fused is None and not any(c.startswith(("aten.", "extern"))
-                                                                             for c, _ in kernels):  # fmt: skip
+                                                                             for c in kernels):  # fmt: skip
         record.rewritten = "inductor compiled it into generated code: no attention kernel is called for it"

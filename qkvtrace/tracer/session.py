@@ -404,20 +404,15 @@ class Trace:
                     "compiled graphs and were recorded; calls inside compiled graphs are not observed"
                 )
                 continue
-            stands_aside = (
+            why = (
                 " (the trace stands aside while it runs: PyTorch's own functions stay in place, so nothing is "
-                "recompiled)"
-                if kind == "torch.compile"
-                else ""
-            )
-            before = (
-                "; graphs compiled before the trace opened are not in the compile log it reads"
+                "recompiled); graphs compiled before the trace opened are not in the compile log it reads"
                 if kind == "torch.compile"
                 else ""
             )
             self._result.warnings.append(
-                f"{name or '(root)'} runs through {kind}: attention calls inside it are not observed{stands_aside}"
-                f"{before}; its modules are listed as unobserved"
+                f"{name or '(root)'} runs through {kind}: attention calls inside it are not observed{why}; "
+                "its modules are listed as unobserved"
             )
         seen_names = [self._names[i][0] for i in self._seen if i in self._names] + sorted(compiled_modules)
         for name, m in sorted(self._names.values(), key=lambda e: e[0]):
