@@ -4,7 +4,8 @@
 groups them per outermost attention op; ``learn_kernel_backends`` maps each
 SDPA kernel op to its ``SDPBackend`` by forcing every backend under the
 profiler; ``local_at_return`` reads PyTorch's own local variables (the fast-path
-reason strings) on an un-instrumented run. Nothing here asks qkvtrace anything.
+reason strings) on an un-instrumented run; ``dynamo_graph`` reads the graph Dynamo
+hands a backend written here. Nothing here asks qkvtrace anything.
 """
 
 from __future__ import annotations
@@ -146,3 +147,27 @@ def qkv(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]
         [sys.executable, "-m", "qkvtrace", *args],
         capture_output=True, text=True, cwd=cwd, env=ENV, timeout=300,
     )  # fmt: skip
+
+
+def dynamo_graph(model: torch.nn.Module, *args: Any, **kwargs: Any) -> list[tuple[str, str, str | None]]:
+    """(node name, function name, innermost module path) of every call in the graph(s) Dynamo hands a backend
+    written here -- the witness for what the model wrote where."""
+    nodes: list[tuple[str, str, str | None]] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        for n in gm.graph.nodes:
+            if n.op in ("call_function", "call_method", "call_module"):
+                stack = n.meta.get("nn_module_stack")
+                path = list(stack.values())[-1][0] if stack else None
+                if n.op == "call_module":  # a module kept whole (releases that do not inline torch.nn modules)
+                    name = type(gm.get_submodule(n.target)).__name__
+                else:
+                    name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
+                nodes.append((n.name, name, path))
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(*args, **kwargs)
+    torch._dynamo.reset()
+    return nodes

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from _witness import dynamo_graph as _dynamo_graph
 from torch import nn
 
 import qkvtrace
@@ -93,30 +94,6 @@ class OnInputs(nn.Module):
 def _model(train: bool = False) -> tuple[nn.Module, torch.Tensor]:
     torch.manual_seed(0)
     return Model().train(train), torch.randn(B, T, E)
-
-
-def _dynamo_graph(model: nn.Module, *args: Any, **kwargs: Any) -> list[tuple[str, str, str | None]]:
-    """(node name, function name, innermost module path) of every call in the graph(s) Dynamo hands a backend
-    written here -- the witness for what the model wrote where."""
-    nodes: list[tuple[str, str, str | None]] = []
-
-    def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
-        for n in gm.graph.nodes:
-            if n.op in ("call_function", "call_method", "call_module"):
-                stack = n.meta.get("nn_module_stack")
-                path = list(stack.values())[-1][0] if stack else None
-                if n.op == "call_module":  # a module kept whole (releases that do not inline torch.nn modules)
-                    name = type(gm.get_submodule(n.target)).__name__
-                else:
-                    name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
-                nodes.append((n.name, name, path))
-        return gm.forward
-
-    torch._dynamo.reset()
-    with torch.no_grad():
-        torch.compile(model, backend=backend)(*args, **kwargs)
-    torch._dynamo.reset()
-    return nodes
 
 
 def _module_name(path: str | None) -> str:

@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 import pytest
 import torch
 import torch.nn.functional as F
+from _witness import dynamo_graph
 from torch import nn
 from torch.nn.attention.bias import CausalBias, causal_lower_right, causal_upper_left
 
@@ -259,20 +260,7 @@ def test_compiled_module_is_named_in_the_warnings() -> None:
     """Witness: the name ``body`` given here to the module wrapped by ``torch.compile``, and the graph Dynamo
     hands a backend written here for the same layer: the attention function in it is what the trace records as
     compiled (none there: the release ran the layer eagerly, and the call is recorded as an eager call)."""
-    in_graph: list[str] = []
-
-    def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
-        for n in gm.graph.nodes:  # a module kept whole (torch 2.4) by its class, a function by its name
-            if n.op == "call_module":
-                in_graph.append(type(gm.get_submodule(n.target)).__name__)
-            elif n.op != "output":
-                in_graph.append(getattr(n.target, "__name__", str(n.target)))
-        return gm.forward
-
-    torch._dynamo.reset()
-    with torch.no_grad():
-        torch.compile(_encoder_layer(), backend=backend)(torch.randn(B, L, E))
-    torch._dynamo.reset()
+    in_graph = [f for _, f, _ in dynamo_graph(_encoder_layer(), torch.randn(B, L, E))]
     kinds = {"_transformer_encoder_layer_fwd": "fused_encoder_layer", "scaled_dot_product_attention":
              "MultiheadAttention", "multi_head_attention_forward": "MultiheadAttention",
              "TransformerEncoderLayer": "fused_encoder_layer"}  # fmt: skip
