@@ -442,11 +442,10 @@ class TraceResult:
                 "this file was not written by `qkvtrace trace` of this version"
             )
         old = schema != TRACE_SCHEMA
-        known = {f.name for f in fields(AttentionCall)}
         calls = []
         for c in data["calls"]:
             qkv, written_map = c["qkv"], c.get("attention_map")
-            c = {k: v for k, v in c.items() if k in known}  # fields a newer writer added are not ours to read
+            c = _ours(AttentionCall, c)
             c["map_tensors"] = _map_from_dict(written_map)
             c["qkv"] = QKVInfo(
                 layout=qkv["layout"],
@@ -482,20 +481,18 @@ class TraceResult:
             unobserved=unobserved,
             warnings=list(data.get("warnings", [])),
             routes=routes,
-            compiled=[_compiled(c) for c in data.get("compiled", [])],
+            compiled=[CompiledAttention(**_ours(CompiledAttention, c)) for c in data.get("compiled", [])],
         )
 
 
-_COMPILED_FIELDS = frozenset(f.name for f in fields(CompiledAttention))
-
-
-def _compiled(data: dict[str, Any]) -> CompiledAttention:
-    return CompiledAttention(**{k: v for k, v in data.items() if k in _COMPILED_FIELDS})
+def _ours(record: type, data: dict[str, Any]) -> dict[str, Any]:
+    """The keys of ``data`` that are fields of ``record``: fields a newer writer added are not ours to read."""
+    known = {f.name for f in fields(record)}
+    return {k: v for k, v in data.items() if k in known}
 
 
 def _slice(data: dict[str, Any], version_1: bool = False) -> SliceInfo:
-    known = {f.name for f in fields(SliceInfo)}
-    info = SliceInfo(**{k: v for k, v in data.items() if k in known})
+    info = SliceInfo(**_ours(SliceInfo, data))
     if version_1 and info.rows is not None:  # /1 wrote one [start, stop) pair
         info.rows = [list(info.rows)]  # type: ignore[arg-type]  # a flat pair in /1
     return info
