@@ -280,3 +280,55 @@ def test_routes_off_records_none_and_json_round_trips(tmp_path: Any) -> None:
     back = load_trace(path)  # validated against the qkvtrace.trace/2 schema, then read
     assert back.routes == t.routes
     assert back.calls[0].backward_kernel == t.calls[0].backward_kernel
+
+
+# -- later calls of one signature: the way found on the first, followed when the backward pass comes ----------
+
+
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_repeated_calls_each_get_their_own_routes_once_per_pass(need_weights: bool) -> None:
+    """Witness: torch.autograd.grad through explicit softmax attention recomputed here on a copy, per input; a
+    second backward through a retained graph doubles nothing (each pass gets its own entry, equal to the first)."""
+    torch.manual_seed(4)
+    m = nn.MultiheadAttention(E, H, batch_first=True)
+    xs = [_weights(10 + i) for i in range(3)]
+    refs = [_mha_reference(m, x, x, x) for x in xs]
+    with qkvtrace.trace(m) as t:
+        outs = [m(x, x, x, need_weights=need_weights)[0] for x in xs]  # three calls of one signature, then...
+        for out in outs:  # ...one backward each, the last twice through its retained graph
+            _loss(out).backward(retain_graph=True)
+        _loss(outs[-1]).backward()
+    assert [(r.call, r.backward_index) for r in t.routes] == [(0, 0), (1, 1), (2, 2), (2, 3)]
+    for route, ref in zip(t.routes, [*refs, refs[-1]], strict=True):
+        _assert_routes(route, ref)
+
+
+def test_forward_only_calls_name_the_backward_node_of_their_own_graph() -> None:
+    """Witness: the autograd graph of an un-instrumented run of each call (attention_core), for calls whose
+    backward never runs."""
+    torch.manual_seed(5)
+    m = nn.MultiheadAttention(E, H, batch_first=True)
+    x = _weights(6)
+    witness = [m(x, x, x, need_weights=w)[0] for w in (True, False, True, False)]
+    with qkvtrace.trace(m) as t:
+        for w in (True, False, True, False):
+            m(x, x, x, need_weights=w)
+    assert [c.backward_kernel for c in t.calls] == [attention_core(w) for w in witness]
+
+
+def test_a_later_call_whose_graph_differs_is_searched_again() -> None:
+    """Witnesses: the autograd graphs of un-instrumented runs of both modules (graph_names, attention_core); the
+    routes by construction: dropout=1.0 drops every attention weight, so no gradient reaches Q, K or V."""
+    torch.manual_seed(6)
+    plain = nn.MultiheadAttention(E, H, batch_first=True)
+    dropped = nn.MultiheadAttention(E, H, batch_first=True, dropout=1.0)  # the same call signature, more nodes
+    x = _weights(7)
+    witness = dropped(x, x, x)[0]
+    assert graph_names(witness) != graph_names(plain(x, x, x)[0])  # dropout puts a node between softmax and bmm
+    with qkvtrace.trace(nn.ModuleList([plain, dropped])) as t:
+        _loss(plain(x, x, x)[0]).backward()  # the way to the core, found for this signature
+        _loss(dropped(x, x, x)[0]).backward()  # same signature: dropout puts a node between softmax and matmul
+    assert t.calls[1].backward_kernel == attention_core(witness)
+    assert [r.call for r in t.routes] == [0, 1]
+    for part in "qkv":
+        assert getattr(t.routes[1], part).norm == 0.0, part

@@ -69,6 +69,40 @@ def qkv_info(trace: Trace, projection: Projection | str, tensors: tuple[Any, Any
     return QKVInfo(layout=base.layout, holder=base.holder, reason=base.reason, **parts)
 
 
+_SHARED: dict[Any, dict[str, Any]] = {}
+_MAX_SHARED = 1024
+
+
+def _frozen(value: Any) -> Any:
+    """``value`` as a hashable key; raises ``TypeError`` for what cannot be one (a tensor, measured later)."""
+    if isinstance(value, list):
+        return (list, *map(_frozen, value))
+    if isinstance(value, dict):
+        return (dict, *((k, _frozen(v)) for k, v in value.items()))
+    if isinstance(value, torch.Tensor):
+        raise TypeError("a tensor is resolved later, in place")
+    hash(value)
+    return value
+
+
+def shared_inputs(inputs: dict[str, Any]) -> dict[str, Any]:
+    """One dict for the calls whose inputs are equal (a loop of like calls holds one, not one each).
+
+    Only plain values are shared: inputs holding a number measured on the
+    device (a mask's, resolved in place later) stay the call's own.
+    """
+    try:
+        key = _frozen(inputs)
+    except TypeError:
+        return inputs
+    found = _SHARED.get(key)
+    if found is not None:
+        return found
+    if len(_SHARED) < _MAX_SHARED:
+        _SHARED[key] = inputs
+    return inputs
+
+
 def modes(module: nn.Module) -> dict[str, bool]:
     """The switches that decide PyTorch's paths, as they were when the call ran."""
     return {
@@ -123,17 +157,20 @@ def deliver(
     :mod:`qkvtrace.maps`, or a string saying why there is none), for the
     traces that asked for maps; each computes its own from it, now, after the call.
     """
+    call.inputs = shared_inputs(call.inputs)
     call.thread = threading.current_thread().name
     call.rank, call.world_size = compat.distributed_rank()
     if core is None:
         why = "the call raised" if call.error else "not recorded: the trace was opened with routes=False"
         core = routes.Core(None, why)
     call.backward_kernel, call.backward_reason = core.kernel, core.reason
-    if core.kernel is not None and not core.sources:
+    if core.kernel is not None and not core.has_routes:
         call.route_reason = core.route_reason
     for i, (trace, name, index) in enumerate(targets):
         record = call if i == 0 else dataclasses.replace(call)
         record.index, record.module = index, name
+        if core.deferred is not None:
+            core.deferred.records.append(record)
         trace.attach_map(record, maps)
         if isinstance(projection, Projection) and projection.holder is not owner:
             holder = trace.name_of(projection.holder)

@@ -73,7 +73,7 @@ class GradientRecorder:
 
     def watch_routes(self, index: int, module: str, core: routes.Core) -> None:
         """Keep, for each backward pass, the gradients reaching call ``index``'s Q, K and V."""
-        if not self._open or not core.sources:
+        if not self._open or not core.has_routes:
             return
 
         def on_grad(part: str, layout: routes.Layout, grad: torch.Tensor) -> None:

@@ -68,6 +68,27 @@ class Core:
     route_reason: str | None = None
     #: nodes that name the kernel without being sources (the softmax of a chain)
     checks: list[Any] = field(default_factory=list)
+    #: the way found on an earlier call of the same signature, to be followed (and checked) on this
+    #: call's graph only when the backward pass reaches it; ``None`` once followed
+    deferred: Deferred | None = None
+    #: the call's output node, where a deferred core is followed from (held only while the call is delivered)
+    start: Any = None
+
+    @property
+    def has_routes(self) -> bool:
+        """Whether routes can be read (from sources found now, or from the way found earlier)."""
+        return bool(self.sources) or (self.deferred is not None and bool(self.deferred.recipe.sources))
+
+
+@dataclass(slots=True)
+class Deferred:
+    """What following a recipe needs when the backward pass reaches the call's output node."""
+
+    recipe: Recipe
+    inputs: tuple[Any, ...]
+    heads: int | None
+    #: the records of the call, corrected if this call's graph turns out not to follow the recipe
+    records: list[Any] = field(default_factory=list)
 
 
 def _tensors(values: Sequence[Any]) -> list[torch.Tensor]:
@@ -105,9 +126,13 @@ class Recipe:
 
 _RECIPES: dict[Any, Recipe] = {}
 _MAX_RECIPES = 256
+#: the autograd node whose backward is running on this thread (inside a hook), where PyTorch names it
+_CURRENT_NODE: Callable[[], Any] | None = getattr(torch._C, "_current_autograd_node", None)
 
 
-def find_core(out: Any, inputs: Sequence[Any], *, heads: int | None = None, key: Any = None) -> Core:
+def find_core(
+    out: Any, inputs: Sequence[Any], *, heads: int | None = None, key: Any = None, defer: bool = True
+) -> Core:
     """The backward core of a call whose output is ``out`` and whose attention inputs are ``inputs``.
 
     The search walks the output's graph breadth-first and stops at the
@@ -118,7 +143,10 @@ def find_core(out: Any, inputs: Sequence[Any], *, heads: int | None = None, key:
     ``key``: the call's signature. Calls of one signature build graphs of one
     shape, so the way to the core found for the first is tried first on the
     next; every node on it is checked by name on this call's own graph, and
-    any difference falls back to the search.
+    any difference falls back to the search. With ``defer`` (and a PyTorch
+    that names the node its backward is running), that check waits until the
+    backward pass reaches the output's node: a forward-only run walks nothing
+    after the first call of a signature.
     """
     reason = no_graph_reason(out)
     if reason is not None:
@@ -127,6 +155,9 @@ def find_core(out: Any, inputs: Sequence[Any], *, heads: int | None = None, key:
     cache_key = None if key is None else (key, start.name(), heads)
     if cache_key is not None:
         recipe = _RECIPES.get(cache_key)
+        if recipe is not None and defer and _CURRENT_NODE is not None:
+            return Core(recipe.kernel, route_reason=recipe.route_reason,
+                        deferred=Deferred(recipe, tuple(_tensors(inputs)), heads), start=start)  # fmt: skip
         if recipe is not None:
             core = _replay(start, recipe)
             if core is not None:
@@ -278,6 +309,7 @@ def sdpa_core(out: Any, q: Any, k: Any, v: Any, key: Any = None) -> Core:
     """The backward core of an SDPA call; routes from the fused node, else from the q/k/v tensors."""
     core = find_core(out, (q, k, v), key=key)
     if core.kernel is not None and not _FUSED.search(core.kernel):
+        core.deferred = core.start = None
         # a decomposed SDPA scales q and k inside the chain: read the routes at the tensors it received
         core.sources, core.route_reason = tensor_sources(q, k, v)
     return core
@@ -334,7 +366,16 @@ def grad_norms(grad: torch.Tensor, layout: Layout) -> tuple[torch.Tensor, torch.
 
 
 def register(core: Core, on_grad: Callable[[str, Layout, torch.Tensor], None]) -> None:
-    """Call ``on_grad(part, layout, grad)`` for each route of ``core`` when its gradient is computed."""
+    """Call ``on_grad(part, layout, grad)`` for each route of ``core`` when its gradient is computed.
+
+    A deferred core is followed when the backward pass reaches the call's
+    output node: the nodes below it have not run yet, so the hooks put on
+    them then still see their gradients.
+    """
+    deferred = core.deferred
+    if deferred is not None and core.start is not None:
+        core.start.register_prehook(_follow_hook(deferred, on_grad))
+        return
     by_node: dict[int, tuple[Any, list[Source]]] = {}
     for s in core.sources:
         if s.tensor is not None:
@@ -344,6 +385,30 @@ def register(core: Core, on_grad: Callable[[str, Layout, torch.Tensor], None]) -
     for node, sources in by_node.values():
         picks = [(s.part, s.layout, s.index) for s in sources]
         node.register_hook(_node_hook(picks, on_grad))
+
+
+def _follow_hook(deferred: Deferred, on_grad: Callable[[str, Layout, torch.Tensor], None]) -> Any:
+    # holds no node (a node holding a hook that holds it would never be freed): the node is asked for
+    followed = False
+
+    def hook(grad_outputs: Sequence[torch.Tensor | None]) -> None:
+        nonlocal followed
+        if followed or _CURRENT_NODE is None:
+            return
+        followed = True
+        start = _CURRENT_NODE()
+        if start is None:
+            return
+        core = _replay(start, deferred.recipe)
+        if core is None:  # this call's graph differs from its signature's first: search it
+            core = _search(start, deferred.inputs, deferred.heads)
+            for record in deferred.records:
+                record.backward_kernel, record.backward_reason = core.kernel, core.reason
+                record.route_reason = core.route_reason if core.kernel is not None and not core.sources else None
+        deferred.inputs = ()
+        register(core, on_grad)
+
+    return hook
 
 
 def _tensor_hook(part: str, layout: Layout, on_grad: Callable[[str, Layout, torch.Tensor], None]) -> Any:
