@@ -170,22 +170,23 @@ def _weights(
         qs = qs.index_select(1, qi)
     if group > 1 or qi is not None:  # grouped-query attention: key head h // group serves query head h
         ks = ks.index_select(1, torch.tensor([i // group for i in heads], device=q.device))
+    # scores, weights: fresh tensors of this map alone, so they are changed in place (no second [b, h, L, S])
     scores = torch.matmul(qs.float() * scale, ks.float().transpose(-2, -1))  # [b, h, L, S]
     shape = (b, h, length, s)
     if additive is not None:
-        scores = scores + _pick(additive, shape, bi, qi).float()
+        scores.add_(_pick(additive, shape, bi, qi).float())
     block = None if blocked is None else _pick(blocked, shape, bi, qi)
     if causal:
-        upper = torch.ones(length, s, dtype=torch.bool, device=q.device).tril().logical_not()
+        upper = torch.ones(length, s, dtype=torch.bool, device=q.device).triu_(1)
         block = upper if block is None else block | upper
     if block is not None:
-        scores = scores.masked_fill(block, float("-inf"))
+        scores.masked_fill_(block, float("-inf"))
     weights = torch.softmax(scores, dim=-1)
-    if additive is None and block is None:  # nothing masked: no row can be empty
+    if additive is None and blocked is None:  # nothing or only the causal triangle masked: every row keeps key 0
         full = torch.zeros(weights.shape[:-1], dtype=torch.bool)
     else:
         full = torch.isneginf(scores).all(dim=-1)  # every key removed: softmax would be 0/0
-        weights = weights.masked_fill(full.unsqueeze(-1), 0.0)
+        weights.masked_fill_(full.unsqueeze(-1), 0.0)
     return MapResult(weights=weights.cpu(), fully_masked=full.cpu(), heads=heads, batch=batch)
 
 
