@@ -46,6 +46,7 @@ examples:
   qkvtrace ablate --seeds 5 --md ablate.md         # Q/K/V ablations, mean ± std over seeds
   qkvtrace validate reports/*/report.json t.json   # check saved JSON against its schema
   qkvtrace merge traces/ --json merged.json        # per-rank traces of a torchrun job; ranks that disagree
+  qkvtrace advise demo:mha                         # which change would speed each call up, measured
   qkvtrace walkthrough --text "我 喜欢 机器人"      # one sentence through Q/K/V, step by step
 
 exit codes: 0 done, 1 a check found a problem, 2 bad input or usage (--debug: traceback)
@@ -63,6 +64,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     from qkvtrace.cli import (
         ablate_cmd,
+        advise_cmd,
         check_cmd,
         diff_cmd,
         grads_cmd,
@@ -98,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     merge_cmd.register(sub)
     summarize_cmd.register(sub)
     walkthrough_cmd.register(sub)
+    advise_cmd.register(sub)
     for command in sub.choices.values():  # `qkvtrace trace X --debug` works too
         command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks")
     return parser
