@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from qkvtrace.advice_sdpa import forward_site, sdpa_in_place_of
+
 __all__ = ["Candidate", "candidates_for", "combined"]
 
 #: how a change is made on a copy: returns the context the copy then runs in (or None) and where the call is made
@@ -37,6 +39,10 @@ class Candidate:
     apply: Apply
     #: outputs may differ by this much and the change still keeps the results (float reassociation)
     tolerance: float = 1e-4
+    #: for a change to the model's own code: the same computation both ways on tensors of the call's shapes
+    pair: Callable[[], Any] | None = None
+    #: where the change is made when it is known before running (the forward that holds the code)
+    site: str | None = None
     notes: list[str] = field(default_factory=list)
 
 
@@ -59,8 +65,16 @@ def candidates_for(call: Any, model: nn.Module, train: bool) -> tuple[list[Candi
         why = "; ".join(f"{b}: {' '.join(r)}" for b, r in refused.items() if r)
         return [], f"SDPA ran {call.sdpa_backend}" + (f"; PyTorch refused the others: {why}" if why else "")
     if path == "hand_written":
-        return [], ("attention written by hand in the model's own code: F.scaled_dot_product_attention in its "
-                    "place is a change to that code, not one qkvtrace can make on a copy")  # fmt: skip
+        make, why = sdpa_in_place_of(call, train)
+        if make is None:
+            return [], f"attention written by hand; SDPA in its place not measured: {why}"
+        causal = ", is_causal=True" if isinstance(call.inputs.get("attn_mask"), dict) else ""
+        return [Candidate(
+            f"F.scaled_dot_product_attention(q, k, v{causal}, scale={call.inputs.get('scale') or 1.0:.4g}) in place of "
+            f"{call.inputs.get('form') or 'the softmax(QKᵀ)V'} in {call.module_type}.forward (measured on tensors of "
+            "the call's shapes)",
+            "the attention weights the hand-written code computes: SDPA returns none",
+            call.module, _no_copy, tolerance=1e-3, pair=make, site=forward_site(model, call.module))], ""  # fmt: skip
     if path == "fallback" and train:
         return [], "training: MultiheadAttention has no faster path for a training step than SDPA inside the fallback"
     return [], f"no change known for PyTorch's reason: {call.why_not_fast_path or 'none given'}"
@@ -86,6 +100,10 @@ def combined(first: Candidate, then: Candidate) -> Candidate:
     scope = first.scope if first.scope == then.scope else _WHOLE
     return Candidate(f"{first.change} + {then.change}", f"{first.gives_up}; {then.gives_up}", scope, apply,
                      max(first.tolerance, then.tolerance))  # fmt: skip
+
+
+def _no_copy(_model: nn.Module) -> tuple[Callable[[], Any] | None, list[str]]:
+    raise NotImplementedError("a change to the model's own code is measured on its shapes, not on a copy")
 
 
 def _mha_rules(call: Any, train: bool) -> list[Candidate]:

@@ -160,7 +160,7 @@ def _max_diff(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float | N
 _MIN_SAMPLE = 0.05
 
 
-def _timed(run: _Run, loops: int = 1) -> float:
+def _timed(run: Callable[[], Any], loops: int = 1) -> float:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     start = time.perf_counter()
@@ -275,6 +275,9 @@ def _cuda_devices() -> list[int]:
 
 def _measure(m: Measured, cand: Candidate, base: _Run, model: nn.Module, args: tuple[Any, ...],
              kwargs: dict[str, Any], train: bool, repeats: int, occurrence: int) -> None:  # fmt: skip
+    if cand.pair is not None:
+        _measure_pair(m, cand, repeats)
+        return
     changed_model = copy.deepcopy(model).train(train)
     try:
         context, where = cand.apply(changed_model)
@@ -303,6 +306,24 @@ def _measure(m: Measured, cand: Candidate, base: _Run, model: nn.Module, args: t
     peak_a, peak_b = _peak(base), _peak(changed)
     if peak_a and peak_b:
         m.memory_ratio = peak_b / peak_a
+    m.verdict = _verdict(m, cand)
+
+
+def _measure_pair(m: Measured, cand: Candidate, repeats: int) -> None:
+    """A change to the model's own code: the computation as written and as changed, on tensors of its shapes."""
+    assert cand.pair is not None
+    written, changed, kernel = cand.pair()
+    m.where = cand.site
+    m.path_after, m.backend_after = kernel()
+    out_a, grad_a = written()
+    out_b, grad_b = changed()
+    m.max_abs_diff = _max_diff(out_a, out_b)
+    if grad_a:
+        m.max_abs_grad_diff = _max_diff(grad_a, grad_b)
+    loops = max(1, int(_MIN_SAMPLE / max(_timed(written), 1e-6)))
+    for _ in range(repeats):
+        a = _timed(written, loops)
+        m.ratios.append(_timed(changed, loops) / a)
     m.verdict = _verdict(m, cand)
 
 

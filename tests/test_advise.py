@@ -215,3 +215,50 @@ def test_budget_lists_what_was_not_measured() -> None:
     m = _Caller(batch_first=False).eval()
     advice = advise(m, torch.randn(16, 2, E), repeats=2, budget=0.001)
     assert advice.unmeasured and all(r.verdict.startswith("not measured") for r in advice.measured)
+
+
+class _HandWritten(nn.Module):
+    """Causal attention written by hand, as many models do (optionally with soft-capped logits)."""
+
+    def __init__(self, softcap: float | None = None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.qkv = nn.Linear(E, 3 * E)
+        self.softcap = softcap
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, 4, E // 4).permute(2, 0, 3, 1, 4)
+        scores = q @ k.transpose(-2, -1) / (E // 4) ** 0.5
+        if self.softcap is not None:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
+        scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+        return (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, t, E)
+
+
+def test_attention_written_by_hand_is_measured_against_sdpa_on_its_shapes() -> None:
+    """Witness: the profiler on an SDPA call made here on tensors of the recorded shapes (which kernel runs), and
+    the hand-written form and SDPA computed here on the same tensors (their largest difference)."""
+    m = _HandWritten().eval()
+    x = torch.randn(2, 32, E)
+    q, k, v = (torch.randn(2, 4, 32, E // 4) for _ in range(3))
+    ops = _ops(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
+    advice = advise(m, x, repeats=REPEATS)
+    (row,) = advice.measured
+    assert row.path == "hand_written" and row.path_after == "sdpa"
+    assert any(row.backend_after.split("_")[0].lower() in o for o in ops if "scaled_dot_product" in o), ops
+    assert row.change.startswith("F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.25)")
+    written = (q @ k.transpose(-2, -1) * 0.25).masked_fill(torch.ones(32, 32, dtype=torch.bool).triu(1),
+                                                          float("-inf")).softmax(-1) @ v  # fmt: skip
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert row.max_abs_diff is not None and row.max_abs_diff < 1e-4 and float((written - sdpa).abs().max()) < 1e-4
+    assert row.where is not None and row.where.startswith(__file__)
+    assert "weights" in row.gives_up and len(row.ratios) == REPEATS
+
+
+def test_soft_capped_attention_written_by_hand_is_settled_with_the_reason() -> None:
+    """Witness: the soft-cap the test's own model applies (tanh), which SDPA has no argument for."""
+    advice = advise(_HandWritten(softcap=30.0).eval(), torch.randn(2, 16, E), repeats=2)
+    assert not advice.measured
+    (settled,) = advice.settled
+    assert settled["path"] == "hand_written" and "soft-capp" in settled["why"]
