@@ -27,15 +27,15 @@ __all__ = ["Candidate", "candidates_for", "combined"]
 #: how a change is made on a copy: returns the context the copy then runs in (or None) and where the call is made
 Apply = Callable[[nn.Module], tuple[Callable[[], Any] | None, list[str]]]
 
-_WHOLE = ""  # the scope of a change made to the whole model or to the way it is called
+_WHOLE = None  # the scope of a change made to the whole model or to the way it is called
 
 
 @dataclass
 class Candidate:
     change: str
     gives_up: str
-    #: the module the change is made to (its name in the model), ``""`` for the whole model
-    scope: str
+    #: the module the change is made to (its name in the model, ``""`` the root), ``None`` for the whole model
+    scope: str | None
     apply: Apply
     #: outputs may differ by this much and the change still keeps the results (float reassociation)
     tolerance: float = 1e-4
@@ -43,6 +43,8 @@ class Candidate:
     pair: Callable[[], Any] | None = None
     #: where the change is made when it is known before running (the forward that holds the code)
     site: str | None = None
+    #: the change drops outputs the caller may read (weights): only the outputs both still return are compared
+    drops_outputs: bool = False
     notes: list[str] = field(default_factory=list)
 
 
@@ -95,7 +97,7 @@ def combined(first: Candidate, then: Candidate) -> Candidate:
                     stack.enter_context(c())
                 yield
 
-        return (both if contexts else None), where_a if first.scope else where_b
+        return (both if contexts else None), where_a if first.scope is not None else where_b
 
     scope = first.scope if first.scope == then.scope else _WHOLE
     return Candidate(f"{first.change} + {then.change}", f"{first.gives_up}; {then.gives_up}", scope, apply,
@@ -134,7 +136,7 @@ def _mha_rules(call: Any, train: bool) -> list[Candidate]:
         out.append(Candidate(
             "need_weights=False",
             "the attention weights the call returns (None instead): a caller that reads them breaks",
-            call.module, _wrapped(call.module, _no_weights)))  # fmt: skip
+            call.module, _wrapped(call.module, _no_weights), drops_outputs=True))  # fmt: skip
     return out
 
 

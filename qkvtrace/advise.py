@@ -49,6 +49,8 @@ class Measured:
     backend: str | None
     reason: str | None
     change: str
+    #: what the change is made to: a module's name (``""``: the root), ``None`` for the whole model (or its call)
+    scope: str | None
     #: what the change costs the caller: weights it no longer gets, autograd, a hook that no longer runs
     gives_up: str
     #: ``file:line`` of the code that calls the module, read from the frame when the copy ran
@@ -232,7 +234,7 @@ def advise(
                 advice.settled.append({"call": call.index, "module": call.module, "path": call.path,
                                        "backend": call.sdpa_backend, "why": settled})  # fmt: skip
             work.extend((call, n, c) for c in found)
-        seen: dict[tuple[str, str], Measured] = {}
+        seen: dict[tuple[str | None, str], Measured] = {}
         i = 0
         while i < len(work):
             call, n, cand = work[i]
@@ -242,7 +244,7 @@ def advise(
                 continue
             m = Measured(call=call.index, module=call.module, path=call.path, backend=call.sdpa_backend,
                          reason=call.why_not_fast_path or call.why_not_fused_layer, change=cand.change,
-                         gives_up=cand.gives_up)  # fmt: skip
+                         scope=cand.scope, gives_up=cand.gives_up)  # fmt: skip
             seen[key] = m
             advice.measured.append(m)
             if budget is not None and time.perf_counter() - started > budget:
@@ -296,6 +298,8 @@ def _measure(m: Measured, cand: Candidate, base: _Run, model: nn.Module, args: t
     out_a, grad_a = base()
     torch.manual_seed(0)
     out_b, grad_b = changed()
+    if cand.drops_outputs and len(out_b) < len(out_a):  # what the change gives up is not a difference of results
+        out_a = out_a[: len(out_b)]
     m.max_abs_diff = _max_diff(out_a, out_b)
     if train:
         m.max_abs_grad_diff = _max_diff(grad_a, grad_b)

@@ -20,7 +20,8 @@ def _then(m: Measured) -> str:
     if m.path_after is None:
         return "–"
     backend = f" ({m.backend_after})" if m.backend_after else ""
-    return f"{m.path_after}{backend}" + (f"\n{m.reason_after}" if m.reason_after else "")
+    reason = f"\n{m.reason_after}" if m.reason_after and m.reason_after != m.reason else ""
+    return f"{m.path_after}{backend}{reason}"
 
 
 def _speed(m: Measured) -> str:
@@ -46,8 +47,9 @@ def advise_table(advice: Advice) -> Group:
     for m in advice.measured:
         style = "green" if m.verdict == RECOMMENDED else None
         where = f"\nat {m.where}" if m.where else ""
+        scope = "\nchange to: the whole model" if m.scope is None else ""
         table.add_row(
-            f"#{m.call} {m.module or '(root)'}{where}",
+            f"#{m.call} {m.module or '(root)'}{scope}{where}",
             _today(m),
             Text(m.change, style=style or ""),
             _then(m),
@@ -56,11 +58,13 @@ def advise_table(advice: Advice) -> Group:
             _diff(m),
             Text(f"{m.verdict}\ngives up: {m.gives_up}", style=style or ""),
         )
-    parts: list[RenderableType] = [table]
+    parts: list[RenderableType] = [table] if advice.measured else [
+        Text(f"qkvtrace advise {advice.target}: no attention call has a change to measure", style="bold")]
     best = advice.recommended
     if best:
         m = best[0]
-        parts.append(Text(f"fastest measured: {m.change} on {m.module or '(root)'} — {m.median:.2f}× today's time, "
+        on = f"on {m.scope or '(root)'}" if m.scope is not None else "on the whole model"
+        parts.append(Text(f"fastest measured: {m.change} {on} — {m.median:.2f}× today's time, "
                           f"{m.path} → {m.path_after}", style="bold green"))  # fmt: skip
     elif advice.measured:
         parts.append(Text("no change was faster in every repetition: none is recommended", style="yellow"))
