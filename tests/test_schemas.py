@@ -103,6 +103,7 @@ def test_every_file_the_tool_writes_validates(tmp_path: Path, capsys: pytest.Cap
           "--causal", "--mode", "inference", code=1)  # fmt: skip
     write("qkvtrace.probes/1", "probes.json", "probe")
     write("qkvtrace.grads/2", "g.json", "grads", "demo:mha")
+    write("qkvtrace.advise/1", "a.json", "advise", "demo:mha", "--repeats", "2")
     write("qkvtrace.ablate/1", "ablate.json", "ablate", "--seeds", "1", "--steps", "2")
     write("qkvtrace.walkthrough/1", "w.json", "walkthrough", "--epochs", "3")
     code, _, err = run(capsys, "inspect", "--out", tmp_path / "reports")

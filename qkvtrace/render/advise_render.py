@@ -41,8 +41,9 @@ def advise_table(advice: Advice) -> Group:
     mode = "training step" if advice.train else "inference forward (eval)"
     table = Table(title=f"qkvtrace advise {advice.target} — {mode}, torch {advice.torch_version}, {advice.device}",
                   show_lines=True, title_justify="left")  # fmt: skip
+    memory = any(m.memory_ratio is not None for m in advice.measured)  # peak memory is measured on CUDA only
     for name in ("call / module", "today: path (backend), PyTorch's reason", "change", "then", "time (median, range)",
-                 "memory", "max |Δout|", "verdict, and what the change gives up"):  # fmt: skip
+                 *(["memory"] if memory else []), "max |Δout|", "verdict, and what the change gives up"):  # fmt: skip
         table.add_column(name, overflow="fold")
     for m in advice.measured:
         style = "green" if m.verdict == RECOMMENDED else None
@@ -54,7 +55,7 @@ def advise_table(advice: Advice) -> Group:
             Text(m.change, style=style or ""),
             _then(m),
             _speed(m),
-            f"{m.memory_ratio:.2f}×" if m.memory_ratio is not None else "n/a on CPU",
+            *([f"{m.memory_ratio:.2f}×" if m.memory_ratio is not None else "–"] if memory else []),
             _diff(m),
             Text(f"{m.verdict}\ngives up: {m.gives_up}", style=style or ""),
         )
