@@ -185,8 +185,10 @@ def _weights(
     if additive is None and blocked is None:  # nothing or only the causal triangle masked: every row keeps key 0
         full = torch.zeros(weights.shape[:-1], dtype=torch.bool)
     else:
-        full = torch.isneginf(scores).all(dim=-1)  # every key removed: softmax would be 0/0
+        # every key removed: softmax would be 0/0; read from the (broadcast) boolean mask when it alone removes keys
+        full = torch.isneginf(scores).all(dim=-1) if additive is not None else block.all(dim=-1)  # type: ignore[union-attr]
         weights.masked_fill_(full.unsqueeze(-1), 0.0)
+        full = full.expand(weights.shape[:-1]).contiguous()
     return MapResult(weights=weights.cpu(), fully_masked=full.cpu(), heads=heads, batch=batch)
 
 
