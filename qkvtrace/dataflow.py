@@ -19,8 +19,10 @@ Q, K and V this module
    the model laid them out.
 
 Nothing the user owns moves: the capture stops at the matmul's output, so no
-parameter's ``AccumulateGrad`` runs, no ``.grad`` changes, the graph keeps its
-buffers, and the global RNG is not touched. A call that builds no graph
+parameter's ``AccumulateGrad`` runs, no ``.grad`` changes (a ``.grad`` the
+model retains on Q, K or V is put back as it was), the graph keeps its
+buffers, and the global RNG is not touched. Tensor hooks the model put on
+the tensors between the projection and Q, K, V do see the probe. A call that builds no graph
 (``torch.no_grad``, ``inference_mode``, frozen weights) has nothing to read:
 the answer is then a reason, never a guess.
 """
@@ -183,6 +185,17 @@ def derive_projection(qkv: Sequence[Any], holders: Sequence[nn.Module]) -> Proje
         return f"not derived: {'QKV'[i]} has no autograd history (nothing it came from requires grad)"
     if not compat.has_gradient_edge():
         return "not derived: this PyTorch cannot take gradients at a graph edge (torch.autograd.graph.GradientEdge)"
+    # the probes below run the graph from Q, K, V themselves: a .grad the model keeps on them (retain_grad)
+    # would receive the probe, so it is put back as it was
+    retained = [(t, t.grad) for t in tensors if t.retains_grad]
+    try:
+        return _derive(tensors, holders)
+    finally:
+        for t, grad in retained:
+            t.grad = grad
+
+
+def _derive(tensors: Sequence[torch.Tensor], holders: Sequence[nn.Module]) -> Projection | str:
     by_id = _candidates(holders)
     by_fn = {id(w.grad_fn): wid for wid, (w, _) in by_id.items() if w.grad_fn is not None}
     parts: dict[str, tuple[_Candidate, tuple[tuple[int, int], ...]]] = {}

@@ -332,3 +332,63 @@ def test_a_later_call_whose_graph_differs_is_searched_again() -> None:
     assert [r.call for r in t.routes] == [0, 1]
     for part in "qkv":
         assert getattr(t.routes[1], part).norm == 0.0, part
+
+
+class _FoldedHeads(nn.Module):
+    """Attention written by hand on [B*H, T, d] tensors (heads folded into the batch, as Bloom keeps them); it keeps
+    the tensors it hands to the attention, with their .grad retained, for the test to read."""
+
+    def __init__(self, num_heads: int | None) -> None:
+        super().__init__()
+        torch.manual_seed(8)
+        self.qkv = nn.Linear(E, 3 * E)
+        if num_heads is not None:
+            self.num_heads = num_heads
+        self.kept: dict[str, torch.Tensor] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (p.reshape(b, t, H, D).transpose(1, 2).reshape(b * H, t, D) for p in self.qkv(x).split(E, -1))
+        kt = k.transpose(1, 2)
+        for name, p in zip("qkv", (q, kt, v), strict=True):  # the very tensors the matmuls receive
+            p.retain_grad()
+            self.kept[name] = p
+        w = torch.baddbmm(torch.zeros(b * H, t, t), q, kt, beta=0.0, alpha=D**-0.5).softmax(-1)
+        return torch.bmm(w, v).reshape(b, H, t, D).transpose(1, 2).reshape(b, t, E)
+
+
+@pytest.mark.parametrize("num_heads", [H, None])
+def test_routes_of_folded_heads_are_per_head_when_the_module_says_how_many(num_heads: int | None) -> None:
+    """Witness: PyTorch's own .grad of the q, k, v tensors the model handed to its attention (retained by the
+    model), unfolded here to [B, H, T, d] for the per-head norms."""
+    model = _FoldedHeads(num_heads)
+    x = _weights(9)
+    with qkvtrace.trace(model) as t:
+        _loss(model(x)).backward()
+    (call,) = t.calls
+    assert call.path == "hand_written" and call.inputs["query_shape"] == [B * H, T, D]
+    (route,) = t.routes
+    for part in "qkv":
+        grad = model.kept[part].grad
+        grad = grad.transpose(1, 2) if part == "k" else grad  # K was kept as the matmul received it, transposed
+        got = getattr(route, part)
+        assert got.norm == pytest.approx(grad.norm().item(), rel=1e-5), part
+        if num_heads is None:  # how the batch dimension folds heads is not known: totals only
+            assert got.per_head is None, part
+        else:
+            assert got.per_head == pytest.approx(_per_head(grad.reshape(B, H, T, D)), rel=1e-5), part
+
+
+def test_a_grad_the_model_retains_on_q_k_v_is_its_own() -> None:
+    """Witness: the same model run untraced (with the same weights and input): the .grad it retains on the q, k, v
+    it hands to its attention."""
+    untraced = _FoldedHeads(H)
+    _loss(untraced(_weights(9))).backward()
+    want = {p: untraced.kept[p].grad.clone() for p in "qkv"}
+    model = _FoldedHeads(H)
+    with qkvtrace.trace(model):
+        out = model(_weights(9))
+        assert all(model.kept[p].grad is None for p in "qkv")  # nothing written into them by the forward
+        _loss(out).backward()
+    for p in "qkv":
+        assert torch.equal(model.kept[p].grad, want[p]), p

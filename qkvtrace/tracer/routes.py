@@ -305,13 +305,20 @@ def _chain(softmax: Any, consumer: Any, heads: int | None) -> Core:
     return Core(kernel, sources=sorted(sources, key=lambda s: "qkv".index(s.part)), checks=[softmax])
 
 
-def sdpa_core(out: Any, q: Any, k: Any, v: Any, key: Any = None) -> Core:
-    """The backward core of an SDPA call; routes from the fused node, else from the q/k/v tensors."""
+def sdpa_core(out: Any, q: Any, k: Any, v: Any, key: Any = None, heads: int | None = None) -> Core:
+    """The backward core of an SDPA call; routes from the fused node, else from the q/k/v tensors.
+
+    ``heads``: for ``[B*H, T, d]`` tensors (heads folded into dimension 0,
+    as attention written by hand often keeps them), the number of heads the
+    module says it has; ``None``: unknown (then the routes have totals only).
+    """
     core = find_core(out, (q, k, v), key=key)
     if core.kernel is not None and not _FUSED.search(core.kernel):
         core.deferred = core.start = None
         # a decomposed SDPA scales q and k inside the chain: read the routes at the tensors it received
-        core.sources, core.route_reason = tensor_sources(q, k, v)
+        folded = isinstance(q, torch.Tensor) and q.dim() == 3
+        layout: Layout = (heads or 0) if folded else "bhld"
+        core.sources, core.route_reason = tensor_sources(q, k, v, layout)
     return core
 
 
@@ -329,13 +336,13 @@ def _scores_product(node: Any) -> Any:
     return None
 
 
-def tensor_sources(q: Any, k: Any, v: Any) -> tuple[list[Source], str | None]:
+def tensor_sources(q: Any, k: Any, v: Any, layout: Layout = "bhld") -> tuple[list[Source], str | None]:
     """Routes read from the gradients of the very ``q``, ``k``, ``v`` tensors a call received."""
     tensors = {"q": q, "k": k, "v": v}
     if q is k or k is v or q is v:
         return [], "q, k and v are one tensor and the backward is not fused: their routes cannot be told apart"
     sources = [
-        Source(part, "bhld", tensor=t)
+        Source(part, layout, tensor=t)
         for part, t in tensors.items()
         if isinstance(t, torch.Tensor) and t.requires_grad and not t.is_nested
     ]

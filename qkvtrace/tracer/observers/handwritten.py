@@ -449,7 +449,7 @@ def _record(node: _Node, form: tuple[str, ...], v: torch.Tensor, out: torch.Tens
         output={"nan_count": nan_count(out), "fully_masked_rows": rows},
         evidence=EVIDENCE,
     )
-    core = routes.sdpa_core(out, q, k, v) if wants_backward(targets) else None
+    core = routes.sdpa_core(out, q, k, v, heads=_heads(owner)) if wants_backward(targets) else None
     source = _ProbsSource(probs, blocked, node.dropout_p, _heads(owner)) if wants_maps(targets) else None
     deliver(call, targets, owner, projection, core, source)
 
