@@ -69,37 +69,34 @@ def qkv_info(trace: Trace, projection: Projection | str, tensors: tuple[Any, Any
     return QKVInfo(layout=base.layout, holder=base.holder, reason=base.reason, **parts)
 
 
-_SHARED: dict[Any, dict[str, Any]] = {}
+_SHARED: dict[tuple[Any, ...], dict[str, Any]] = {}
 _MAX_SHARED = 1024
-
-
-def _frozen(value: Any) -> Any:
-    """``value`` as a hashable key; raises ``TypeError`` for what cannot be one (a tensor, measured later)."""
-    if isinstance(value, list):
-        return (list, *map(_frozen, value))
-    if isinstance(value, dict):
-        return (dict, *((k, _frozen(v)) for k, v in value.items()))
-    if isinstance(value, torch.Tensor):
-        raise TypeError("a tensor is resolved later, in place")
-    hash(value)
-    return value
+_ATOMIC = (bool, int, float, str, type(None))
 
 
 def shared_inputs(inputs: dict[str, Any]) -> dict[str, Any]:
     """One dict for the calls whose inputs are equal (a loop of like calls holds one, not one each).
 
-    Only plain values are shared: inputs holding a number measured on the
-    device (a mask's, resolved in place later) stay the call's own.
+    Only plain values are shared (numbers, strings, lists of them): inputs
+    holding a mask's description (numbers measured on the device, resolved
+    in place later) stay the call's own.
     """
-    try:
-        key = _frozen(inputs)
-    except TypeError:
-        return inputs
-    found = _SHARED.get(key)
+    key: list[Any] = []
+    for name, value in inputs.items():
+        if type(value) is list:
+            if not all(type(x) in _ATOMIC for x in value):
+                return inputs
+            value = (list, *value)
+        elif type(value) not in _ATOMIC:
+            return inputs
+        key.append(name)
+        key.append(value)
+    frozen = tuple(key)
+    found = _SHARED.get(frozen)
     if found is not None:
         return found
     if len(_SHARED) < _MAX_SHARED:
-        _SHARED[key] = inputs
+        _SHARED[frozen] = inputs
     return inputs
 
 
