@@ -71,7 +71,7 @@ def qkv_info(trace: Trace, projection: Projection | str, tensors: tuple[Any, Any
 
 _SHARED: dict[tuple[Any, ...], dict[str, Any]] = {}
 _MAX_SHARED = 1024
-_ATOMIC = (bool, int, float, str, type(None))
+_ATOMIC = frozenset((bool, int, float, str, type(None)))
 
 
 def shared_inputs(inputs: dict[str, Any]) -> dict[str, Any]:
@@ -83,14 +83,14 @@ def shared_inputs(inputs: dict[str, Any]) -> dict[str, Any]:
     """
     key: list[Any] = []
     for name, value in inputs.items():
-        if type(value) is list:
-            if not all(type(x) in _ATOMIC for x in value):
+        kind = type(value)
+        if kind is list:
+            if not _ATOMIC.issuperset(map(type, value)):
                 return inputs
             value = (list, *value)
-        elif type(value) not in _ATOMIC:
+        elif kind not in _ATOMIC:
             return inputs
-        key.append(name)
-        key.append(value)
+        key += (name, value)
     frozen = tuple(key)
     found = _SHARED.get(frozen)
     if found is not None:
