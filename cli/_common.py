@@ -20,6 +20,7 @@ __all__ = [
     "load_with_inputs",
     "parse_shape",
     "progress",
+    "run_failed",
 ]
 
 TARGET_HELP = """\
@@ -125,3 +126,11 @@ def load_with_inputs(target: str, input_shape: str | None, max_tokens: int, max_
     except ValueError as exc:
         raise InputError(f"{target}: {exc} (--max-tokens / --max-attention-mb)") from None
     return loaded
+
+
+def run_failed(target: str, doing: str, exc: BaseException) -> InputError:
+    """The one line for a model that raised while a command ran it (``doing``: "forward and backward", ...)."""
+    return InputError(
+        f"running {target}{' ' + doing if doing else ''} raised {type(exc).__name__}: {exc}; "
+        "return (model, example_inputs) from the factory or adjust --input-shape"
+    )

@@ -15,6 +15,7 @@ from qkvtrace.cli._common import (
     check_output_file,
     load_with_inputs,
     progress,
+    run_failed,
 )
 from qkvtrace.errors import InputError
 
@@ -86,10 +87,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
             advice = advise(loaded.model, *loaded.args, train=args.train, repeats=args.repeats, budget=args.budget,
                             target=args.target, progress=say, **dict(loaded.kwargs))  # fmt: skip
     except Exception as exc:
-        raise InputError(
-            f"running {args.target} raised {type(exc).__name__}: {exc}; "
-            "return (model, example_inputs) from the factory or adjust --input-shape"
-        ) from exc
+        raise run_failed(args.target, "", exc) from exc
     console.print(advise_table(advice))
     if args.json is not None:
         advice.save(args.json)

@@ -15,6 +15,7 @@ from qkvtrace.cli._common import (
     check_output_file,
     load_with_inputs,
     progress,
+    run_failed,
 )
 from qkvtrace.errors import InputError, OutputError
 
@@ -92,10 +93,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     except NoBackward as exc:
         raise InputError(f"{args.target}: {exc}") from None
     except Exception as exc:
-        raise InputError(
-            f"running {args.target} forward and backward raised {type(exc).__name__}: {exc}; "
-            "return (model, example_inputs) from the factory or adjust --input-shape"
-        ) from exc
+        raise run_failed(args.target, "forward and backward", exc) from exc
     routes = result.routes
     if args.call is not None:
         routes = [r for r in routes if r.call == args.call]

@@ -15,6 +15,7 @@ from qkvtrace.cli._common import (
     check_output_file,
     load_with_inputs,
     progress,
+    run_failed,
 )
 from qkvtrace.errors import InputError, OutputError
 from qkvtrace.render.terminal import COLUMNS, blind_spots, summary_line, trace_table
@@ -207,10 +208,7 @@ def _run(args: argparse.Namespace, loaded: Any) -> tuple[Any, str | None]:
         try:
             out = runner(*call_args, **call_kwargs)
         except Exception as exc:
-            raise InputError(
-                f"running {args.target} on its example inputs raised {type(exc).__name__}: {exc}; "
-                "return (model, example_inputs) from the factory or adjust --input-shape"
-            ) from exc
+            raise run_failed(args.target, "on its example inputs", exc) from exc
         if args.backward:
             first = first_tensor(out)
             if first is None or not first.requires_grad:
