@@ -181,7 +181,7 @@ def small_mha_workload(calls: int = 1000) -> Workload:
             outs.append(weights)
         return outs
 
-    return Workload("W3", f"{calls} small MHA calls", mha, run, target=1.3)
+    return Workload("W3", f"{calls} small MHA calls", mha, run, target=1.10)
 
 
 class DropoutAttention(nn.Module):
