@@ -512,3 +512,40 @@ def test_torch_compile_inside_a_later_trace_does_not_claim_watching_stopped() ->
     with qkvtrace.trace(plain) as later:
         torch.compile(lambda: None)  # made, never run: Dynamo compiles nothing
     assert not any("not watched" in w for w in later.result.warnings), later.result.warnings
+
+
+class _ScaledQuery(nn.Module):
+    """Attention that scales Q (or K) before QKᵀ, as BART, Whisper and OPT scale their query projection."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(E, E) for _ in range(3))
+        self.where = where
+        self.scaling = D**-0.5
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x) * self.scaling if self.where == "projection" else self.q_proj(x)
+        q = q.view(b, t, H, D).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, H, D).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, H, D).transpose(1, 2)
+        if self.where == "heads":
+            q = q / D**0.5
+        if self.where == "both":  # half the scale on each side, as some models split it
+            q, k = q * D**-0.25, k * D**-0.25
+        probs = torch.matmul(q, k.transpose(-2, -1)).softmax(-1)
+        return (probs @ v).transpose(1, 2).reshape(b, t, E)
+
+
+@pytest.mark.parametrize("where", ["projection", "heads", "both"])
+def test_a_scale_applied_to_q_or_k_before_the_product_is_the_scale(where: str) -> None:
+    """Witness: the scale the test's module applies (1/sqrt(D), to Q's projection, to Q's heads, or split between
+    Q and K), by construction."""
+    model = _ScaledQuery(where)
+    with qkvtrace.trace(model) as t:
+        model(torch.randn(B, T, E))
+    (call,) = t.calls
+    assert call.path == "hand_written"
+    assert call.inputs["scale"] == pytest.approx(D**-0.5, rel=1e-6)
+    assert call.inputs["form"].split(" → ")[0] in ("mul q", "div q")

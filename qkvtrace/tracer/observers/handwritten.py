@@ -113,6 +113,8 @@ class _State:
     #: candidate modules open in this thread (innermost last)
     active: list[nn.Module] = field(default_factory=list)
     nodes: dict[int, _Node] = field(default_factory=dict)
+    #: activations scaled by a number before any product (Q or K scaled before QKᵀ), and through which steps
+    scaled: dict[int, tuple[weakref.ref[torch.Tensor], tuple[tuple[str, Any], ...]]] = field(default_factory=dict)
 
 
 def _state() -> _State:
@@ -206,6 +208,7 @@ def _switch_off(module: nn.Module) -> None:
     mode, st.mode = st.mode, None
     watching[0] -= 1
     st.nodes.clear()
+    st.scaled.clear()
     if torch.overrides._get_current_function_mode() is mode:  # type: ignore[attr-defined]
         mode.__exit__(None, None, None)
 
@@ -244,6 +247,7 @@ class _Recogniser(TorchFunctionMode):
             _see(getattr(func, "__name__", ""), args, kwargs, out)
         except Exception as exc:  # the model's call goes on whatever happens here
             _state().nodes.clear()
+            _state().scaled.clear()
             registry.report_failure("hand-written attention", exc)
         return out
 
@@ -266,17 +270,25 @@ def _keep(nodes: dict[int, _Node], out: Any, node: _Node, **changes: Any) -> Non
         nodes[id(out)] = dataclasses.replace(node, ref=weakref.ref(out), **changes)
 
 
+#: what an activation scaled by a number goes through on its way to QKᵀ without changing its numbers' scale
+_MOVES = _SAME | _CAST | frozenset({"transpose", "permute", "split", "chunk", "unbind", "expand", "repeat",
+                                    "repeat_interleave", "narrow", "select", "__getitem__"})  # fmt: skip
+
+
 def _see(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-    nodes = _state().nodes
+    st = _state()
+    nodes = st.nodes
     if name in _MATMUL or name == "baddbmm" or name == "einsum":
         _product(nodes, name, args, kwargs, out)
         return
+    first = args[0] if args else kwargs.get("input")
+    if (name in _SCALE or name in _MOVES) and _node(nodes, first) is None and _activation(first):
+        _scaled(st, name, first, args, kwargs, out)  # type: ignore[arg-type]  # an activation: a tensor
     if not nodes:
         return
     if name == "where":
         _where(nodes, args, out)
         return
-    first = args[0] if args else kwargs.get("input")
     node = _node(nodes, first)
     if node is None:
         if name in _ADD and len(args) > 1:  # mask + scores
@@ -326,6 +338,23 @@ def _see(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> 
             _keep(nodes, out, node, form=form)
 
 
+def _scaled(st: _State, name: str, first: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any],
+            out: Any) -> None:  # fmt: skip
+    """Follow a number an activation is scaled by (``q * scale``, ``q_proj(x) / sqrt(d)``) through reshapes."""
+    found = st.scaled.get(id(first))
+    steps = found[1] if found is not None and found[0]() is first else ()
+    if name in _SCALE:
+        other = args[1] if len(args) > 1 else kwargs.get("other")
+        if not (isinstance(other, (int, float)) or (isinstance(other, torch.Tensor) and other.dim() == 0)):
+            return
+        steps = (*steps, ("div" if name in _DIVIDES else "mul", other))
+    elif not steps:
+        return
+    for t in (out if isinstance(out, (tuple, list)) else (out,)):
+        if isinstance(t, torch.Tensor):
+            st.scaled[id(t)] = (weakref.ref(t), steps)
+
+
 def _where(nodes: dict[int, _Node], args: tuple[Any, ...], out: Any) -> None:
     if len(args) != 3:
         return
@@ -359,13 +388,20 @@ def _product(nodes: dict[int, _Node], name: str, args: tuple[Any, ...], kwargs: 
         _record(probs, (*probs.form, name), b, out)
         return
     node = _Node(weakref.ref(out), "scores", a, b, transposed, (name,))
+    st, before = _state(), []
+    for part, operand in (("q", a), ("k", b)):  # a number Q or K was scaled by before the product scales QKᵀ too
+        found = st.scaled.get(id(operand))
+        if found is not None and found[0]() is operand:
+            node.steps = (*node.steps, *found[1])
+            before += [f"{kind} {part}" for kind, _ in found[1]]
+    node.form = (*before, *node.form)
     if name == "baddbmm":
         bias = args[0] if args else kwargs.get("input")
         beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
         if isinstance(bias, torch.Tensor) and beta != 0:
             node.terms = (patterns.Term("add", bias, tuple(out.shape), sign=float(beta)),)
         if alpha != 1:
-            node.steps = (("mul", alpha),)
+            node.steps = (*node.steps, ("mul", alpha))
     nodes[id(out)] = node
 
 
