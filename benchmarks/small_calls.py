@@ -2,6 +2,9 @@
 
 Run ``python benchmarks/small_calls.py`` (from any folder; to compare with another
 checkout of qkvtrace, run it there with that checkout first on ``PYTHONPATH``).
+``--parts``: also the default trace with one part of the record switched off at a
+time (by replacing that part's function for the run), so each part's share is the
+difference -- a breakdown, not a supported way to run qkvtrace.
 
 One ``nn.MultiheadAttention(64, 8)`` in training mode on a ``(2, 10, 64)`` input,
 ``need_weights`` left at its default: 200 calls per sample, 25 samples per arm,
@@ -11,9 +14,12 @@ one least disturbed by the machine) gives the cost per call in microseconds.
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -40,18 +46,52 @@ def main() -> None:
 
     work()
     print(f"qkvtrace from {qkvtrace.__file__}, torch {torch.__version__}")
-    for label, options in (("records, routes on", {}), ("routes=False", {"routes": False}),
-                           ("gradients=False, routes=False", {"gradients": False, "routes": False})):  # fmt: skip
+    arms: list[tuple[str, dict[str, Any], Callable[[], Any]]] = [
+        ("records, routes on", {}, contextlib.nullcontext),
+        ("routes=False", {"routes": False}, contextlib.nullcontext),
+        ("gradients=False, routes=False", {"gradients": False, "routes": False}, contextlib.nullcontext),
+    ]
+    if "--parts" in sys.argv:
+        arms += [(f"routes on, without {part}", {}, off) for part, off in _PARTS.items()]
+    for label, options, context in arms:
         plain, traced = [], []
         for _ in range(SAMPLES):
             plain.append(cpu(work))
-            with qkvtrace.trace(mha, **options):  # type: ignore[arg-type]
+            with context(), qkvtrace.trace(mha, **options):
                 mha(x, x, x)  # the first call of a signature: its kernels profiled once, not timed
                 traced.append(cpu(work))
         base, with_trace = min(plain), min(traced)
-        print(f"  {label:32s} +{(with_trace - base) / CALLS * 1e6:4.0f} us a call "
+        print(f"  {label:48s} +{(with_trace - base) / CALLS * 1e6:4.0f} us a call "
               f"({with_trace / base:.2f}x of a {base / CALLS * 1e6:.0f} us call)")  # fmt: skip
 
 
+@contextlib.contextmanager
+def _replaced(owner: Any, name: str, value: Any) -> Iterator[None]:
+    before = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, before)
+
+
+def _parts() -> dict[str, Callable[[], Any]]:
+    from qkvtrace.slices import NormCache
+    from qkvtrace.tracer.observers import mha
+
+    lookup = NormCache.qkv
+    return {
+        "the NaN count": lambda: _replaced(mha, "nan_count", lambda _t: None),
+        "PyTorch's reason (frame read)": lambda: _replaced(mha, "_read_frame", lambda _ctx, _caller: None),
+        "the Q/K/V slice lookup": lambda: _replaced(NormCache, "qkv", lambda self, _p: lookup(self, "skipped")),
+        "the record's delivery": lambda: _replaced(mha, "deliver", lambda *a, **k: None),
+        "the record (wrappers only)": lambda: _replaced(mha, "_finish", lambda ctx, out: None),
+    }
+
+
+_PARTS: dict[str, Callable[[], Any]] = {}
+
+
 if __name__ == "__main__":
+    _PARTS.update(_parts())
     main()
