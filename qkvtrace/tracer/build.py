@@ -160,9 +160,7 @@ def deliver(
     if core is None:
         why = "the call raised" if call.error else "not recorded: the trace was opened with routes=False"
         core = routes.Core(None, why)
-    call.backward_kernel, call.backward_reason = core.kernel, core.reason
-    if core.kernel is not None and not core.has_routes:
-        call.route_reason = core.route_reason
+    core.stamp(call)
     for i, (trace, name, index) in enumerate(targets):
         record = call if i == 0 else dataclasses.replace(call)
         record.index, record.module = index, name

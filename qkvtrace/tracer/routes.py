@@ -74,6 +74,11 @@ class Core:
     #: the call's output node, where a deferred core is followed from (held only while the call is delivered)
     start: Any = None
 
+    def stamp(self, record: Any) -> None:
+        """Say this core on a call's record: its backward kernel, or why none, and why no routes if so."""
+        record.backward_kernel, record.backward_reason = self.kernel, self.reason
+        record.route_reason = self.route_reason if self.kernel is not None and not self.has_routes else None
+
     @property
     def has_routes(self) -> bool:
         """Whether routes can be read (from sources found now, or from the way found earlier)."""
@@ -130,9 +135,7 @@ _MAX_RECIPES = 256
 _CURRENT_NODE: Callable[[], Any] | None = getattr(torch._C, "_current_autograd_node", None)
 
 
-def find_core(
-    out: Any, inputs: Sequence[Any], *, heads: int | None = None, key: Any = None, defer: bool = True
-) -> Core:
+def find_core(out: Any, inputs: Sequence[Any], *, heads: int | None = None, key: Any = None) -> Core:
     """The backward core of a call whose output is ``out`` and whose attention inputs are ``inputs``.
 
     The search walks the output's graph breadth-first and stops at the
@@ -143,10 +146,10 @@ def find_core(
     ``key``: the call's signature. Calls of one signature build graphs of one
     shape, so the way to the core found for the first is tried first on the
     next; every node on it is checked by name on this call's own graph, and
-    any difference falls back to the search. With ``defer`` (and a PyTorch
-    that names the node its backward is running), that check waits until the
-    backward pass reaches the output's node: a forward-only run walks nothing
-    after the first call of a signature.
+    any difference falls back to the search. Where PyTorch names the node
+    its backward is running, that check waits until the backward pass
+    reaches the output's node: a forward-only run walks nothing after the
+    first call of a signature.
     """
     reason = no_graph_reason(out)
     if reason is not None:
@@ -155,7 +158,7 @@ def find_core(
     cache_key = None if key is None else (key, start.name(), heads)
     if cache_key is not None:
         recipe = _RECIPES.get(cache_key)
-        if recipe is not None and defer and _CURRENT_NODE is not None:
+        if recipe is not None and _CURRENT_NODE is not None:
             return Core(recipe.kernel, route_reason=recipe.route_reason,
                         deferred=Deferred(recipe, tuple(_tensors(inputs)), heads), start=start)  # fmt: skip
         if recipe is not None:
@@ -410,8 +413,7 @@ def _follow_hook(deferred: Deferred, on_grad: Callable[[str, Layout, torch.Tenso
         if core is None:  # this call's graph differs from its signature's first: search it
             core = _search(start, deferred.inputs, deferred.heads)
             for record in deferred.records:
-                record.backward_kernel, record.backward_reason = core.kernel, core.reason
-                record.route_reason = core.route_reason if core.kernel is not None and not core.sources else None
+                core.stamp(record)
         deferred.inputs = ()
         register(core, on_grad)
 
