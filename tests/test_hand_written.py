@@ -549,3 +549,20 @@ def test_a_scale_applied_to_q_or_k_before_the_product_is_the_scale(where: str) -
     assert call.path == "hand_written"
     assert call.inputs["scale"] == pytest.approx(D**-0.5, rel=1e-6)
     assert call.inputs["form"].split(" → ")[0] in ("mul q", "div q")
+
+
+def test_a_number_before_a_tanh_of_q_is_not_a_scale_of_the_scores() -> None:
+    """Witness: by construction, tanh(2·q) is not 2·tanh(q): the scores this module makes are scaled by nothing."""
+
+    class SquashedQuery(_ScaledQuery):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            b, t, _ = x.shape
+            q = torch.tanh(self.q_proj(x) * 2.0).view(b, t, H, D).transpose(1, 2)
+            k, v = (p(x).view(b, t, H, D).transpose(1, 2) for p in (self.k_proj, self.v_proj))
+            return (torch.matmul(q, k.transpose(-2, -1)).softmax(-1) @ v).transpose(1, 2).reshape(b, t, E)
+
+    model = SquashedQuery("none")
+    with qkvtrace.trace(model) as t:
+        model(torch.randn(B, T, E))
+    (call,) = t.calls
+    assert call.inputs["scale"] == 1.0 and call.inputs["form"].startswith("matmul")

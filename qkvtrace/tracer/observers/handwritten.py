@@ -270,9 +270,17 @@ def _keep(nodes: dict[int, _Node], out: Any, node: _Node, **changes: Any) -> Non
         nodes[id(out)] = dataclasses.replace(node, ref=weakref.ref(out), **changes)
 
 
-#: what an activation scaled by a number goes through on its way to QKᵀ without changing its numbers' scale
-_MOVES = _SAME | _CAST | frozenset({"transpose", "permute", "split", "chunk", "unbind", "expand", "repeat",
-                                    "repeat_interleave", "narrow", "select", "__getitem__"})  # fmt: skip
+#: what an activation scaled by a number goes through on its way to QKᵀ and still carries that factor: moves,
+#: copies and casts (not tanh, clamp or nan_to_num, which keep the scores a score but not a factor)
+_MOVES = (_SAME - {"tanh", "tanh_", "clamp", "clamp_", "nan_to_num"}) | _CAST | frozenset({
+    "transpose", "permute", "split", "chunk", "unbind", "expand", "repeat", "repeat_interleave", "narrow", "select",
+    "__getitem__"})  # fmt: skip
+
+
+def _factors(st: _State, t: Any) -> tuple[tuple[str, Any], ...]:
+    """The numbers ``t`` was scaled by since it was an activation of its own (``()``: none seen)."""
+    found = st.scaled.get(id(t))
+    return found[1] if found is not None and found[0]() is t else ()
 
 
 def _see(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
@@ -341,8 +349,7 @@ def _see(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> 
 def _scaled(st: _State, name: str, first: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any],
             out: Any) -> None:  # fmt: skip
     """Follow a number an activation is scaled by (``q * scale``, ``q_proj(x) / sqrt(d)``) through reshapes."""
-    found = st.scaled.get(id(first))
-    steps = found[1] if found is not None and found[0]() is first else ()
+    steps = _factors(st, first)
     if name in _SCALE:
         other = args[1] if len(args) > 1 else kwargs.get("other")
         if not (isinstance(other, (int, float)) or (isinstance(other, torch.Tensor) and other.dim() == 0)):
@@ -390,10 +397,9 @@ def _product(nodes: dict[int, _Node], name: str, args: tuple[Any, ...], kwargs: 
     node = _Node(weakref.ref(out), "scores", a, b, transposed, (name,))
     st, before = _state(), []
     for part, operand in (("q", a), ("k", b)):  # a number Q or K was scaled by before the product scales QKᵀ too
-        found = st.scaled.get(id(operand))
-        if found is not None and found[0]() is operand:
-            node.steps = (*node.steps, *found[1])
-            before += [f"{kind} {part}" for kind, _ in found[1]]
+        factors = _factors(st, operand)
+        node.steps = (*node.steps, *factors)
+        before += [f"{kind} {part}" for kind, _ in factors]
     node.form = (*before, *node.form)
     if name == "baddbmm":
         bias = args[0] if args else kwargs.get("input")
