@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from qkvtrace.advice_rules import Candidate, candidates_for, combined
+from qkvtrace.grads import probe_like
 
 __all__ = ["ADVISE_SCHEMA", "Advice", "Measured", "advise"]
 
@@ -129,6 +130,14 @@ class _Run:
     train: bool
     #: the context the unit runs in (the caller's own modes unless a change says otherwise)
     context: Callable[[], Any] = contextlib.nullcontext
+    #: the loss's fixed weighting of each output, made once (not in every timed unit)
+    probes: dict[tuple[Any, ...], torch.Tensor] = field(default_factory=dict)
+
+    def probe(self, out: torch.Tensor) -> torch.Tensor:
+        key = (tuple(out.shape), out.device)
+        if key not in self.probes:
+            self.probes[key] = probe_like(out)
+        return self.probes[key]
 
     def __call__(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """One unit of work: forward (and backward with ``train``); the outputs and the parameters' gradients."""
@@ -138,17 +147,11 @@ class _Run:
         with self.context():
             outs = _tensors(model(*self.args, **self.kwargs))
             if self.train:
-                loss = sum((o.float() * _probe(o)).sum() for o in outs if o.requires_grad)
+                loss = sum((o.float() * self.probe(o)).sum() for o in outs if o.requires_grad)
                 if isinstance(loss, torch.Tensor):
                     loss.backward()
         grads = [p.grad for p in model.parameters() if p.grad is not None] if self.train else []
         return [o.detach() for o in outs], grads
-
-
-def _probe(t: torch.Tensor) -> torch.Tensor:
-    """A fixed pseudo-random weighting of an output (a plain sum has no gradient through a final LayerNorm)."""
-    g = torch.Generator(device="cpu").manual_seed(0)
-    return torch.randn(t.shape, generator=g).to(t.device)
 
 
 def _max_diff(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float | None:
@@ -278,7 +281,7 @@ def _cuda_devices() -> list[int]:
 def _measure(m: Measured, cand: Candidate, base: _Run, model: nn.Module, args: tuple[Any, ...],
              kwargs: dict[str, Any], train: bool, repeats: int, occurrence: int) -> None:  # fmt: skip
     if cand.pair is not None:
-        _measure_pair(m, cand, repeats)
+        _measure_pair(m, cand, repeats, train)
         return
     changed_model = copy.deepcopy(model).train(train)
     try:
@@ -294,8 +297,28 @@ def _measure(m: Measured, cand: Candidate, base: _Run, model: nn.Module, args: t
     if call is not None:
         m.path_after, m.backend_after = call.path, call.sdpa_backend
         m.reason_after = call.why_not_fast_path or call.why_not_fused_layer
+    _judge(m, cand, base, changed, repeats, train)
+    peak_a, peak_b = _peak(base), _peak(changed)
+    if peak_a and peak_b:
+        m.memory_ratio = peak_b / peak_a
+    m.verdict = _verdict(m, cand)
+
+
+def _measure_pair(m: Measured, cand: Candidate, repeats: int, train: bool) -> None:
+    """A change to the model's own code: the computation as written and as changed, on tensors of its shapes."""
+    assert cand.pair is not None
+    written, changed, kernel = cand.pair()
+    m.where = cand.site
+    m.path_after, m.backend_after = kernel()
+    _judge(m, cand, written, changed, repeats, train)
+    m.verdict = _verdict(m, cand)
+
+
+def _judge(m: Measured, cand: Candidate, today: Callable[[], Any], changed: Callable[[], Any], repeats: int,
+           train: bool) -> None:  # fmt: skip
+    """The largest output (and, with ``train``, gradient) difference of one run each, then their time ratio."""
     torch.manual_seed(0)
-    out_a, grad_a = base()
+    out_a, grad_a = today()
     torch.manual_seed(0)
     out_b, grad_b = changed()
     if cand.drops_outputs and len(out_b) < len(out_a):  # what the change gives up is not a difference of results
@@ -303,32 +326,10 @@ def _measure(m: Measured, cand: Candidate, base: _Run, model: nn.Module, args: t
     m.max_abs_diff = _max_diff(out_a, out_b)
     if train:
         m.max_abs_grad_diff = _max_diff(grad_a, grad_b)
-    loops = max(1, int(_MIN_SAMPLE / max(_timed(base), 1e-6)))  # a sample long enough to rise above the timer's noise
+    loops = max(1, int(_MIN_SAMPLE / max(_timed(today), 1e-6)))  # a sample long enough to rise above the timer's noise
     for _ in range(repeats):  # interleaved: the same drifts of the machine hit both
-        a = _timed(base, loops)
+        a = _timed(today, loops)
         m.ratios.append(_timed(changed, loops) / a)
-    peak_a, peak_b = _peak(base), _peak(changed)
-    if peak_a and peak_b:
-        m.memory_ratio = peak_b / peak_a
-    m.verdict = _verdict(m, cand)
-
-
-def _measure_pair(m: Measured, cand: Candidate, repeats: int) -> None:
-    """A change to the model's own code: the computation as written and as changed, on tensors of its shapes."""
-    assert cand.pair is not None
-    written, changed, kernel = cand.pair()
-    m.where = cand.site
-    m.path_after, m.backend_after = kernel()
-    out_a, grad_a = written()
-    out_b, grad_b = changed()
-    m.max_abs_diff = _max_diff(out_a, out_b)
-    if grad_a:
-        m.max_abs_grad_diff = _max_diff(grad_a, grad_b)
-    loops = max(1, int(_MIN_SAMPLE / max(_timed(written), 1e-6)))
-    for _ in range(repeats):
-        a = _timed(written, loops)
-        m.ratios.append(_timed(changed, loops) / a)
-    m.verdict = _verdict(m, cand)
 
 
 def _verdict(m: Measured, cand: Candidate) -> str:

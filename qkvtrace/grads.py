@@ -28,7 +28,8 @@ from qkvtrace.records import AttentionCall, GradientRecord, TraceResult, atomic_
 
 PARTS_ORDER = ("q", "k", "v")
 
-__all__ = ["GRADS_SCHEMA", "LOSS_TEXT", "GradsResult", "NoBackward", "Route", "SliceGradient", "make_loss", "measure"]
+__all__ = ["GRADS_SCHEMA", "LOSS_TEXT", "GradsResult", "NoBackward", "Route", "SliceGradient", "make_loss", "measure",
+           "probe_like"]
 
 GRADS_SCHEMA = "qkvtrace.grads/2"
 
@@ -124,8 +125,12 @@ def make_loss(model: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> tup
             and vocab is not None and out.shape[-1] == vocab and ids.shape[1] > 1):  # fmt: skip
         logits = out[:, :-1].reshape(-1, out.shape[-1]).float()
         return "lm", nn.functional.cross_entropy(logits, ids[:, 1:].reshape(-1))
-    probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(0)).to(out.device, torch.float32)
-    return "probe", (out.float() * probe).sum()
+    return "probe", (out.float() * probe_like(out)).sum()
+
+
+def probe_like(out: torch.Tensor) -> torch.Tensor:
+    """R for ⟨output, R⟩: float32 N(0, 1) of ``out``'s shape from a generator set to 0, on ``out``'s device."""
+    return torch.randn(out.shape, generator=torch.Generator().manual_seed(0)).to(out.device, torch.float32)
 
 
 def measure(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None, *,
