@@ -52,7 +52,7 @@ def main() -> None:
         ("gradients=False, routes=False", {"gradients": False, "routes": False}, contextlib.nullcontext),
     ]
     if "--parts" in sys.argv:
-        arms += [(f"routes on, without {part}", {}, off) for part, off in _PARTS.items()]
+        arms += [(f"routes on, without {part}", {}, off) for part, off in _parts().items()]
     for label, options, context in arms:
         plain, traced = [], []
         for _ in range(SAMPLES):
@@ -89,9 +89,5 @@ def _parts() -> dict[str, Callable[[], Any]]:
     }
 
 
-_PARTS: dict[str, Callable[[], Any]] = {}
-
-
 if __name__ == "__main__":
-    _PARTS.update(_parts())
     main()
