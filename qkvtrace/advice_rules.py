@@ -14,7 +14,7 @@ import inspect
 import os
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -45,7 +45,6 @@ class Candidate:
     site: str | None = None
     #: the change drops outputs the caller may read (weights): only the outputs both still return are compared
     drops_outputs: bool = False
-    notes: list[str] = field(default_factory=list)
 
 
 def candidates_for(call: Any, model: nn.Module, train: bool) -> tuple[list[Candidate], str]:
@@ -67,14 +66,12 @@ def candidates_for(call: Any, model: nn.Module, train: bool) -> tuple[list[Candi
         why = "; ".join(f"{b}: {' '.join(r)}" for b, r in refused.items() if r)
         return [], f"SDPA ran {call.sdpa_backend}" + (f"; PyTorch refused the others: {why}" if why else "")
     if path == "hand_written":
-        make, why = sdpa_in_place_of(call, train)
+        make, said = sdpa_in_place_of(call, train)
         if make is None:
-            return [], f"attention written by hand; SDPA in its place not measured: {why}"
-        causal = ", is_causal=True" if isinstance(call.inputs.get("attn_mask"), dict) else ""
+            return [], f"attention written by hand; SDPA in its place not measured: {said}"
         return [Candidate(
-            f"F.scaled_dot_product_attention(q, k, v{causal}, scale={call.inputs.get('scale') or 1.0:.4g}) in place of "
-            f"{call.inputs.get('form') or 'the softmax(QKᵀ)V'} in {call.module_type}.forward (measured on tensors of "
-            "the call's shapes)",
+            f"{said} in place of {call.inputs.get('form') or 'the softmax(QKᵀ)V'} in {call.module_type}.forward "
+            "(measured on tensors of the call's shapes)",
             "the attention weights the hand-written code computes: SDPA returns none",
             call.module, _no_copy, tolerance=1e-3, pair=make, site=forward_site(model, call.module))], ""  # fmt: skip
     if path == "fallback" and train:

@@ -25,7 +25,8 @@ Pair = tuple[Callable[[], Any], Callable[[], Any], Callable[[], tuple[str | None
 
 
 def sdpa_in_place_of(call: Any, train: bool) -> tuple[Callable[[], Pair] | None, str]:
-    """How to measure SDPA in place of hand-written ``call`` (a maker of the pair), or why it cannot be."""
+    """How to measure SDPA in place of hand-written ``call`` (a maker of the pair) and the SDPA call as it would
+    be written, or ``None`` and why it cannot be."""
     a = call.inputs
     if a.get("softcap"):
         return None, "soft-capped logits: SDPA has no soft-capping (FlexAttention's score_mod can say it)"
@@ -71,7 +72,7 @@ def sdpa_in_place_of(call: Any, train: bool) -> tuple[Callable[[], Pair] | None,
 
         return written, sdpa, kernel
 
-    return make, ""
+    return make, f"F.scaled_dot_product_attention(q, k, v{', is_causal=True' if causal else ''}, scale={scale:.4g})"
 
 
 def _unit(out: torch.Tensor, inputs: tuple[torch.Tensor, ...], train: bool) -> tuple[list[torch.Tensor], list[Any]]:
