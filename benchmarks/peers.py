@@ -71,9 +71,9 @@ Unit = Callable[[], Any]
 @dataclass
 class Contender:
     name: str
-    #: makes the unit of work (called once per model, workload and length); returns None with ``skip`` set
+    #: one unit of work as this contender runs it; ``None`` when it cannot run here (``skip`` says why)
     unit: Unit | None
-    #: what the contender handed back in its last run, said as "kernel, path, ..." (filled by ``saw``)
+    #: what the contender handed back in its last run, said in words ("4 calls, path sdpa, ...")
     saw: Callable[[], str] = lambda: ""
     skip: str | None = None
     #: the tensors it hands back or keeps after its last run (maps, saved outputs, a cache)
