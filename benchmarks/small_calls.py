@@ -5,6 +5,10 @@ checkout of qkvtrace, run it there with that checkout first on ``PYTHONPATH``).
 ``--parts``: also the default trace with one part of the record switched off at a
 time (by replacing that part's function for the run), so each part's share is the
 difference -- a breakdown, not a supported way to run qkvtrace.
+``--floor``: also the least any observer that reports what a record reports must
+do, without qkvtrace: plain wrappers around ``MultiheadAttention.forward`` and
+``F.multi_head_attention_forward`` that only read PyTorch's reason from its frame
+and count the output's NaNs -- the cost below which no record can go.
 
 One ``nn.MultiheadAttention(64, 8)`` in training mode on a ``(2, 10, 64)`` input,
 ``need_weights`` left at its default: 200 calls per sample, 25 samples per arm,
@@ -53,11 +57,14 @@ def main() -> None:
     ]
     if "--parts" in sys.argv:
         arms += [(f"routes on, without {part}", {}, off) for part, off in _parts().items()]
+    if "--floor" in sys.argv:
+        arms.append(("floor: reason and NaN count only, no qkvtrace", {"floor": True}, _floor))
     for label, options, context in arms:
         plain, traced = [], []
         for _ in range(SAMPLES):
             plain.append(cpu(work))
-            with context(), qkvtrace.trace(mha, **options):
+            observer = contextlib.nullcontext() if options.get("floor") else qkvtrace.trace(mha, **options)
+            with context(), observer:
                 mha(x, x, x)  # the first call of a signature: its kernels profiled once, not timed
                 traced.append(cpu(work))
         base, with_trace = min(plain), min(traced)
@@ -87,6 +94,26 @@ def _parts() -> dict[str, Callable[[], Any]]:
         "the record's delivery": lambda: _replaced(mha, "deliver", lambda *a, **k: None),
         "the record (wrappers only)": lambda: _replaced(mha, "_finish", lambda ctx, out: None),
     }
+
+
+@contextlib.contextmanager
+def _floor() -> Iterator[None]:
+    """Wrappers that read PyTorch's reason from its frame and count the output's NaNs, and nothing else."""
+    forward, function = torch.nn.MultiheadAttention.forward, torch.nn.functional.multi_head_attention_forward
+    seen: list[Any] = []
+
+    def wrapped_forward(self: torch.nn.MultiheadAttention, *args: Any, **kwargs: Any) -> Any:
+        out = forward(self, *args, **kwargs)
+        seen.append(torch.isnan(out[0]).sum())  # kept on its device, as a record keeps it
+        return out
+
+    def wrapped_function(*args: Any, **kwargs: Any) -> Any:
+        seen.append(sys._getframe(1).f_locals.get("why_not_fast_path"))
+        return function(*args, **kwargs)
+
+    with (_replaced(torch.nn.MultiheadAttention, "forward", wrapped_forward),
+          _replaced(torch.nn.functional, "multi_head_attention_forward", wrapped_function)):  # fmt: skip
+        yield
 
 
 if __name__ == "__main__":
