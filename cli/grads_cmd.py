@@ -51,6 +51,7 @@ examples:
   qkvtrace grads demo:tiny-lm
   qkvtrace grads demo:encoder --svg routes.svg --json routes.json
   qkvtrace grads my_pkg.model:build --call 3 --svg call3.svg
+  qkvtrace grads demo:tiny-lm --html routes.html
 
 exit codes: 0 done; 1 no call had a gradient route to draw (the reasons are printed);
 2 bad input
@@ -69,6 +70,9 @@ def register(sub: Any) -> None:
     p.add_argument("--call", type=int, metavar="N", help="only call N (its index in `qkvtrace trace`)")
     p.add_argument("--svg", metavar="FILE", type=Path, help="draw the routes with graphviz into this SVG")
     p.add_argument("--json", metavar="FILE", type=Path, help="write the qkvtrace.grads/2 JSON here")
+    p.add_argument("--html", metavar="FILE", type=Path,
+                   help="write one self-contained HTML page: the routes picture, each call's routes and slices, "
+                        "and the trace's calls table with each call's details")  # fmt: skip
     p.add_argument("--eval", action="store_true", help="model.eval() (dropout off) instead of model.train()")
     p.add_argument("--input-shape", metavar="B,T", help="batch and sequence length of made-up inputs (default 2,16)")
     add_budget_options(p)
@@ -80,7 +84,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     from qkvtrace.render.grads_render import grads_dot, grads_table
     from qkvtrace.render.graph import render_svg
 
-    for path, flag in ((args.svg, "--svg"), (args.json, "--json")):
+    for path, flag in ((args.svg, "--svg"), (args.json, "--json"), (args.html, "--html")):
         if path is not None:
             check_output_file(path, flag)
     loaded = load_with_inputs(args.target, args.input_shape, args.max_tokens, args.max_attention_mb,
@@ -104,6 +108,9 @@ def run(args: argparse.Namespace, console: Console) -> int:
     if args.json is not None:
         result.save(args.json)
         console.print(f"wrote {args.json}")
+    if args.html is not None:
+        result.save_html(args.html)
+        console.print(f"wrote {args.html}")
     drawable = [r for r in routes if r in result.drawable()]
     if not drawable:
         console.print("nothing to draw: no call had a gradient route in this pass", style="yellow")

@@ -48,6 +48,7 @@ examples:
   qkvtrace trace demo:tiny-lm --train --backward --json trace.json
   qkvtrace trace my_pkg.model:build --input-shape 4,128
   qkvtrace trace demo:tiny-lm --maps maps/ --show-maps   # attention maps, kernels unchanged
+  qkvtrace trace demo:tiny-lm --show-maps --backward --html trace.html   # one page to open or send
   qkvtrace trace hf:./tiny-bert --random-init --columns type,weights
   qkvtrace trace timm:vit_tiny_patch16_224 --input-shape 1,1
   qkvtrace trace demo:tiny-lm --compile            # what inductor makes of each attention
@@ -84,6 +85,10 @@ def register(sub: Any) -> None:
                         "...) and show what the compiled graphs do with each attention (rows marked compiled)"
                    )  # fmt: skip
     p.add_argument("--json", metavar="FILE", type=Path, help="also write the qkvtrace.trace/2 JSON here")
+    p.add_argument("--html", metavar="FILE", type=Path,
+                   help="also write one self-contained HTML page (no network needed to open it): the "
+                        "calls table, sortable and filterable, each call's details, and the maps with "
+                        "--maps/--show-maps")  # fmt: skip
     p.add_argument("--columns", metavar="LIST", type=_columns, default=None,
                    help=f"secondary columns, comma-separated: {', '.join(COLUMNS)} or all "
                         "(default: grads when --backward recorded gradients)")  # fmt: skip
@@ -131,8 +136,9 @@ def _columns(text: str) -> list[str]:
 def run(args: argparse.Namespace, console: Console) -> int:
     import torch
 
-    if args.json is not None:
-        check_output_file(args.json, "--json")
+    for path, flag in ((args.json, "--json"), (args.html, "--html")):
+        if path is not None:
+            check_output_file(path, flag)
     if args.maps is not None:
         _check_maps_dir(args.maps)
     with progress(f"loading {args.target}") as status:
@@ -155,6 +161,11 @@ def run(args: argparse.Namespace, console: Console) -> int:
     if args.json is not None:
         result.save(args.json, maps=args.maps is not None)
         console.print(f"wrote {args.json}")
+    if args.html is not None:
+        from qkvtrace.render.maps_render import token_labels
+
+        result.save_html(args.html, title=title, tokens=token_labels(loaded.model, loaded.args))
+        console.print(f"wrote {args.html}")
     return 0
 
 

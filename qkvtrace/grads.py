@@ -108,6 +108,18 @@ class GradsResult:
     def save(self, path: str | Path) -> Path:
         return atomic_write_text(Path(path), json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
 
+    def save_html(self, path: str | Path) -> Path:
+        """One self-contained HTML page: the routes picture, each call's routes and slices, then the trace."""
+        from qkvtrace.render.html_page import grads_page, save_page
+
+        return save_page(grads_page(self), path)
+
+    def _repr_html_(self) -> str:
+        from qkvtrace.render.html_page import grads_section
+        from qkvtrace.render.html_parts import fragment, trace_fragment
+
+        return fragment(grads_section(self) + trace_fragment(self.trace))
+
 
 def make_loss(model: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> tuple[str, torch.Tensor]:
     """A loss whose gradient reaches every output position.

@@ -216,6 +216,12 @@ class AttentionCall:
         """CPU bool ``[B, H, T_query]``: query rows whose keys were all masked (their weights are 0, not NaN)."""
         return None if self.map_tensors is None else self.map_tensors.fully_masked
 
+    def _repr_html_(self) -> str:
+        """The call's details in a notebook: reason, kernel and evidence, inputs, Q/K/V slices, its map."""
+        from qkvtrace.render.html_parts import call_details, fragment
+
+        return fragment(call_details(self, open_=True))
+
 
 class MapTensors:
     """The tensors of one call's attention map (a plain holder: records resolve numbers, not these)."""
@@ -228,6 +234,11 @@ class MapTensors:
 
     def __repr__(self) -> str:
         return f"MapTensors(shape={list(self.weights.shape)})"
+
+    def _repr_html_(self) -> str:
+        from qkvtrace.render.html_parts import fragment, tensors_maps
+
+        return fragment(tensors_maps(self.weights, self.fully_masked))
 
 
 #: the ``AttentionCall`` fields of attention maps (left out of the JSON while ``None``)
@@ -296,6 +307,11 @@ class RouteRecord:
     q: RouteGrad | None
     k: RouteGrad | None
     v: RouteGrad | None
+
+    def _repr_html_(self) -> str:
+        from qkvtrace.render.html_parts import fragment, routes_table
+
+        return fragment(routes_table([self]))
 
 
 @dataclass(slots=True)
@@ -422,6 +438,36 @@ class TraceResult:
         """
         return atomic_write_text(Path(path), self.to_json(maps=maps))
 
+    def __repr__(self) -> str:
+        """One line a terminal can read (a trace of thousands of calls stays one line): what the trace holds."""
+        from qkvtrace.render.terminal import summary_line
+
+        extra = [f"{len(self.routes)} routes"] if self.routes else []
+        extra += [f"{len(self.unobserved)} unobserved", f"{len(self.warnings)} warnings"] if self.unobserved or \
+            self.warnings else []  # fmt: skip
+        return f"<TraceResult torch {self.torch_version}: {' · '.join([summary_line(self), *extra])}>"
+
+    def html(self, *, tokens: Sequence[Sequence[str]] | None = None) -> str:
+        """The trace as an HTML fragment (what a notebook shows): summary, calls table, each call's details.
+
+        ``tokens``: labels of the attention maps' axes, per batch item. In
+        Jupyter, ``IPython.display.HTML(result.html(tokens=...))``; the result
+        alone displays itself with positions as labels.
+        """
+        from qkvtrace.render.html_parts import fragment, trace_fragment
+
+        return fragment(trace_fragment(self, tokens=_token_rows(tokens)))
+
+    def _repr_html_(self) -> str:
+        return self.html()
+
+    def save_html(self, path: str | os.PathLike[str], *, title: str = "qkvtrace trace",
+                  tokens: Sequence[Sequence[str]] | None = None) -> Path:  # fmt: skip
+        """Write one self-contained HTML page of the trace (no network needed to open it); atomically."""
+        from qkvtrace.render.html_page import save_page, trace_page
+
+        return save_page(trace_page(self, title=title, tokens=_token_rows(tokens)), path)
+
     def summary(self) -> dict[str, dict[str, int]]:
         """Counts of calls per path and per SDPA backend."""
         paths: dict[str, int] = {}
@@ -483,6 +529,16 @@ class TraceResult:
             routes=routes,
             compiled=[CompiledAttention(**_ours(CompiledAttention, c)) for c in data.get("compiled", [])],
         )
+
+
+def _token_rows(tokens: Sequence[Sequence[str]] | None) -> list[list[str]] | None:
+    """Token labels per batch item; one flat row of strings is read as the labels of batch item 0."""
+    if tokens is None:
+        return None
+    rows = list(tokens)
+    if rows and all(isinstance(t, str) for t in rows):
+        return [[str(t) for t in rows]]
+    return [[str(t) for t in row] for row in rows]
 
 
 def _ours(record: type, data: dict[str, Any]) -> dict[str, Any]:

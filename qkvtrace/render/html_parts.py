@@ -1,0 +1,554 @@
+"""HTML fragments of trace results: the calls table, one call's details, heatmaps, routes.
+
+Static HTML only -- no script, no external resource -- so a fragment shows the
+same in a Jupyter output cell (``_repr_html_``), in a trusted or untrusted
+notebook, and inside the self-contained page of :mod:`qkvtrace.render.html_page`.
+Reads records only; never touches torch except to read a map's numbers.
+
+Every fact is written as text: a path or backend has a colour *and* its name, a
+heatmap cell has a shade *and* its value (in its tooltip), a fully masked row is
+grey *and* labelled. Module names are never shortened.
+"""
+
+from __future__ import annotations
+
+import html
+import itertools
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from qkvtrace.records import (
+    AttentionCall,
+    CompiledAttention,
+    GradientRecord,
+    RouteRecord,
+    SliceInfo,
+    TraceResult,
+    kernel_refusal,
+    rows_label,
+)
+from qkvtrace.render.terminal import summary_line
+
+__all__ = [
+    "DEFAULT_BOUNDS",
+    "MapBounds",
+    "call_details",
+    "calls_table",
+    "compiled_details",
+    "fragment",
+    "map_svg",
+    "routes_table",
+    "tensors_maps",
+    "trace_fragment",
+]
+
+#: the stylesheet of every fragment (the page adds its own layout around it)
+STYLE = """
+.qk { font-family: system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; font-size: 14px; color: #1a1a1a;
+      line-height: 1.4; max-width: 100%; }
+.qk table { border-collapse: collapse; margin: 0.4em 0; }
+.qk th, .qk td { border: 1px solid #d0d0d0; padding: 3px 8px; text-align: left; vertical-align: top; }
+.qk th { background: #f3f3f3; font-weight: 600; }
+.qk td.num { text-align: right; font-variant-numeric: tabular-nums; }
+.qk .scroll { overflow-x: auto; max-width: 100%; }
+.qk .name { font-family: ui-monospace, SFMono-Regular, Menlo, Consolas, monospace; white-space: nowrap; }
+.qk .reason { white-space: pre-wrap; min-width: 16em; }
+.qk .dim { color: #5f5f5f; }
+.qk .tag { display: inline-block; padding: 0 6px; border-radius: 3px; border: 1px solid; white-space: nowrap; }
+.qk .p-fast, .qk .p-fused_encoder_layer { border-color: #2e7d32; color: #1b5e20; background: #e8f5e9; }
+.qk .p-fallback { border-color: #ef6c00; color: #8a3c00; background: #fff3e0; }
+.qk .p-sdpa, .qk .p-flex { border-color: #1565c0; color: #0d47a1; background: #e3f2fd; }
+.qk .p-hand_written, .qk .p-other { border-color: #6a6a6a; color: #333; background: #f5f5f5; }
+.qk .b-none { border-color: #9e9e9e; color: #555; background: #fafafa; }
+.qk .b-kernel { border-color: #4a148c; color: #4a148c; background: #f3e5f5; }
+.qk dl.facts { display: grid; grid-template-columns: max-content minmax(0, 1fr); gap: 2px 12px; margin: 0.4em 0; }
+.qk dl.facts dt { font-weight: 600; }
+.qk dl.facts dd { margin: 0; overflow-wrap: anywhere; }
+.qk details.call { border: 1px solid #d0d0d0; border-radius: 4px; margin: 6px 0; padding: 4px 10px; }
+.qk details.call[open] { border-color: #1565c0; }
+.qk details.call > summary { cursor: pointer; font-weight: 600; }
+.qk .maps { display: flex; flex-wrap: wrap; gap: 12px; }
+.qk figure { margin: 0; }
+.qk figcaption { font-size: 12px; }
+.qk .bar { display: inline-block; height: 10px; background: #1565c0; vertical-align: middle; }
+.qk .note { background: #fff8e1; border-left: 3px solid #f9a825; padding: 2px 8px; margin: 4px 0; }
+"""
+
+_PATH_CLASS = {"fast", "fused_encoder_layer", "fallback", "sdpa", "flex", "hand_written"}
+_PARTS = ("q", "k", "v")
+
+
+@dataclass(frozen=True, slots=True)
+class MapBounds:
+    """How much of the attention maps goes into HTML; what is past a bound is named, not dropped silently."""
+
+    #: longest query or key side drawn (a longer map is said, not drawn)
+    max_tokens: int = 64
+    #: heads drawn per call (of the first batch item the map holds)
+    max_heads: int = 8
+    #: cells drawn in one document, over all its maps
+    max_cells: int = 200_000
+
+
+DEFAULT_BOUNDS = MapBounds()
+
+
+class _Budget:
+    """The cells left to draw in one document."""
+
+    def __init__(self, bounds: MapBounds) -> None:
+        self.bounds = bounds
+        self.left = bounds.max_cells
+
+
+def esc(value: Any) -> str:
+    return html.escape("" if value is None else str(value), quote=True)
+
+
+def fmt(x: float | None) -> str:
+    """Three significant digits (the terminal's spelling of numbers)."""
+    if x is None:
+        return "-"
+    return f"{x:.3g}".replace("e-0", "e-").replace("e+0", "e+")
+
+
+def path_tag(path: str, label: str | None = None) -> str:
+    css = path if path in _PATH_CLASS else "other"
+    return f'<span class="tag p-{css}">{esc(label or path)}</span>'
+
+
+def backend_tag(backend: str | None) -> str:
+    if not backend:
+        return '<span class="tag b-none">none</span>'
+    return f'<span class="tag b-kernel">{esc(backend)}</span>'
+
+
+def module_name(name: str) -> str:
+    return name or "(root)"
+
+
+def why_text(call: AttentionCall) -> str:
+    """PyTorch's reason against the fast path, then its words against a faster SDPA kernel (plain text)."""
+    if call.path in ("fast", "fused_encoder_layer"):
+        return "(fast path taken)"
+    lines = []
+    if call.why_not_fast_path is not None:
+        lines.append(" ".join(call.why_not_fast_path.split()))
+        if call.why_not_fused_layer and call.why_not_fused_layer != call.why_not_fast_path:
+            lines.append(f"layer: {' '.join(call.why_not_fused_layer.split())}")
+    kernel = kernel_refusal(call.sdpa_refusals)
+    if kernel is not None:
+        lines.append(f"not {kernel[0]}: {kernel[1]}")
+    return "\n".join(lines) or "-"
+
+
+def _grad_cell(grads: list[GradientRecord], module: str) -> str:
+    mine = [g for g in grads if g.module == module]
+    if not mine:
+        return "-"
+    last = mine[-1]
+    return "/".join(fmt(s.grad_norm) for s in (last.q, last.k, last.v))
+
+
+def _th(label: str, key: str, kind: str = "text") -> str:
+    # a button in the header: the page's script sorts by it; keyboard users reach it with Tab
+    button = f'<button type="button" class="sort">{esc(label)}</button>'
+    return f'<th scope="col" data-key="{key}" data-kind="{kind}">{button}</th>'
+
+
+def calls_table(result: TraceResult, *, limit: int | None = None, link: bool = True) -> str:
+    """One row per call (and per compiled operation): #, module, path, backend, |dW| q/k/v, why not fast.
+
+    The columns and names of the terminal's table. Each row carries its call's
+    path, backend and module as ``data-*`` attributes (the page filters by them)
+    and links to the call's details (``#call-N``) when ``link``.
+    """
+    grads = bool(result.gradients)
+    head = [_th("#", "index", "num"), _th("module", "module"), _th("path", "path"), _th("backend", "backend")]
+    if grads:
+        head.append(_th("|dW| q/k/v", "grads"))
+    head.append(_th("why not fast", "why"))
+    rows = []
+    calls = result.calls if limit is None else result.calls[:limit]
+    for call in calls:
+        anchor = f"call-{call.index}"
+        index = f'<a href="#{anchor}">#{call.index}</a>' if link else f"#{call.index}"
+        cells = [
+            f'<td class="num" data-value="{call.index}">{index}</td>',
+            f'<td class="name">{esc(module_name(call.module))}</td>',
+            f"<td>{path_tag(call.path)}</td>",
+            f"<td>{backend_tag(call.sdpa_backend)}</td>",
+        ]
+        if grads:
+            cells.append(f'<td class="num">{_grad_cell(result.gradients, call.module)}</td>')
+        cells.append(f'<td class="reason">{esc(why_text(call))}</td>')
+        rows.append(
+            f'<tr data-call="{anchor}" data-index="{call.index}" data-module="{esc(module_name(call.module))}" '
+            f'data-path="{esc(call.path)}" data-backend="{esc(call.sdpa_backend or "none")}">{"".join(cells)}</tr>'
+        )
+    for op in result.compiled if limit is None else result.compiled[: max(0, limit - len(calls))]:
+        anchor = f"compiled-{op.index}"
+        index = f'<a href="#{anchor}">#c{op.index}</a>' if link else f"#c{op.index}"
+        path = f"compiled {op.entry}"
+        cells = [
+            f'<td class="num" data-value="{len(result.calls) + op.index}">{index}</td>',
+            f'<td class="name">{esc(module_name(op.module))}</td>',
+            f"<td>{path_tag(op.entry, path)}</td>",
+            f"<td>{backend_tag(op.sdpa_backend)}</td>",
+        ]
+        if grads:
+            cells.append('<td class="num">-</td>')
+        runs = ", ".join(op.runs) or "-"
+        why = f"{op.compiler} graph {op.graph}: runs {runs}" + (f"\n{op.rewritten}" if op.rewritten else "")
+        cells.append(f'<td class="reason">{esc(why)}</td>')
+        rows.append(
+            f'<tr data-call="{anchor}" data-index="{len(result.calls) + op.index}" '
+            f'data-module="{esc(module_name(op.module))}" data-path="{esc(path)}" '
+            f'data-backend="{esc(op.sdpa_backend or "none")}">{"".join(cells)}</tr>'
+        )
+    return (
+        f'<div class="scroll"><table class="calls"><thead><tr>{"".join(head)}</tr></thead>'
+        f"<tbody>{''.join(rows)}</tbody></table></div>"
+    )
+
+
+def _facts(pairs: Iterable[tuple[str, str | None]]) -> str:
+    """A definition list of the pairs whose value is known (values are HTML already)."""
+    items = "".join(f"<dt>{esc(k)}</dt><dd>{v}</dd>" for k, v in pairs if v is not None)
+    return f'<dl class="facts">{items}</dl>' if items else ""
+
+
+def _reasons(call: AttentionCall) -> str:
+    pairs: list[tuple[str, str | None]] = []
+    if call.path in ("fast", "fused_encoder_layer"):
+        pairs.append(("why not fast", "(fast path taken)"))
+    elif call.why_not_fast_path is not None:
+        pairs.append(("why not fast (PyTorch)", f'<span class="reason">{esc(call.why_not_fast_path)}</span>'))
+    if call.why_not_fused_layer:
+        pairs.append(
+            ("why not the fused layer (PyTorch)", f'<span class="reason">{esc(call.why_not_fused_layer)}</span>')
+        )
+    if call.sdpa_refusals == {} and call.sdpa_backend:
+        pairs.append(("faster SDPA kernels", f"none: PyTorch ranks no backend above {esc(call.sdpa_backend)} here"))
+    for backend, words in (call.sdpa_refusals or {}).items():
+        text = "\n".join(words) if words else "(would have run it)"
+        pairs.append((f"not {backend}", f'<span class="reason">{esc(text)}</span>'))
+    if call.sdpa_refusals_source:
+        pairs.append(("refusals from", esc(call.sdpa_refusals_source)))
+    return _facts(pairs)
+
+
+def _slice_row(part: str, info: SliceInfo | None) -> str:
+    if info is None:
+        return f'<tr><th scope="row">{part.upper()}</th><td colspan="8" class="dim">not known</td></tr>'
+    cells = [
+        f'<td class="name">{esc(info.param or "-")}</td>',
+        f'<td class="name">{esc(rows_label(info.rows, most=6))}{" (columns)" if info.dim == 1 else ""}</td>',
+        f'<td class="name">{esc(info.shape or "-")}</td>',
+        f'<td class="num">{fmt(info.weight_norm)}</td>',
+        f'<td class="name">{esc(info.bias_param or "-")}</td>',
+        f'<td class="num">{fmt(info.bias_norm)}</td>',
+        f'<td class="num">{fmt(info.activation_norm)}</td>',
+        f"<td>{esc(info.evidence or '-')}</td>",
+    ]
+    return f'<tr><th scope="row">{part.upper()}</th>{"".join(cells)}</tr>'
+
+
+def _slices(call: AttentionCall) -> str:
+    qkv = call.qkv
+    if qkv.layout is None:
+        return f'<p class="dim">Q/K/V slices not known: {esc(qkv.reason or "no projection was found")}</p>'
+    head = "".join(f"<th scope=\"col\">{h}</th>" for h in
+                   ("", "parameter", "rows", "shape", "|W|", "bias", "|b|", "|activation|", "evidence"))  # fmt: skip
+    body = "".join(_slice_row(p, getattr(qkv, p)) for p in _PARTS)
+    holder = f', held by <span class="name">{esc(qkv.holder)}</span>' if qkv.holder else ""
+    return (
+        f"<p>Q/K/V projection: {esc(qkv.layout)}{holder}</p>"
+        f'<div class="scroll"><table class="slices"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>'
+    )
+
+
+def _inputs(call: AttentionCall) -> str:
+    pairs = []
+    for key, value in call.inputs.items():
+        if isinstance(value, dict):  # a mask's facts
+            value = ", ".join(f"{k} {v}" for k, v in value.items() if k != "blocked_positions" and v is not None)
+        pairs.append((key, esc("none" if value is None else value)))
+    return _facts(pairs)
+
+
+def _gradients(call: AttentionCall, result: TraceResult) -> str:
+    mine = [g for g in result.gradients if g.module == call.module]
+    if not mine:
+        return ""
+    head = "".join(f'<th scope="col">{h}</th>' for h in ("backward", "part", "|dW| after", "|dW| this pass",
+                                                          "|db| after", "share of the pass"))  # fmt: skip
+    rows = []
+    for g in mine:
+        for part in _PARTS:
+            s = getattr(g, part)
+            rows.append(
+                f'<tr><td class="num">{g.backward_index}</td><th scope="row">{part.upper()}</th>'
+                f'<td class="num">{fmt(s.grad_norm)}</td><td class="num">{fmt(s.pass_grad_norm)}</td>'
+                f'<td class="num">{fmt(s.bias_grad_norm)}</td><td class="num">{_share(s.pass_share)}</td></tr>'
+            )
+    return (
+        "<h4>Q/K/V slice gradients</h4>"
+        f'<div class="scroll"><table class="grads"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody>'
+        "</table></div>"
+    )
+
+
+def _share(share: float | None) -> str:
+    if share is None:
+        return "-"
+    width = max(1, round(share * 80))
+    return f'<span class="bar" style="width:{width}px" aria-hidden="true"></span> {share:.0%}'
+
+
+def routes_table(routes: Sequence[RouteRecord]) -> str:
+    """The gradient that reached each call's Q, K and V, per backward pass, with each route's share."""
+    if not routes:
+        return ""
+    head = "".join(f'<th scope="col">{h}</th>' for h in ("call", "module", "backward", "part", "|grad|", "share",
+                                                          "per head"))  # fmt: skip
+    rows = []
+    for r in routes:
+        for part in _PARTS:
+            g = getattr(r, part)
+            if g is None:
+                continue
+            heads = " ".join(fmt(h) for h in g.per_head) if g.per_head else "-"
+            rows.append(
+                f'<tr><td class="num">#{r.call}</td><td class="name">{esc(module_name(r.module))}</td>'
+                f'<td class="num">{r.backward_index}</td><th scope="row">{part.upper()}</th>'
+                f'<td class="num">{fmt(g.norm)}</td><td>{_share(g.share)}</td><td class="name">{esc(heads)}</td></tr>'
+            )
+    return (
+        f'<div class="scroll"><table class="routes"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody>'
+        "</table></div>"
+    )
+
+
+# -- heatmaps ---------------------------------------------------------------------------
+
+#: the colour of a weight: white (0) to dark blue (1), through these stops
+_STOPS = ((0.0, (247, 251, 255)), (0.25, (198, 219, 239)), (0.5, (107, 174, 214)), (0.75, (33, 113, 181)),
+          (1.0, (8, 48, 107)))  # fmt: skip
+_MASKED = "#bdbdbd"
+
+
+def shade(w: float) -> str:
+    w = min(1.0, max(0.0, w))
+    for (a, ca), (b, cb) in itertools.pairwise(_STOPS):
+        if w <= b:
+            t = (w - a) / (b - a)
+            r, g, bl = (round(x + (y - x) * t) for x, y in zip(ca, cb, strict=True))
+            return f"#{r:02x}{g:02x}{bl:02x}"
+    return "#08306b"
+
+
+def map_svg(weights: Sequence[Sequence[float]], masked: Sequence[bool], queries: Sequence[str], keys: Sequence[str],
+            title: str) -> str:  # fmt: skip
+    """A heatmap of one head's weights (rows: queries, columns: keys) as inline SVG.
+
+    Each cell's ``<title>`` holds its query, key and value; rows whose keys were
+    all masked are grey and say so in their label.
+    """
+    n_q, n_k = len(weights), len(weights[0]) if weights else 0
+    cell = max(6, min(18, 420 // max(n_q, n_k, 1)))
+    label_w = 8 + 7 * min(24, max((len(q) for q in queries), default=1) + (9 if any(masked) else 0))
+    label_h = 8 + 7 * min(24, max((len(k) for k in keys), default=1))
+    width, height = label_w + n_k * cell + 4, label_h + n_q * cell + 4
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" class="map" width="{width}" height="{height}" '
+             f'viewBox="0 0 {width} {height}" role="img" aria-label="{esc(title)}">',
+             f"<title>{esc(title)}</title>"]  # fmt: skip
+    font = 'font-size="10" font-family="ui-monospace, Menlo, Consolas, monospace"'
+    for i, q in enumerate(queries[:n_q]):
+        label = f"{q} (masked)" if masked[i] else q
+        y = label_h + i * cell + cell / 2 + 3
+        parts.append(f'<text x="{label_w - 4}" y="{y:.1f}" text-anchor="end" {font}>{esc(label[:32])}</text>')
+    for j, k in enumerate(keys[:n_k]):
+        x = label_w + j * cell + cell / 2 + 3
+        parts.append(f'<text transform="translate({x:.1f},{label_h - 4}) rotate(-90)" {font}>{esc(k[:24])}</text>')
+    for i, row in enumerate(weights):
+        y = label_h + i * cell
+        for j, w in enumerate(row):
+            fill = _MASKED if masked[i] else shade(w)
+            value = "all keys masked" if masked[i] else f"{w:.3f}"
+            parts.append(f'<rect x="{label_w + j * cell}" y="{y}" width="{cell}" height="{cell}" fill="{fill}">'
+                         f"<title>{esc(queries[i])} → {esc(keys[j])}: {value}</title></rect>")  # fmt: skip
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def _labels(call: AttentionCall, batch: int, tokens: list[list[str]] | None) -> tuple[list[str], list[str]]:
+    from qkvtrace.render.maps_render import call_labels
+
+    return call_labels(call, batch, tokens)
+
+
+def call_maps(call: AttentionCall, tokens: list[list[str]] | None, budget: _Budget) -> str:
+    """The heatmaps of a call's map (first batch item it holds, up to ``max_heads`` heads), or why none."""
+    if call.attention_map is None:
+        return (
+            f'<p class="dim">No attention map: {esc(call.attention_map_reason)}</p>'
+            if call.attention_map_reason
+            else ""
+        )
+    weights, full = call.attention_map, call.attention_map_fully_masked
+    n_b, n_h, n_q, n_k = (int(x) for x in weights.shape)
+    heads = call.attention_map_heads or list(range(n_h))
+    batch = (call.attention_map_batch or [0])[0]
+    bounds = budget.bounds
+    notes = [f'<p class="note">{esc(n)}</p>' for n in call.attention_map_notes or []]
+    if max(n_q, n_k) > bounds.max_tokens:
+        return "".join(notes) + (f'<p class="note">Map not drawn: {n_q}×{n_k} is longer than {bounds.max_tokens} '
+                                 "on a side (it is in the result; draw it with --maps).</p>")  # fmt: skip
+    shown = min(len(heads), bounds.max_heads, budget.left // max(1, n_q * n_k))
+    if shown <= 0:
+        return "".join(notes) + ('<p class="note">Map not drawn: the page already holds as many map cells as it '
+                                 f"may ({bounds.max_cells:,}).</p>")  # fmt: skip
+    budget.left -= shown * n_q * n_k
+    queries, keys = _labels(call, batch, tokens)
+    figures = _figures(
+        weights, full, heads[:shown], batch, queries, keys, f"{module_name(call.module)}, call {call.index}"
+    )
+    more = []
+    if shown < len(heads):
+        more.append(f'<p class="note">{len(heads) - shown} more head(s) of this call not drawn here (bound: '
+                    f"{bounds.max_heads} heads a call, {bounds.max_cells:,} cells a page).</p>")  # fmt: skip
+    if n_b > 1:
+        more.append(f'<p class="dim">Batch item {batch} of the {n_b} the map holds.</p>')
+    return "".join(notes) + f'<div class="maps" data-map="call-{call.index}">{figures}</div>' + "".join(more) + _SCALE
+
+
+_SCALE = ('<p class="dim">Shade: white = weight 0, dark blue = weight 1; grey rows: every key masked '
+          "(weights 0). Hover a cell for its value.</p>")  # fmt: skip
+
+
+def _figures(weights: Any, full: Any, heads: Sequence[int], batch: int, queries: Sequence[str], keys: Sequence[str],
+             title: str) -> str:  # fmt: skip
+    """One heatmap per head of the map's first batch item (position 0 of ``weights``)."""
+    figures = []
+    for hp, head in enumerate(heads):
+        svg = map_svg(weights[0, hp].tolist(), full[0, hp].tolist(), queries, keys,
+                      f"{title}: head {head}, batch item {batch}")  # fmt: skip
+        figures.append(f"<figure>{svg}<figcaption>head {head}, batch item {batch}</figcaption></figure>")
+    return "".join(figures)
+
+
+def tensors_maps(weights: Any, full: Any, bounds: MapBounds = DEFAULT_BOUNDS) -> str:
+    """Heatmaps of a bare ``[B, H, T_q, T_k]`` map (batch position 0, positions as labels), within ``bounds``."""
+    _, n_h, n_q, n_k = (int(x) for x in weights.shape)
+    if max(n_q, n_k) > bounds.max_tokens:
+        return f'<p class="note">Map not drawn: {n_q}×{n_k} is longer than {bounds.max_tokens} on a side.</p>'
+    shown = min(n_h, bounds.max_heads, bounds.max_cells // max(1, n_q * n_k))
+    figures = _figures(weights, full, range(shown), 0, [str(i) for i in range(n_q)], [str(i) for i in range(n_k)],
+                       "attention map")  # fmt: skip
+    more = f'<p class="note">{n_h - shown} more head(s) not drawn.</p>' if shown < n_h else ""
+    return f'<div class="maps">{figures}</div>{more}{_SCALE}'
+
+
+# -- one call --------------------------------------------------------------------------
+
+
+def call_details(call: AttentionCall, result: TraceResult | None = None, *, tokens: list[list[str]] | None = None,
+                 open_: bool = False, budget: _Budget | None = None) -> str:  # fmt: skip
+    """Everything recorded of one call: PyTorch's reason, the kernel and its evidence, inputs, slices, gradients."""
+    result = result or TraceResult(calls=[call])
+    budget = budget or _Budget(DEFAULT_BOUNDS)
+    ops = ", ".join(call.aten_ops) if call.aten_ops else None
+    facts = _facts([
+        ("module", f'<span class="name">{esc(module_name(call.module))}</span> ({esc(call.module_type)})'),
+        ("path", path_tag(call.path)),
+        ("SDPA backend", backend_tag(call.sdpa_backend)),
+        ("kernels (aten)", esc(ops) if ops else None),
+        ("evidence", esc(call.evidence)),
+        ("thread", esc(call.thread) if call.thread else None),
+        ("rank", f"{call.rank} of {call.world_size}" if call.rank is not None else None),
+        ("backward kernel", esc(call.backward_kernel) if call.backward_kernel else None),
+        ("no backward", esc(call.backward_reason) if call.backward_reason else None),
+        ("no routes", esc(call.route_reason) if call.route_reason else None),
+        ("output", esc(", ".join(f"{k} {v}" for k, v in call.output.items()))),
+        ("error", esc(call.error) if call.error else None),
+    ])  # fmt: skip
+    routes = [r for r in result.routes if r.call == call.index]
+    body = [
+        facts,
+        "<h4>Why this path and kernel</h4>",
+        _reasons(call) or '<p class="dim">PyTorch gave no reason for this call.</p>',
+        "<h4>Inputs</h4>",
+        _inputs(call),
+        "<h4>Q/K/V slices</h4>",
+        _slices(call),
+        _gradients(call, result),
+        ("<h4>Gradient routes into Q, K, V</h4>" + routes_table(routes)) if routes else "",
+        ("<h4>Attention map</h4>" + call_maps(call, tokens, budget))
+        if call.attention_map is not None or call.attention_map_reason else "",
+    ]  # fmt: skip
+    summary = (f'#{call.index} <span class="name">{esc(module_name(call.module))}</span> '
+               f"{path_tag(call.path)} {backend_tag(call.sdpa_backend)}")  # fmt: skip
+    return (f'<details class="call" id="call-{call.index}"{" open" if open_ else ""}><summary>{summary}</summary>'
+            f'{"".join(body)}</details>')  # fmt: skip
+
+
+def compiled_details(op: CompiledAttention) -> str:
+    facts = _facts([
+        ("module", f'<span class="name">{esc(module_name(op.module))}</span> ({esc(op.module_type)})'),
+        ("as written", esc(f"{op.entry}: {op.written}")),
+        ("graph", esc(f"{op.compiler} graph {op.graph}")),
+        ("shapes", esc(op.shapes)),
+        ("dtypes", esc(", ".join(op.dtypes))),
+        ("mask", esc(op.mask)),
+        ("runs (forward)", esc(", ".join(op.runs) or "-")),
+        ("runs (backward)", esc(", ".join(op.backward)) if op.backward else None),
+        ("SDPA backend", backend_tag(op.sdpa_backend)),
+        ("rewritten", esc(op.rewritten) if op.rewritten else None),
+        ("evidence", esc("; ".join(op.evidence))),
+        ("how often it ran", esc(op.runtime)),
+    ])  # fmt: skip
+    summary = (f'#c{op.index} <span class="name">{esc(module_name(op.module))}</span> '
+               f"{path_tag(op.entry, 'compiled ' + op.entry)} {backend_tag(op.sdpa_backend)}")  # fmt: skip
+    return f'<details class="call" id="compiled-{op.index}"><summary>{summary}</summary>{facts}</details>'
+
+
+# -- a whole result -----------------------------------------------------------------------
+
+
+def blind_spots_html(result: TraceResult) -> str:
+    items = [f"<li>warning: {esc(w)}</li>" for w in result.warnings]
+    items += [f'<li>unobserved: <span class="name">{esc(module_name(u.module))}</span> ({esc(u.module_type)}): '
+              f"{esc(u.reason)}</li>" for u in result.unobserved]  # fmt: skip
+    return f'<ul class="blind">{"".join(items)}</ul>' if items else ""
+
+
+def trace_fragment(result: TraceResult, *, tokens: list[list[str]] | None = None,
+                   bounds: MapBounds = DEFAULT_BOUNDS, max_calls: int = 2000, controls: str = "") -> str:  # fmt: skip
+    """A trace as static HTML: summary, blind spots, the calls table and each call's details (closed).
+
+    ``controls``: HTML put just above the table (the page's filters).
+    """
+    budget = _Budget(bounds)
+    calls = result.calls[:max_calls]
+    left_out = len(result.calls) - len(calls)
+    parts = [
+        f'<p class="summary">{esc(summary_line(result))} · torch {esc(result.torch_version)}</p>',
+        blind_spots_html(result),
+        controls,
+        calls_table(result, limit=max_calls),
+    ]
+    if left_out:
+        parts.append(f'<p class="note">{left_out} more call(s) not shown (bound: {max_calls} calls a page); '
+                     "the JSON of the trace holds them all.</p>")  # fmt: skip
+    parts.append('<section class="details"><h3>Each call</h3>')
+    parts += [call_details(c, result, tokens=tokens, budget=budget) for c in calls]
+    parts += [compiled_details(op) for op in result.compiled]
+    parts.append("</section>")
+    return "".join(parts)
+
+
+def fragment(body: str) -> str:
+    """``body`` with the stylesheet, in one ``<div class="qk">`` (what a notebook cell shows)."""
+    return f'<div class="qk"><style>{STYLE}</style>{body}</div>'
