@@ -68,6 +68,8 @@ STYLE = """
 .qk details.call { border: 1px solid #d0d0d0; border-radius: 4px; margin: 6px 0; padding: 4px 10px; }
 .qk details.call[open] { border-color: #1565c0; }
 .qk details.call > summary { cursor: pointer; font-weight: 600; }
+.qk details.inputs { margin: 8px 0; }
+.qk details.inputs > summary { cursor: pointer; font-weight: 600; }
 .qk .maps { display: flex; flex-wrap: wrap; gap: 12px; }
 .qk figure { margin: 0; }
 .qk figcaption { font-size: 12px; }
@@ -479,14 +481,13 @@ def call_details(call: AttentionCall, result: TraceResult | None = None, *, toke
         facts,
         "<h4>Why this path and kernel</h4>",
         _reasons(call) or '<p class="dim">PyTorch gave no reason for this call.</p>',
-        "<h4>Inputs</h4>",
-        _inputs(call),
+        ("<h4>Attention map</h4>" + call_maps(call, tokens, budget))
+        if call.attention_map is not None or call.attention_map_reason else "",
         "<h4>Q/K/V slices</h4>",
         _slices(call),
         _gradients(call, result),
         ("<h4>Gradient routes into Q, K, V</h4>" + routes_table(routes)) if routes else "",
-        ("<h4>Attention map</h4>" + call_maps(call, tokens, budget))
-        if call.attention_map is not None or call.attention_map_reason else "",
+        f'<details class="inputs"><summary>Inputs: shapes, dtype, masks, modes</summary>{_inputs(call)}</details>',
     ]  # fmt: skip
     summary = (f'#{call.index} <span class="name">{esc(module_name(call.module))}</span> '
                f"{path_tag(call.path)} {backend_tag(call.sdpa_backend)}")  # fmt: skip
