@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _html_model import HEADS, TOKENS, WORDS, build, causal_weights
+from _html_model import HEADS, TOKENS, WORDS, Mixed, build, causal_weights
 from _mha_reasons import reason_under
 from _witness import ENV
 
@@ -70,9 +70,10 @@ class Page(HTMLParser):
                 part.append(data)
 
 
-def traced(maps: bool = True, tokens: list[str] | None = None):  # type: ignore[no-untyped-def]
+def traced() -> tuple[Mixed, torch.Tensor, qkvtrace.TraceResult]:
+    """One forward and backward of the test model, traced with attention maps."""
     model, x = build()
-    with qkvtrace.trace(model, attention_maps=maps) as t:
+    with qkvtrace.trace(model, attention_maps=True) as t:
         model(x).pow(2).mean().backward()
     return model, x, t.result
 
@@ -106,7 +107,7 @@ def test_one_row_per_call_with_the_models_names_paths_and_pytorchs_reason(tmp_pa
 
 def test_a_calls_heatmap_holds_its_weights_with_the_tokens_as_labels(tmp_path: Path) -> None:
     """Witness: softmax(QKᵀ/√d) with the causal triangle removed, computed here from the Q, K the module made."""
-    model, x, result = traced()
+    model, _, result = traced()
     q, k, _ = model.attend.kept
     expected = causal_weights(q.detach(), k.detach())[0]  # batch item 0: [H, T, T]
     page = Page(result.html(tokens=[WORDS, WORDS]))
@@ -129,7 +130,7 @@ def test_notebook_displays(tmp_path: Path) -> None:
     A result, a call, a route and a map each display themselves as HTML; the
     result's plain repr stays one line a terminal can read.
     """
-    model, x, result = traced()
+    _, x, result = traced()
     twin, _ = build()
     out = twin(x)
     v = twin.attend.kept[2]
