@@ -186,7 +186,8 @@ def test_inductor_rewrites_are_what_the_profiler_sees(train: bool) -> None:
     seen = _profiled_ops(model, "inductor", x, train=train)
     sdpa_kernels = sum(1 for op in seen if op.startswith("aten::_scaled_dot_product") and "backward" not in op)
     torch._dynamo.reset()
-    expected = torch.compile(model, backend="inductor")(x)
+    with torch.set_grad_enabled(train):  # the traced run's grad mode: inductor compiles another graph without grad
+        expected = torch.compile(model, backend="inductor")(x)
     t, out = _traced(model, "inductor", x, train=train)
     assert torch.equal(out, expected)
     ops = {op.module: op for op in t.result.compiled}
