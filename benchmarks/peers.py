@@ -31,9 +31,14 @@ nnsight            ``NNsight(model).trace(...)`` saving each attention module's 
 TransformerLens    ``run_with_cache`` of a ``TransformerBridge`` (TransformerLens >= 4) around
                    the same GPT-2 (same weights; the bridge runs it with eager attention)
 
-Method: every repetition runs each contender's unit once, in a fixed order,
-right after the baseline of the same repetition; the table gives the median
-and the range (min-max) of the paired ratios. Memory: the peak of Python
+Method: a sample is the CPU time (``time.process_time``) of the unit run
+back to back as many times as the baseline needs to fill ``SAMPLE_SECONDS``
+(a single forward of a small model is a few milliseconds: one run per sample
+measures the machine more than the contender). Every repetition times the
+baseline, then each contender in a fixed order, then the baseline again; a
+contender's ratio is its sample over the mean of the two baselines around it.
+The table gives the median and the range (min-max) of these paired ratios.
+Memory: the peak of Python
 allocations during the unit (``tracemalloc``, which does not see tensor
 storage) and the tensor storage the contender hands back or keeps after it
 (its maps, saved outputs or cache). "Saw" is read
@@ -286,11 +291,17 @@ def lens_contender(length: int) -> Contender:
 # -- measuring ---------------------------------------------------------------------------------
 
 
-def _timed(unit: Unit) -> float:
+#: the least CPU time of one sample; the unit runs as often as the baseline needs to fill it
+SAMPLE_SECONDS = 0.25
+
+
+def _timed(unit: Unit, runs: int = 1) -> float:
+    """CPU seconds of one run of ``unit``, from ``runs`` runs back to back."""
     gc.collect()
-    start = time.perf_counter()
-    unit()
-    return time.perf_counter() - start
+    start = time.process_time()
+    for _ in range(runs):
+        unit()
+    return (time.process_time() - start) / runs
 
 
 def _memory(c: Contender) -> tuple[float, float]:
@@ -314,13 +325,19 @@ def measure(baseline: Unit, contenders: Sequence[Contender], repeats: int) -> fl
     for c in live:  # warm-up: first calls, one-off probing, compilation of kernels
         assert c.unit is not None
         c.unit()
+    runs = max(1, round(SAMPLE_SECONDS / max(_timed(baseline), 1e-6)))
     base_times = []
     for _ in range(repeats):
-        b = _timed(baseline)
-        base_times.append(b)
+        before = _timed(baseline, runs)
+        times = []
         for c in live:
             assert c.unit is not None
-            c.ratios.append(_timed(c.unit) / b)
+            times.append(_timed(c.unit, runs))
+        after = _timed(baseline, runs)
+        b = (before + after) / 2
+        base_times += [before, after]
+        for c, t in zip(live, times, strict=True):
+            c.ratios.append(t / b)
     for c in live:
         assert c.unit is not None
         c.peak_mb, c.held_mb = _memory(c)

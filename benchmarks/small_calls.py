@@ -8,7 +8,9 @@ difference -- a breakdown, not a supported way to run qkvtrace.
 ``--floor``: also the least any observer that reports what a record reports must
 do, without qkvtrace: plain wrappers around ``MultiheadAttention.forward`` and
 ``F.multi_head_attention_forward`` that only read PyTorch's reason from its frame
-and count the output's NaNs -- the cost below which no record can go.
+and count the output's NaNs -- the cost below which no record can go -- and the
+same with every head's attention weights computed beside the call (the least a
+map costs), next to the records with ``attention_maps=True``.
 
 One ``nn.MultiheadAttention(64, 8)`` in training mode on a ``(2, 10, 64)`` input,
 ``need_weights`` left at its default: 200 calls per sample, 25 samples per arm,
@@ -59,11 +61,13 @@ def main() -> None:
         arms += [(f"routes on, without {part}", {}, off) for part, off in _parts().items()]
     if "--floor" in sys.argv:
         arms.append(("floor: reason and NaN count only, no qkvtrace", {"floor": True}, _floor))
+        arms.append(("floor with a map: + softmax(QKᵀ) on the side", {"floor": True}, lambda: _floor(maps=True)))
+        arms.append(("records with maps (attention_maps=True)", {"attention_maps": True}, contextlib.nullcontext))
     for label, options, context in arms:
         plain, traced = [], []
         for _ in range(SAMPLES):
             plain.append(cpu(work))
-            observer = contextlib.nullcontext() if options.get("floor") else qkvtrace.trace(mha, **options)
+            observer = contextlib.nullcontext() if "floor" in options else qkvtrace.trace(mha, **options)
             with context(), observer:
                 mha(x, x, x)  # the first call of a signature: its kernels profiled once, not timed
                 traced.append(cpu(work))
@@ -97,14 +101,20 @@ def _parts() -> dict[str, Callable[[], Any]]:
 
 
 @contextlib.contextmanager
-def _floor() -> Iterator[None]:
-    """Wrappers that read PyTorch's reason from its frame and count the output's NaNs, and nothing else."""
+def _floor(maps: bool = False) -> Iterator[None]:
+    """Wrappers that read PyTorch's reason from its frame and count the output's NaNs, and nothing else.
+
+    ``maps``: also the attention weights of every head, computed on the side from the call's own query and
+    key (the two projections, Q·Kᵀ scaled, softmax) -- the arithmetic any map made beside the kernel needs.
+    """
     forward, function = torch.nn.MultiheadAttention.forward, torch.nn.functional.multi_head_attention_forward
     seen: list[Any] = []
 
     def wrapped_forward(self: torch.nn.MultiheadAttention, *args: Any, **kwargs: Any) -> Any:
         out = forward(self, *args, **kwargs)
         seen.append(torch.isnan(out[0]).sum())  # kept on its device, as a record keeps it
+        if maps:
+            seen.append(_weights(self, args[0], args[1]))
         return out
 
     def wrapped_function(*args: Any, **kwargs: Any) -> Any:
@@ -114,6 +124,19 @@ def _floor() -> Iterator[None]:
     with (_replaced(torch.nn.MultiheadAttention, "forward", wrapped_forward),
           _replaced(torch.nn.functional, "multi_head_attention_forward", wrapped_function)):  # fmt: skip
         yield
+
+
+def _weights(mha: torch.nn.MultiheadAttention, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """softmax(Q·Kᵀ/√d) per head for an ``(L, N, E)`` call, from the module's packed projection."""
+    e, h = mha.embed_dim, mha.num_heads
+    with torch.no_grad():
+        w, b = mha.in_proj_weight, mha.in_proj_bias
+        q = torch.nn.functional.linear(query, w[:e], None if b is None else b[:e])
+        k = torch.nn.functional.linear(key, w[e : 2 * e], None if b is None else b[e : 2 * e])
+        length, n = q.shape[0], q.shape[1]
+        q = q.reshape(length, n * h, e // h).transpose(0, 1)
+        k = k.reshape(k.shape[0], n * h, e // h).transpose(0, 1)
+        return torch.softmax(torch.bmm(q, k.transpose(1, 2)) * (e // h) ** -0.5, dim=-1)
 
 
 if __name__ == "__main__":
