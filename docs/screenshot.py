@@ -32,7 +32,7 @@ def main() -> None:
         options = webdriver.ChromeOptions()
         options.binary_location = chromium
         for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                     "--disable-background-networking", "--window-size=1280,1500"):  # fmt: skip
+                     "--disable-background-networking", "--window-size=1280,1700"):  # fmt: skip
             options.add_argument(flag)
         browser = webdriver.Chrome(service=Service(driver_path), options=options)
         try:

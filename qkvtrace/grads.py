@@ -28,8 +28,18 @@ from qkvtrace.records import AttentionCall, GradientRecord, TraceResult, atomic_
 
 PARTS_ORDER = ("q", "k", "v")
 
-__all__ = ["GRADS_SCHEMA", "LOSS_TEXT", "GradsResult", "NoBackward", "Route", "SliceGradient", "make_loss", "measure",
-           "probe_like"]
+__all__ = [
+    "GRADS_SCHEMA",
+    "LOSS_TEXT",
+    "GradsResult",
+    "NoBackward",
+    "Route",
+    "SliceGradient",
+    "make_loss",
+    "measure",
+    "probe_like",
+    "routes_of",
+]
 
 GRADS_SCHEMA = "qkvtrace.grads/2"
 
@@ -86,7 +96,8 @@ class GradsResult:
 
     target: str
     torch_version: str
-    #: how the loss was made (``lm``: next-token cross-entropy; ``probe``: ⟨output, R⟩ with a fixed random R)
+    #: how the loss was made (``lm``: next-token cross-entropy; ``probe``: ⟨output, R⟩ with a fixed random R;
+    #: ``traced``: the backward pass of a trace, whose loss is the user's own and not measured, ``loss`` NaN)
     loss_kind: str
     loss: float
     routes: list[Route]
@@ -164,6 +175,12 @@ def measure(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | No
     result = t.result
     routes = [_route_of_call(call, result) for call in result.calls]
     return GradsResult(target, str(torch.__version__), kind, float(loss.detach()), routes, result)
+
+
+def routes_of(result: TraceResult, *, target: str = "trace") -> GradsResult:
+    """The routes of a trace's own backward pass (its last one per call), as ``qkvtrace grads`` sets them out."""
+    routes = [_route_of_call(call, result) for call in result.calls]
+    return GradsResult(target, result.torch_version, "traced", float("nan"), routes, result)
 
 
 def _route_of_call(call: AttentionCall, result: TraceResult) -> Route:

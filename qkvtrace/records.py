@@ -448,15 +448,16 @@ class TraceResult:
         return f"<TraceResult torch {self.torch_version}: {' · '.join([summary_line(self), *extra])}>"
 
     def html(self, *, tokens: Sequence[Sequence[str]] | None = None) -> str:
-        """The trace as an HTML fragment (what a notebook shows): summary, calls table, each call's details.
+        """The trace as an HTML fragment (what a notebook shows): the gradient routes picture when a backward
+        pass was traced, the summary, the calls table and each call's details.
 
         ``tokens``: labels of the attention maps' axes, per batch item. In
         Jupyter, ``IPython.display.HTML(result.html(tokens=...))``; the result
         alone displays itself with positions as labels.
         """
-        from qkvtrace.render.html_parts import fragment, trace_fragment
+        from qkvtrace.render.html_page import trace_html
 
-        return fragment(trace_fragment(self, tokens=_token_rows(tokens)))
+        return trace_html(self, tokens=_token_rows(tokens))
 
     def _repr_html_(self) -> str:
         return self.html()

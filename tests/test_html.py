@@ -127,8 +127,9 @@ def test_a_calls_heatmap_holds_its_weights_with_the_tokens_as_labels(tmp_path: P
 def test_notebook_displays(tmp_path: Path) -> None:
     """Witness: the model built here, and the gradient reaching V computed by ``torch.autograd.grad`` on a twin run.
 
-    A result, a call, a route and a map each display themselves as HTML; the
-    result's plain repr stays one line a terminal can read.
+    A result (with the routes picture of its backward pass), a call, a route
+    and a map each display themselves as HTML; the result's plain repr stays
+    one line a terminal can read.
     """
     _, x, result = traced()
     twin, _ = build()
@@ -137,7 +138,9 @@ def test_notebook_displays(tmp_path: Path) -> None:
     (grad_v,) = torch.autograd.grad(out.pow(2).mean(), v)
     text = repr(result)
     assert "\n" not in text and "2 attention calls" in text
-    assert len(Page(result._repr_html_()).rows) == 2
+    shown = result._repr_html_()
+    assert len(Page(shown).rows) == 2
+    assert "How the loss reaches W_Q, W_K, W_V" in shown and "(the backward pass the trace saw)" in shown
     call = result.calls[1]
     details = call._repr_html_()
     assert '<details class="call" id="call-1" open>' in details and "attend" in details

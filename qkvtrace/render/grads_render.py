@@ -99,8 +99,11 @@ def grads_dot(result: GradsResult, routes: list[Route]) -> str:
         },
         edge_attr={"fontname": "Helvetica", "fontsize": "10", "arrowsize": "0.6"},
     )
-    loss_text = "next-token cross-entropy" if result.loss_kind == "lm" else "<output, R>, R fixed random"
-    loss_label = f"loss = {fmt(result.loss)}\\n{loss_text}"
+    if result.loss_kind == "traced":  # a trace's own backward pass: its loss is the user's, not measured here
+        loss_label = "loss\\n(the backward pass the trace saw)"
+    else:
+        loss_text = "next-token cross-entropy" if result.loss_kind == "lm" else "<output, R>, R fixed random"
+        loss_label = f"loss = {fmt(result.loss)}\\n{loss_text}"
     dot.node("loss", loss_label, shape="ellipse", fillcolor="#eeeeee", width=node_width(loss_label, shape="ellipse"))
     previous = "loss"
     for i, route in enumerate(reversed(routes)):  # backward order: the last call is nearest the loss

@@ -17,12 +17,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from qkvtrace.records import TraceResult, atomic_write_text, rows_label
-from qkvtrace.render.html_parts import DEFAULT_BOUNDS, STYLE, MapBounds, esc, fmt, trace_fragment
+from qkvtrace.render.html_parts import DEFAULT_BOUNDS, STYLE, MapBounds, esc, fmt, fragment, trace_fragment
 
 if TYPE_CHECKING:
     from qkvtrace.grads import GradsResult
 
-__all__ = ["grads_page", "grads_section", "save_page", "trace_page"]
+__all__ = ["grads_page", "grads_section", "save_page", "trace_html", "trace_page"]
 
 _PAGE_STYLE = """
 body { margin: 0; background: #fff; }
@@ -148,7 +148,7 @@ def trace_page(result: TraceResult, *, title: str = "qkvtrace trace", tokens: li
     before the calls (e.g. the routes picture of ``qkvtrace grads``).
     """
     body = (
-        extra + "<h2>Attention calls</h2>"
+        (extra or _routes_of_trace(result)) + "<h2>Attention calls</h2>"
         "<p class=\"dim\">Click a row (or its #) for the call's details: PyTorch's reason, the kernel's evidence, "
         "Q/K/V slices, gradients and the attention map when one was recorded. Sort by a column's header.</p>"
         + trace_fragment(result, tokens=tokens, bounds=bounds, max_calls=max_calls, controls=_controls(result))
@@ -175,8 +175,7 @@ def grads_section(result: GradsResult) -> str:
     from qkvtrace.render.graph import render_svg
 
     drawable = result.drawable()
-    loss = "next-token cross-entropy" if result.loss_kind == "lm" else "<output, R>, R fixed random"
-    parts = [f"<p>Loss: {esc(loss)} = {fmt(result.loss)} · torch {esc(result.torch_version)}</p>"]
+    parts = [] if result.loss_kind == "traced" else [_loss_line(result)]
     if drawable:
         drawing = render_svg(grads_dot(result, drawable))
         if drawing.svg is not None:
@@ -197,6 +196,25 @@ def grads_section(result: GradsResult) -> str:
     parts.append(f'<h2>Routes per call</h2><div class="scroll"><table class="routes-summary"><thead><tr>{head}</tr>'
                  f'</thead><tbody>{"".join(rows)}</tbody></table></div>')  # fmt: skip
     return "".join(parts)
+
+
+def _loss_line(result: GradsResult) -> str:
+    loss = "next-token cross-entropy" if result.loss_kind == "lm" else "<output, R>, R fixed random"
+    return f"<p>Loss: {esc(loss)} = {fmt(result.loss)} · torch {esc(result.torch_version)}</p>"
+
+
+def trace_html(result: TraceResult, *, tokens: list[list[str]] | None = None) -> str:
+    """A trace as a notebook shows it: the routes picture when a backward pass was traced, then the trace."""
+    return fragment(_routes_of_trace(result) + trace_fragment(result, tokens=tokens))
+
+
+def _routes_of_trace(result: TraceResult) -> str:
+    """The routes picture and a row per call, for a trace whose backward pass reached its calls; else nothing."""
+    if not result.routes:
+        return ""
+    from qkvtrace.grads import routes_of
+
+    return grads_section(routes_of(result))
 
 
 def _percent(share: float | None) -> str:
