@@ -200,19 +200,24 @@ def _admit(b: int, h: int, length: int, s: int, budget: MapBudget) -> tuple[list
     if isinstance(batch, str) or isinstance(heads, str):
         return MapResult(reason=batch if isinstance(batch, str) else heads)  # type: ignore[arg-type]
     size = map_bytes(len(batch), len(heads), length, s)
-    floats = f"{len(batch)}x{len(heads)}x{length}x{s} = {size // _FLOAT:,} floats, {_size(size)}"
     if max(length, s) > opts.max_map_tokens:
         return MapResult(reason=(
             f"not computed: T_query={length}, T_key={s} is over max_map_tokens={opts.max_map_tokens} "
-            f"(a map of B·H·T_q·T_k = {floats}); ask for fewer tokens, heads= or batch_index=, "
-            "or raise max_map_tokens"))  # fmt: skip
+            f"(a map of B·H·T_q·T_k = {_floats(batch, heads, length, s)}); ask for fewer tokens, heads= or "
+            "batch_index=, or raise max_map_tokens"))  # fmt: skip
     if budget.used_bytes + size > opts.max_map_mb * 2**20:
         return MapResult(reason=(
-            f"not computed: this map ({floats}) would bring the trace's maps to "
+            f"not computed: this map ({_floats(batch, heads, length, s)}) would bring the trace's maps to "
             f"{_size(budget.used_bytes + size)}, over max_map_mb={opts.max_map_mb:g}; "
             "ask for heads= or batch_index=, or raise max_map_mb"))  # fmt: skip
     budget.used_bytes += size
     return batch, heads
+
+
+def _floats(batch: list[int], heads: list[int], length: int, s: int) -> str:
+    """``2x8x10x10 = 1,600 floats, 6.2 KB``: a map's size in words (only for a refusal: not made per call)."""
+    size = map_bytes(len(batch), len(heads), length, s)
+    return f"{len(batch)}x{len(heads)}x{length}x{s} = {size // _FLOAT:,} floats, {_size(size)}"
 
 
 def from_weights(weights: torch.Tensor, blocked: torch.Tensor | None, budget: MapBudget, dropout_p: float) -> MapResult:
