@@ -176,8 +176,8 @@ class Trace:
             inst.stand_aside_in(model)
             stack.callback(self._grads.close)
             self._grads.gather = self._fsdp1_gather() if self.record_gradients else None
+            compiled = _inside_compiled(model)  # not observed there: no hooks that would cost a compiled step
             if self.record_gradients:  # MultiheadAttention modules are known up front; others when they call SDPA
-                compiled = _inside_compiled(model)  # not observed there: no hooks that would cost a compiled step
                 for _, m in self._names.values():
                     if isinstance(m, nn.MultiheadAttention) and id(m) not in compiled:
                         found = self.projection(m)
@@ -186,7 +186,7 @@ class Trace:
             registry.register(self)
             stack.callback(registry.unregister, self)
             stack.enter_context(compiled_log.listening())
-            self._watch_hand_written(model, stack)
+            self._watch_hand_written(compiled, stack)
         except BaseException:
             stack.close()
             raise
@@ -328,9 +328,10 @@ class Trace:
 
     # -- internals -----------------------------------------------------------
 
-    def _watch_hand_written(self, model: nn.Module, stack: contextlib.ExitStack) -> None:
-        """Hooks that watch the model's own attention-looking modules for attention written by hand."""
-        candidates = _hand_written_candidates(self._names.values(), _inside_compiled(model))
+    def _watch_hand_written(self, compiled: set[int], stack: contextlib.ExitStack) -> None:
+        """Hooks that watch the model's own attention-looking modules (none run compiled) for attention written
+        by hand."""
+        candidates = _hand_written_candidates(self._names.values(), compiled)
         if candidates and handwritten.watch_refused():
             self.note(handwritten.NOT_WATCHED)
             return
