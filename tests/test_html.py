@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _html_model import HEADS, TOKENS, WORDS, Mixed, build, causal_weights
+from _html_model import HEADS, TOKENS, WIDTH, WORDS, Mixed, build, causal_weights
 from _mha_reasons import reason_under
 from _witness import ENV
 
@@ -87,7 +87,7 @@ def test_the_page_needs_nothing_from_elsewhere(tmp_path: Path) -> None:
         assert tag not in ("link", "iframe", "object", "embed", "img"), tag
         for name in ("src", "href", "data", "srcset"):
             value = attrs.get(name)
-            assert value is None or value.startswith("#"), (tag, name, value)
+            assert value is None or value.startswith(("#", "data:image/png;base64,")), (tag, name, value)
     assert all("@import" not in s and "url(" not in s for s in page.styles)
     assert any(tag == "script" for tag, _ in page.tags)  # the sorting and filtering, inline
 
@@ -198,3 +198,35 @@ def test_html_into_a_missing_folder_is_refused_before_the_run(tmp_path: Path) ->
     assert len([line for line in proc.stderr.splitlines() if line.strip()]) == 1
     assert "--html" in proc.stderr
     assert not (tmp_path / "no").exists()
+
+
+def test_a_long_map_is_a_picture_whose_shades_follow_the_weights(tmp_path: Path) -> None:
+    """Witness: softmax(QKᵀ/√d) with the causal triangle removed, computed here, and the PNG decoded by Pillow.
+
+    Past ``max_svg_tokens`` a head is a PNG in a ``data:`` URI, a pixel per weight: the picture is T×T, the
+    removed triangle is one colour and the lightest, and along each row a larger weight is never lighter.
+    """
+    pil = pytest.importorskip("PIL.Image", reason="Pillow is not installed (it comes with matplotlib)")
+    import base64
+    import io
+
+    tokens = 60
+    model, _ = build()
+    x = torch.randn(1, tokens, WIDTH, generator=torch.Generator().manual_seed(3))
+    with qkvtrace.trace(model, attention_maps=True, heads=[0]) as t:
+        model(x)
+    q, k, _ = model.attend.kept
+    w = causal_weights(q.detach(), k.detach())[0, 0]  # [T, T] of batch item 0, head 0
+    page = trace_page(t.result, bounds=MapBounds(max_svg_tokens=48))
+    sources = [a["src"] for tag, a in Page(page).tags if tag == "img"]
+    assert len(sources) == 2  # mha's and attend's head 0
+    image = pil.open(io.BytesIO(base64.b64decode(sources[1].split(",", 1)[1]))).convert("RGB")
+    assert image.size == (tokens, tokens)
+    light = [[sum(image.getpixel((j, i))) for j in range(tokens)] for i in range(tokens)]
+    removed = {light[i][j] for i in range(tokens) for j in range(i + 1, tokens)}
+    assert len(removed) == 1 and removed.pop() == max(max(row) for row in light)
+    for i in range(tokens):
+        for a in range(i + 1):
+            for b in range(i + 1):
+                if w[i, a] > w[i, b] + 2 / 255:
+                    assert light[i][a] <= light[i][b], (i, a, b)

@@ -7,15 +7,14 @@ Reads records only; never touches torch except to read a map's numbers.
 
 Every fact is written as text: a path or backend has a colour *and* its name, a
 heatmap cell has a shade *and* its value (in its tooltip), a fully masked row is
-grey *and* labelled. Module names are never shortened.
+grey *and* labelled (the heatmaps: :mod:`qkvtrace.render.html_maps`). Module
+names are never shortened.
 """
 
 from __future__ import annotations
 
 import html
-import itertools
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from qkvtrace.records import (
@@ -28,6 +27,7 @@ from qkvtrace.records import (
     kernel_refusal,
     rows_label,
 )
+from qkvtrace.render.html_maps import DEFAULT_BOUNDS, MapBounds, MapBudget, call_maps, tensors_maps
 from qkvtrace.render.terminal import summary_line
 
 __all__ = [
@@ -37,7 +37,6 @@ __all__ = [
     "calls_table",
     "compiled_details",
     "fragment",
-    "map_svg",
     "routes_table",
     "tensors_maps",
     "trace_fragment",
@@ -79,29 +78,6 @@ STYLE = """
 
 _PATH_CLASS = {"fast", "fused_encoder_layer", "fallback", "sdpa", "flex", "hand_written"}
 _PARTS = ("q", "k", "v")
-
-
-@dataclass(frozen=True, slots=True)
-class MapBounds:
-    """How much of the attention maps goes into HTML; what is past a bound is named, not dropped silently."""
-
-    #: longest query or key side drawn (a longer map is said, not drawn)
-    max_tokens: int = 64
-    #: heads drawn per call (of the first batch item the map holds)
-    max_heads: int = 8
-    #: cells drawn in one document, over all its maps
-    max_cells: int = 200_000
-
-
-DEFAULT_BOUNDS = MapBounds()
-
-
-class _Budget:
-    """The cells left to draw in one document."""
-
-    def __init__(self, bounds: MapBounds) -> None:
-        self.bounds = bounds
-        self.left = bounds.max_cells
 
 
 def esc(value: Any) -> str:
@@ -333,134 +309,14 @@ def routes_table(routes: Sequence[RouteRecord]) -> str:
     )
 
 
-# -- heatmaps ---------------------------------------------------------------------------
-
-#: the colour of a weight: white (0) to dark blue (1), through these stops
-_STOPS = ((0.0, (247, 251, 255)), (0.25, (198, 219, 239)), (0.5, (107, 174, 214)), (0.75, (33, 113, 181)),
-          (1.0, (8, 48, 107)))  # fmt: skip
-_MASKED = "#bdbdbd"
-
-
-def shade(w: float) -> str:
-    w = min(1.0, max(0.0, w))
-    for (a, ca), (b, cb) in itertools.pairwise(_STOPS):
-        if w <= b:
-            t = (w - a) / (b - a)
-            r, g, bl = (round(x + (y - x) * t) for x, y in zip(ca, cb, strict=True))
-            return f"#{r:02x}{g:02x}{bl:02x}"
-    return "#08306b"
-
-
-def map_svg(weights: Sequence[Sequence[float]], masked: Sequence[bool], queries: Sequence[str], keys: Sequence[str],
-            title: str) -> str:  # fmt: skip
-    """A heatmap of one head's weights (rows: queries, columns: keys) as inline SVG.
-
-    Each cell's ``<title>`` holds its query, key and value; rows whose keys were
-    all masked are grey and say so in their label.
-    """
-    n_q, n_k = len(weights), len(weights[0]) if weights else 0
-    cell = max(6, min(18, 420 // max(n_q, n_k, 1)))
-    label_w = 8 + 7 * min(24, max((len(q) for q in queries), default=1) + (9 if any(masked) else 0))
-    label_h = 8 + 7 * min(24, max((len(k) for k in keys), default=1))
-    width, height = label_w + n_k * cell + 4, label_h + n_q * cell + 4
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" class="map" width="{width}" height="{height}" '
-             f'viewBox="0 0 {width} {height}" role="img" aria-label="{esc(title)}">',
-             f"<title>{esc(title)}</title>"]  # fmt: skip
-    font = 'font-size="10" font-family="ui-monospace, Menlo, Consolas, monospace"'
-    for i, q in enumerate(queries[:n_q]):
-        label = f"{q} (masked)" if masked[i] else q
-        y = label_h + i * cell + cell / 2 + 3
-        parts.append(f'<text x="{label_w - 4}" y="{y:.1f}" text-anchor="end" {font}>{esc(label[:32])}</text>')
-    for j, k in enumerate(keys[:n_k]):
-        x = label_w + j * cell + cell / 2 + 3
-        parts.append(f'<text transform="translate({x:.1f},{label_h - 4}) rotate(-90)" {font}>{esc(k[:24])}</text>')
-    for i, row in enumerate(weights):
-        y = label_h + i * cell
-        for j, w in enumerate(row):
-            fill = _MASKED if masked[i] else shade(w)
-            value = "all keys masked" if masked[i] else f"{w:.3f}"
-            parts.append(f'<rect x="{label_w + j * cell}" y="{y}" width="{cell}" height="{cell}" fill="{fill}">'
-                         f"<title>{esc(queries[i])} → {esc(keys[j])}: {value}</title></rect>")  # fmt: skip
-    parts.append("</svg>")
-    return "".join(parts)
-
-
-def _labels(call: AttentionCall, batch: int, tokens: list[list[str]] | None) -> tuple[list[str], list[str]]:
-    from qkvtrace.render.maps_render import call_labels
-
-    return call_labels(call, batch, tokens)
-
-
-def call_maps(call: AttentionCall, tokens: list[list[str]] | None, budget: _Budget) -> str:
-    """The heatmaps of a call's map (first batch item it holds, up to ``max_heads`` heads), or why none."""
-    if call.attention_map is None:
-        return (
-            f'<p class="dim">No attention map: {esc(call.attention_map_reason)}</p>'
-            if call.attention_map_reason
-            else ""
-        )
-    weights, full = call.attention_map, call.attention_map_fully_masked
-    n_b, n_h, n_q, n_k = (int(x) for x in weights.shape)
-    heads = call.attention_map_heads or list(range(n_h))
-    batch = (call.attention_map_batch or [0])[0]
-    bounds = budget.bounds
-    notes = [f'<p class="note">{esc(n)}</p>' for n in call.attention_map_notes or []]
-    if max(n_q, n_k) > bounds.max_tokens:
-        return "".join(notes) + (f'<p class="note">Map not drawn: {n_q}×{n_k} is longer than {bounds.max_tokens} '
-                                 "on a side (it is in the result; draw it with --maps).</p>")  # fmt: skip
-    shown = min(len(heads), bounds.max_heads, budget.left // max(1, n_q * n_k))
-    if shown <= 0:
-        return "".join(notes) + ('<p class="note">Map not drawn: the page already holds as many map cells as it '
-                                 f"may ({bounds.max_cells:,}).</p>")  # fmt: skip
-    budget.left -= shown * n_q * n_k
-    queries, keys = _labels(call, batch, tokens)
-    figures = _figures(
-        weights, full, heads[:shown], batch, queries, keys, f"{module_name(call.module)}, call {call.index}"
-    )
-    more = []
-    if shown < len(heads):
-        more.append(f'<p class="note">{len(heads) - shown} more head(s) of this call not drawn here (bound: '
-                    f"{bounds.max_heads} heads a call, {bounds.max_cells:,} cells a page).</p>")  # fmt: skip
-    if n_b > 1:
-        more.append(f'<p class="dim">Batch item {batch} of the {n_b} the map holds.</p>')
-    return "".join(notes) + f'<div class="maps" data-map="call-{call.index}">{figures}</div>' + "".join(more) + _SCALE
-
-
-_SCALE = ('<p class="dim">Shade: white = weight 0, dark blue = weight 1; grey rows: every key masked '
-          "(weights 0). Hover a cell for its value.</p>")  # fmt: skip
-
-
-def _figures(weights: Any, full: Any, heads: Sequence[int], batch: int, queries: Sequence[str], keys: Sequence[str],
-             title: str) -> str:  # fmt: skip
-    """One heatmap per head of the map's first batch item (position 0 of ``weights``)."""
-    figures = []
-    for hp, head in enumerate(heads):
-        svg = map_svg(weights[0, hp].tolist(), full[0, hp].tolist(), queries, keys,
-                      f"{title}: head {head}, batch item {batch}")  # fmt: skip
-        figures.append(f"<figure>{svg}<figcaption>head {head}, batch item {batch}</figcaption></figure>")
-    return "".join(figures)
-
-
-def tensors_maps(weights: Any, full: Any, bounds: MapBounds = DEFAULT_BOUNDS) -> str:
-    """Heatmaps of a bare ``[B, H, T_q, T_k]`` map (batch position 0, positions as labels), within ``bounds``."""
-    _, n_h, n_q, n_k = (int(x) for x in weights.shape)
-    if max(n_q, n_k) > bounds.max_tokens:
-        return f'<p class="note">Map not drawn: {n_q}×{n_k} is longer than {bounds.max_tokens} on a side.</p>'
-    shown = min(n_h, bounds.max_heads, bounds.max_cells // max(1, n_q * n_k))
-    figures = _figures(weights, full, range(shown), 0, [str(i) for i in range(n_q)], [str(i) for i in range(n_k)],
-                       "attention map")  # fmt: skip
-    more = f'<p class="note">{n_h - shown} more head(s) not drawn.</p>' if shown < n_h else ""
-    return f'<div class="maps">{figures}</div>{more}{_SCALE}'
-
-
 # -- one call --------------------------------------------------------------------------
 
 
 def call_details(call: AttentionCall, result: TraceResult | None = None, *, tokens: list[list[str]] | None = None,
-                 open_: bool = False, budget: _Budget | None = None) -> str:  # fmt: skip
+                 open_: bool = False, budget: MapBudget | None = None) -> str:  # fmt: skip
     """Everything recorded of one call: PyTorch's reason, the kernel and its evidence, inputs, slices, gradients."""
     result = result or TraceResult(calls=[call])
-    budget = budget or _Budget(DEFAULT_BOUNDS)
+    budget = budget or MapBudget(DEFAULT_BOUNDS)
     ops = ", ".join(call.aten_ops) if call.aten_ops else None
     facts = _facts([
         ("module", f'<span class="name">{esc(module_name(call.module))}</span> ({esc(call.module_type)})'),
@@ -531,7 +387,7 @@ def trace_fragment(result: TraceResult, *, tokens: list[list[str]] | None = None
 
     ``controls``: HTML put just above the table (the page's filters).
     """
-    budget = _Budget(bounds)
+    budget = MapBudget(bounds)
     calls = result.calls[:max_calls]
     left_out = len(result.calls) - len(calls)
     parts = [
