@@ -98,8 +98,10 @@ def test_one_row_per_call_with_the_models_names_paths_and_pytorchs_reason(tmp_pa
     with qkvtrace.trace(model) as t:
         model(x)
         model(x)
-    rows = Page(trace_page(t.result)).rows
+    page = trace_page(t.result)
+    rows = Page(page).rows
     assert [r["data-module"] for r in rows] == ["mha", "attend", "mha", "attend"]
+    assert "No attention maps were asked for" in page  # the trace had no attention_maps=True: the page says how
     assert [r["cells"][2] for r in rows] == ["fallback", "sdpa", "fallback", "sdpa"]  # path as text, not colour alone
     training = reason_under("self.training")
     assert [r["cells"][-1] for r in rows if r["data-module"] == "mha"] == [training, training]

@@ -399,6 +399,10 @@ def trace_fragment(result: TraceResult, *, tokens: list[list[str]] | None = None
     if left_out:
         parts.append(f'<p class="note">{left_out} more call(s) not shown (bound: {max_calls} calls a page); '
                      "the JSON of the trace holds them all.</p>")  # fmt: skip
+    if calls and all(c.attention_map is None and c.attention_map_reason is None for c in calls):
+        parts.append('<p class="dim">No attention maps were asked for: <code>qkvtrace trace TARGET --show-maps '
+                     "--html FILE</code>, or <code>qkvtrace.trace(model, attention_maps=True)</code>, adds each "
+                     "call's map to its details (the model keeps its kernel).</p>")  # fmt: skip
     parts.append('<section class="details"><h3>Each call</h3>')
     parts += [call_details(c, result, tokens=tokens, budget=budget) for c in calls]
     parts += [compiled_details(op) for op in result.compiled]
