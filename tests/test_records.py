@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -318,3 +319,22 @@ def test_no_mask_no_fully_masked_rows() -> None:
     assert int(torch.isnan(out).sum()) == 0
     assert (call["output"]["nan_count"], call["output"]["fully_masked_rows"]) == (0, 0)
     assert (call["inputs"]["key_padding_mask"], call["inputs"]["attn_mask"]) == (None, None)
+
+
+def test_files_written_get_the_permissions_open_would_give(tmp_path: Path) -> None:
+    """Witness: a file made by plain ``open()`` in the same folder (its mode is what the umask allows).
+
+    The JSON and the HTML page are written through a temporary file (0o600) and a rename; what lands must be
+    readable as any file the user writes, and a file replaced keeps its own mode.
+    """
+    import stat
+
+    from qkvtrace.records import TraceResult
+
+    (tmp_path / "plain.txt").write_text("x")
+    expected = stat.S_IMODE((tmp_path / "plain.txt").stat().st_mode)
+    result = TraceResult(torch_version="x")
+    for path in (result.save(tmp_path / "t.json"), result.save_html(tmp_path / "t.html")):
+        assert stat.S_IMODE(path.stat().st_mode) == expected, path
+    (tmp_path / "t.json").chmod(0o640)
+    assert stat.S_IMODE(result.save(tmp_path / "t.json").stat().st_mode) == 0o640
