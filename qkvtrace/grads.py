@@ -126,10 +126,9 @@ class GradsResult:
         return save_page(grads_page(self), path)
 
     def _repr_html_(self) -> str:
-        from qkvtrace.render.html_page import grads_section
-        from qkvtrace.render.html_parts import fragment, trace_fragment
+        from qkvtrace.render.html_page import grads_html
 
-        return fragment(grads_section(self) + trace_fragment(self.trace))
+        return grads_html(self)
 
 
 def make_loss(model: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> tuple[str, torch.Tensor]:

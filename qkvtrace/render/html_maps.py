@@ -22,7 +22,7 @@ from typing import Any
 
 from qkvtrace.records import AttentionCall
 
-__all__ = ["DEFAULT_BOUNDS", "MapBounds", "MapBudget", "call_maps", "map_png", "map_svg", "shade", "tensors_maps"]
+__all__ = ["DEFAULT_BOUNDS", "DrawBudget", "MapBounds", "call_maps", "map_png", "map_svg", "shade", "tensors_maps"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +44,7 @@ class MapBounds:
 DEFAULT_BOUNDS = MapBounds()
 
 
-class MapBudget:
+class DrawBudget:
     """The SVG cells and picture pixels left to draw in one document."""
 
     def __init__(self, bounds: MapBounds) -> None:
@@ -53,7 +53,12 @@ class MapBudget:
         self.pixels = bounds.max_pixels
 
     def admit(self, heads: int, n_q: int, n_k: int) -> tuple[int, bool]:
-        """How many of ``heads`` heads of ``n_q``×``n_k`` to draw, and whether as SVG (the budget is charged)."""
+        """How many of ``heads`` heads of ``n_q``×``n_k`` to draw (0 past ``max_tokens``), and whether as SVG.
+
+        The budget is charged for what is drawn.
+        """
+        if max(n_q, n_k) > self.bounds.max_tokens:
+            return 0, False
         svg = max(n_q, n_k) <= self.bounds.max_svg_tokens
         left = self.cells if svg else self.pixels
         shown = max(0, min(heads, self.bounds.max_heads, left // max(1, n_q * n_k)))
@@ -191,7 +196,7 @@ def _not_drawn(n_q: int, n_k: int, shown: int, heads: int, bounds: MapBounds) ->
     return ""
 
 
-def call_maps(call: AttentionCall, tokens: list[list[str]] | None, budget: MapBudget) -> str:
+def call_maps(call: AttentionCall, tokens: list[list[str]] | None, budget: DrawBudget) -> str:
     """The heatmaps of a call's map (first batch item it holds, up to ``max_heads`` heads), or why none."""
     if call.attention_map is None:
         reason = call.attention_map_reason
@@ -203,7 +208,7 @@ def call_maps(call: AttentionCall, tokens: list[list[str]] | None, budget: MapBu
     heads = call.attention_map_heads or list(range(n_h))
     batch = (call.attention_map_batch or [0])[0]
     notes = "".join(f'<p class="note">{_esc(n)}</p>' for n in call.attention_map_notes or [])
-    shown, svg = (0, False) if max(n_q, n_k) > budget.bounds.max_tokens else budget.admit(len(heads), n_q, n_k)
+    shown, svg = budget.admit(len(heads), n_q, n_k)
     said = _not_drawn(n_q, n_k, shown, len(heads), budget.bounds)
     if shown <= 0:
         return notes + said
@@ -217,8 +222,7 @@ def call_maps(call: AttentionCall, tokens: list[list[str]] | None, budget: MapBu
 def tensors_maps(weights: Any, full: Any, bounds: MapBounds = DEFAULT_BOUNDS) -> str:
     """Heatmaps of a bare ``[B, H, T_q, T_k]`` map (batch position 0, positions as labels), within ``bounds``."""
     _, n_h, n_q, n_k = (int(x) for x in weights.shape)
-    budget = MapBudget(bounds)
-    shown, svg = (0, False) if max(n_q, n_k) > bounds.max_tokens else budget.admit(n_h, n_q, n_k)
+    shown, svg = DrawBudget(bounds).admit(n_h, n_q, n_k)
     said = _not_drawn(n_q, n_k, shown, n_h, bounds)
     if shown <= 0:
         return said

@@ -22,7 +22,7 @@ from qkvtrace.render.html_parts import DEFAULT_BOUNDS, STYLE, MapBounds, esc, fm
 if TYPE_CHECKING:
     from qkvtrace.grads import GradsResult
 
-__all__ = ["grads_page", "grads_section", "save_page", "trace_html", "trace_page"]
+__all__ = ["grads_html", "grads_page", "grads_section", "save_page", "trace_html", "trace_page"]
 
 _PAGE_STYLE = """
 body { margin: 0; background: #fff; }
@@ -199,13 +199,20 @@ def grads_section(result: GradsResult) -> str:
 
 
 def _loss_line(result: GradsResult) -> str:
-    loss = "next-token cross-entropy" if result.loss_kind == "lm" else "<output, R>, R fixed random"
+    from qkvtrace.grads import LOSS_TEXT
+
+    loss = LOSS_TEXT.get(result.loss_kind, result.loss_kind)
     return f"<p>Loss: {esc(loss)} = {fmt(result.loss)} · torch {esc(result.torch_version)}</p>"
 
 
 def trace_html(result: TraceResult, *, tokens: list[list[str]] | None = None) -> str:
     """A trace as a notebook shows it: the routes picture when a backward pass was traced, then the trace."""
     return fragment(_routes_of_trace(result) + trace_fragment(result, tokens=tokens))
+
+
+def grads_html(result: GradsResult) -> str:
+    """What ``qkvtrace grads`` measured as a notebook shows it: the routes picture and rows, then the trace."""
+    return fragment(grads_section(result) + trace_fragment(result.trace))
 
 
 def _routes_of_trace(result: TraceResult) -> str:

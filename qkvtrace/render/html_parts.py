@@ -20,15 +20,14 @@ from typing import Any
 from qkvtrace.records import (
     AttentionCall,
     CompiledAttention,
-    GradientRecord,
     RouteRecord,
     SliceInfo,
     TraceResult,
-    kernel_refusal,
     rows_label,
 )
-from qkvtrace.render.html_maps import DEFAULT_BOUNDS, MapBounds, MapBudget, call_maps, tensors_maps
-from qkvtrace.render.terminal import summary_line
+from qkvtrace.render.html_maps import DEFAULT_BOUNDS, DrawBudget, MapBounds, call_maps, tensors_maps
+from qkvtrace.render.terminal import compiled_why_cell, grad_norms_cell, summary_line, why_cell
+from qkvtrace.render.terminal import fmt_number as fmt
 
 __all__ = [
     "DEFAULT_BOUNDS",
@@ -84,13 +83,6 @@ def esc(value: Any) -> str:
     return html.escape("" if value is None else str(value), quote=True)
 
 
-def fmt(x: float | None) -> str:
-    """Three significant digits (the terminal's spelling of numbers)."""
-    if x is None:
-        return "-"
-    return f"{x:.3g}".replace("e-0", "e-").replace("e+0", "e+")
-
-
 def path_tag(path: str, label: str | None = None) -> str:
     css = path if path in _PATH_CLASS else "other"
     return f'<span class="tag p-{css}">{esc(label or path)}</span>'
@@ -104,29 +96,6 @@ def backend_tag(backend: str | None) -> str:
 
 def module_name(name: str) -> str:
     return name or "(root)"
-
-
-def why_text(call: AttentionCall) -> str:
-    """PyTorch's reason against the fast path, then its words against a faster SDPA kernel (plain text)."""
-    if call.path in ("fast", "fused_encoder_layer"):
-        return "(fast path taken)"
-    lines = []
-    if call.why_not_fast_path is not None:
-        lines.append(" ".join(call.why_not_fast_path.split()))
-        if call.why_not_fused_layer and call.why_not_fused_layer != call.why_not_fast_path:
-            lines.append(f"layer: {' '.join(call.why_not_fused_layer.split())}")
-    kernel = kernel_refusal(call.sdpa_refusals)
-    if kernel is not None:
-        lines.append(f"not {kernel[0]}: {kernel[1]}")
-    return "\n".join(lines) or "-"
-
-
-def _grad_cell(grads: list[GradientRecord], module: str) -> str:
-    mine = [g for g in grads if g.module == module]
-    if not mine:
-        return "-"
-    last = mine[-1]
-    return "/".join(fmt(s.grad_norm) for s in (last.q, last.k, last.v))
 
 
 def _th(label: str, key: str, kind: str = "text") -> str:
@@ -159,8 +128,8 @@ def calls_table(result: TraceResult, *, limit: int | None = None, link: bool = T
             f"<td>{backend_tag(call.sdpa_backend)}</td>",
         ]
         if grads:
-            cells.append(f'<td class="num">{_grad_cell(result.gradients, call.module)}</td>')
-        cells.append(f'<td class="reason">{esc(why_text(call))}</td>')
+            cells.append(f'<td class="num">{grad_norms_cell(result.gradients, call.module)}</td>')
+        cells.append(f'<td class="reason">{esc(why_cell(call).plain)}</td>')
         rows.append(
             f'<tr data-call="{anchor}" data-index="{call.index}" data-module="{esc(module_name(call.module))}" '
             f'data-path="{esc(call.path)}" data-backend="{esc(call.sdpa_backend or "none")}">{"".join(cells)}</tr>'
@@ -177,9 +146,7 @@ def calls_table(result: TraceResult, *, limit: int | None = None, link: bool = T
         ]
         if grads:
             cells.append('<td class="num">-</td>')
-        runs = ", ".join(op.runs) or "-"
-        why = f"{op.compiler} graph {op.graph}: runs {runs}" + (f"\n{op.rewritten}" if op.rewritten else "")
-        cells.append(f'<td class="reason">{esc(why)}</td>')
+        cells.append(f'<td class="reason">{esc(compiled_why_cell(op).plain)}</td>')
         rows.append(
             f'<tr data-call="{anchor}" data-index="{len(result.calls) + op.index}" '
             f'data-module="{esc(module_name(op.module))}" data-path="{esc(path)}" '
@@ -313,10 +280,10 @@ def routes_table(routes: Sequence[RouteRecord]) -> str:
 
 
 def call_details(call: AttentionCall, result: TraceResult | None = None, *, tokens: list[list[str]] | None = None,
-                 open_: bool = False, budget: MapBudget | None = None) -> str:  # fmt: skip
+                 open_: bool = False, budget: DrawBudget | None = None) -> str:  # fmt: skip
     """Everything recorded of one call: PyTorch's reason, the kernel and its evidence, inputs, slices, gradients."""
     result = result or TraceResult(calls=[call])
-    budget = budget or MapBudget(DEFAULT_BOUNDS)
+    budget = budget or DrawBudget(DEFAULT_BOUNDS)
     ops = ", ".join(call.aten_ops) if call.aten_ops else None
     facts = _facts([
         ("module", f'<span class="name">{esc(module_name(call.module))}</span> ({esc(call.module_type)})'),
@@ -387,7 +354,7 @@ def trace_fragment(result: TraceResult, *, tokens: list[list[str]] | None = None
 
     ``controls``: HTML put just above the table (the page's filters).
     """
-    budget = MapBudget(bounds)
+    budget = DrawBudget(bounds)
     calls = result.calls[:max_calls]
     left_out = len(result.calls) - len(calls)
     parts = [

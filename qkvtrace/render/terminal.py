@@ -28,14 +28,18 @@ __all__ = [
     "agreement_table",
     "blind_spots",
     "calls_table",
+    "compiled_why_cell",
     "convention_lines",
     "findings_table",
+    "fmt_number",
     "fully_masked_table",
+    "grad_norms_cell",
     "mask_semantics_table",
     "records_view",
     "scenarios_table",
     "summary_line",
     "trace_table",
+    "why_cell",
 ]
 
 _PATH_STYLE = {
@@ -136,7 +140,7 @@ def records_view(
     return Group(*blocks)
 
 
-def _fmt(x: float | None) -> str:
+def fmt_number(x: float | None) -> str:
     """Numbers take little room: three significant digits, no padded exponent (``2.96e-7``)."""
     if x is None:
         return "-"
@@ -147,19 +151,19 @@ def _qkv_norms(call: AttentionCall) -> str:
     parts = (call.qkv.q, call.qkv.k, call.qkv.v)
     if all(p is None or p.weight_norm is None for p in parts):
         return "-"
-    return "/".join(_fmt(p.weight_norm if p else None) for p in parts)
+    return "/".join(fmt_number(p.weight_norm if p else None) for p in parts)
 
 
-def _grad_norms(grads: list[GradientRecord], module: str) -> str:
+def grad_norms_cell(grads: list[GradientRecord], module: str) -> str:
     mine = [g for g in grads if g.module == module]
     if not mine:
         return "-"
     last = mine[-1]
     slices: tuple[SliceGrad, ...] = (last.q, last.k, last.v)
-    return "/".join(_fmt(s.grad_norm) for s in slices)
+    return "/".join(fmt_number(s.grad_norm) for s in slices)
 
 
-def _why(call: AttentionCall) -> Text:
+def why_cell(call: AttentionCall) -> Text:
     """PyTorch's reason against the fast path, then its words against a faster SDPA kernel (one cell)."""
     if call.path in ("fast", "fused_encoder_layer"):
         return Text("(fast path taken)", style="dim")
@@ -210,21 +214,21 @@ def trace_table(
         cells: dict[str, str | Text] = {
             "type": call.module_type,
             "weights": _qkv_norms(call),
-            "grads": _grad_norms(result.gradients, call.module),
+            "grads": grad_norms_cell(result.gradients, call.module),
             "ops": "\n".join(call.aten_ops) if call.aten_ops else Text(call.evidence or "-", style="dim"),
         }
         rows.append([Text(f"#{call.index}", style="dim"), call.module or "(root)", _path(call.path),
-                     _backend(call.sdpa_backend), *(cells[c] for c in extra), _why(call)])  # fmt: skip
+                     _backend(call.sdpa_backend), *(cells[c] for c in extra), why_cell(call)])  # fmt: skip
     for op in result.compiled:  # what torch.compile made of attention, marked "compiled"
         runs = "\n".join(op.runs) or "-"
         cells = {"type": op.module_type, "weights": "-", "grads": "-", "ops": runs}
         rows.append([Text(f"#c{op.index}", style="dim"), op.module or "(root)",
                      Text(f"compiled {op.entry}", style=_PATH_STYLE.get(op.entry, "")), _backend(op.sdpa_backend),
-                     *(cells[c] for c in extra), _compiled_why(op)])  # fmt: skip
+                     *(cells[c] for c in extra), compiled_why_cell(op)])  # fmt: skip
     return records_view(title, cols, rows, width=width, title_cols=2)
 
 
-def _compiled_why(op: CompiledAttention) -> Text:
+def compiled_why_cell(op: CompiledAttention) -> Text:
     """For a compiled operation: what compiled it, what it runs, and what the compiler changed."""
     text = Text(f"{op.compiler} graph {op.graph}: runs ", style="dim")
     text.append(", ".join(op.runs) or "-")
