@@ -37,11 +37,11 @@ back to back as many times as the baseline needs to fill ``SAMPLE_SECONDS``
 measures the machine more than the contender). Every repetition times the
 baseline, then each contender in a fixed order, then the baseline again; a
 contender's ratio is its sample over the mean of the two baselines around it.
-The table gives the median and the range (min-max) of these paired ratios.
-Memory: the peak of Python
-allocations during the unit (``tracemalloc``, which does not see tensor
-storage) and the tensor storage the contender hands back or keeps after it
-(its maps, saved outputs or cache). "Saw" is read
+The table gives the median and the range (min-max) of these paired ratios
+(with ``--threads`` above 1, CPU time adds up every thread's work). Memory:
+the peak of Python allocations during the unit (``tracemalloc``, which does
+not see tensor storage) and the tensor storage the contender hands back or
+keeps after it (its maps, saved outputs or cache). "Saw" is read
 from what each contender handed back in this run (its records, its profiler
 rows, its tensors), not from its documentation.
 """
