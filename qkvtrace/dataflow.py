@@ -6,33 +6,50 @@ matmul and the kernel, and the matmul itself, whose edges lead (through a
 transpose or a dtype cast) to the weight's ``AccumulateGrad``. For each of
 Q, K and V this module
 
-1. walks that graph breadth-first to the nearest matmul that consumes the
-   weight of a projection module (``nn.Linear``, or a ``Conv1D``-style module
-   with an ``[in, out]`` weight) held by the attention module or its parents,
-   never past another matmul (so never into an earlier layer);
+1. walks that graph breadth-first to the nearest matmul on each branch that
+   consumes the weight of a projection module (``nn.Linear``, or a
+   ``Conv1D``-style module with an ``[in, out]`` weight) held by the
+   attention module or its parents, never past another matmul (so never into
+   an earlier layer, and never from ``q_b_proj`` on to the ``q_a_proj``
+   before it: the rows named are those of the nearer weight);
 2. asks autograd for the gradient of the part with respect to that matmul's
    output (``torch.autograd.grad`` with a ``GradientEdge`` as input, a
    pseudo-random probe from a private generator as ``grad_outputs``,
    ``retain_graph=True``): an output feature that never reaches the part has
    an exactly zero gradient column, one that does has a non-zero one. The
    non-zero columns are the part's rows, in whatever order and interleaving
-   the model laid them out.
+   the model laid them out. A part made from several weights (latent
+   attention's K: a per-head part from ``kv_b_proj``, a shared rotary part
+   from ``kv_a_proj_with_mqa``) names each; while one weight's rows are
+   probed, the gradient is stopped at the other weights' matmuls, so a
+   weight behind another is credited only with what reaches the part
+   directly.
 
 Nothing the user owns moves: the capture stops at the matmul's output, so no
 parameter's ``AccumulateGrad`` runs, no ``.grad`` changes (a ``.grad`` the
 model retains on Q, K or V is put back as it was), the graph keeps its
 buffers, and the global RNG is not touched. Tensor hooks the model put on
-the tensors between the projection and Q, K, V do see the probe. A call that builds no graph
-(``torch.no_grad``, ``inference_mode``, frozen weights) has nothing to read:
-the answer is then a reason, never a guess.
+the tensors between the projection and Q, K, V do see the probe.
+
+A call that builds no graph (``torch.no_grad``, ``inference_mode``, frozen
+weights) is derived by running the module's forward again on copies with
+gradients on (:mod:`qkvtrace.replay`).
+
+A derived answer holds for the call it was read from. It is reused for a
+later call of the module only when that call's :func:`signature` -- the
+module's children, and for each of Q, K and V its shape, strides, offset,
+the tensor it is a view of and (with a graph) the nodes that made it -- is
+the same; a module re-wired after its first call (projections fused for
+inference, a split order taken from an argument, a second kernel call with
+other rows) gets new rows, not the old ones.
 """
 
 from __future__ import annotations
 
 import re
 import weakref
-from collections import deque
-from collections.abc import Sequence
+from collections import OrderedDict, deque
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +59,7 @@ from torch import nn
 from qkvtrace import compat
 from qkvtrace.slices import PARTS, PartSpec, Projection, ProjectionSpec, layout_of, rows_of
 
-__all__ = ["EVIDENCE", "derive_projection", "derived_projection"]
+__all__ = ["EVIDENCE", "derive_projection", "derived_projection", "no_graph", "signature"]
 
 EVIDENCE = "dataflow: autograd graph"
 
@@ -52,6 +69,10 @@ _WEIGHT_PATH = re.compile(r"^(T|Transpose|Permute|ToCopy|Alias)Backward\d*$")
 #: the kernel and the nearest projection and never reaches an earlier layer's weights
 _MATMUL = re.compile(r"^(Mm|Addmm|Bmm|Baddbmm|Addbmm|Matmul|Linear|Convolution|Einsum)Backward\d*$")
 _MAX_NODES = 512
+#: graph nodes per part that :func:`signature` reads (the views and the matmul nearest the kernel)
+_CHAIN = 4
+#: derived answers kept per module (one per layout its calls showed)
+_PER_MODULE = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,19 +126,23 @@ def _weight_of(node: Any, by_id: dict[int, tuple[torch.Tensor, _Candidate]],
     return None
 
 
-def _consumer(start: Any, by_id: dict[int, tuple[torch.Tensor, _Candidate]],
-              by_fn: dict[int, int]) -> tuple[Any, int] | None:  # fmt: skip
-    """The nearest node that consumes a candidate weight, and that weight's id."""
+def _consumers(start: Any, by_id: dict[int, tuple[torch.Tensor, _Candidate]],
+               by_fn: dict[int, int]) -> list[tuple[Any, int]]:  # fmt: skip
+    """The nearest node consuming a candidate weight on each branch back from ``start``, with that weight's id.
+
+    The search goes past neither a consumer nor any other matmul.
+    """
     seen = {id(start)}
     queue: deque[Any] = deque([start])
     kept = [start]  # ids are unique only while the nodes live
+    found: list[tuple[Any, int]] = []
     while queue and len(seen) < _MAX_NODES:
         node = queue.popleft()
         children = [c for c, _ in node.next_functions if c is not None]
-        for child in children:
-            wid = _weight_of(child, by_id, by_fn)
-            if wid is not None:
-                return node, wid
+        wid = next((w for w in (_weight_of(c, by_id, by_fn) for c in children) if w is not None), None)
+        if wid is not None:
+            found.append((node, wid))
+            continue
         if _MATMUL.match(node.name()):
             continue
         for child in children:
@@ -125,6 +150,18 @@ def _consumer(start: Any, by_id: dict[int, tuple[torch.Tensor, _Candidate]],
                 seen.add(id(child))
                 queue.append(child)
                 kept.append(child)
+    return found
+
+
+def _behind(node: Any, wid: int, by_id: dict[int, tuple[torch.Tensor, _Candidate]],
+            by_fn: dict[int, int]) -> str | None:  # fmt: skip
+    """The name of a projection whose output reaches ``node``'s input (a low-rank ``q_a_proj → q_b_proj``)."""
+    for child, _ in node.next_functions:
+        if child is None or _weight_of(child, by_id, by_fn) is not None:
+            continue
+        for _, other in _consumers(child, by_id, by_fn):
+            if other != wid:
+                return by_id[other][1].name
     return None
 
 
@@ -135,35 +172,112 @@ def _probe(t: torch.Tensor) -> torch.Tensor:
     return torch.randn(t.shape, generator=gen, device=t.device, dtype=torch.float32).to(t.dtype)
 
 
-#: what was derived, per attention module, for every later call in this process: the holder (weakly) and
-#: the slices (names and rows, no tensors), or the reason; a module's layout is its code's, read once
-_DERIVED: weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref[nn.Module], ProjectionSpec] | str] = (
-    weakref.WeakKeyDictionary()
-)
+def _stop(grads: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor | None, ...]:
+    """A node pre-hook: nothing flows through this node (another weight's matmul, while one is probed)."""
+    return tuple(None if g is None else torch.zeros_like(g) for g in grads)
 
 
-def derived_projection(module: nn.Module, qkv: Sequence[Any], holders: Sequence[nn.Module]) -> Projection | str:
-    """:func:`derive_projection` once per module: from its first call that builds a graph.
+def _reached(t: torch.Tensor, node: Any, width: int, others: Sequence[Any]) -> torch.Tensor | str:
+    """Which output features of ``node``'s matmul reach ``t`` (a bool vector), the gradient stopped at ``others``."""
+    handles = [o.register_prehook(_stop) for o in others]
+    try:
+        edge = torch.autograd.graph.GradientEdge(node, 0)
+        (grad,) = torch.autograd.grad([t], [edge], [_probe(t)], retain_graph=True, allow_unused=True)
+    finally:
+        for h in handles:
+            h.remove()
+    if grad is None or grad.dim() == 0 or grad.shape[-1] != width:
+        return "does not give one column per output feature"
+    return grad.detach().ne(0).reshape(-1, width).any(0)
 
-    Until a call of ``module`` builds one (calls under ``torch.no_grad`` or
-    ``inference_mode``), the answer is the reason the rows are not known.
+
+# -- reuse, while it holds ------------------------------------------------------------------------------
+
+
+def signature(module: nn.Module, qkv: Sequence[Any], graph: bool = True) -> Hashable:
+    """What must be the same for a derived answer to hold for another call of ``module``.
+
+    Cheap (no host read, a few attribute reads a tensor) and blind to the
+    sequence length, so a decoding loop keeps one answer: the module's
+    children; for each of Q, K and V its rank, dtype, last dimension, the
+    strides and offset that pick features out of the tensor it is a view of,
+    whether the three are views of one tensor, and with a graph the kinds of
+    the nodes nearest the kernel and which output of each was taken (a
+    split's ``k, v, q`` order is seen there; ``graph=False`` leaves them out).
     """
+    out: list[Any] = [tuple(map(id, module._modules.values()))]
+    bases: list[torch.Tensor | None] = []
+    for t in qkv:
+        if not isinstance(t, torch.Tensor) or t.is_nested:
+            out.append(None)
+            bases.append(None)
+            continue
+        base = t._base
+        bases.append(base)
+        width = int(t.shape[-1]) if base is None or base.dim() == 0 else int(base.shape[-1])
+        chain: list[Any] = []
+        node = t.grad_fn if graph else None
+        for _ in range(_CHAIN):
+            if node is None:
+                break
+            nexts = node.next_functions
+            chain.append(type(node))
+            if not nexts:
+                break
+            node, nr = nexts[0]
+            chain.append(nr)
+        out.append((t.dim(), t.dtype, t.shape[-1] if t.dim() else None, base is None, width,
+                    tuple(st for st in t.stride() if st < width), t.storage_offset() % max(width, 1),
+                    tuple(chain)))  # fmt: skip
+    q, k, v = bases
+    out.append((q is not None and q is k, k is not None and k is v, q is not None and q is v))
+    return tuple(out)
+
+
+#: what was derived, per attention module and call signature: the holder (weakly) and the slices (names and
+#: rows, no tensors), or the reason; a few signatures per module, the oldest forgotten first
+_Known = tuple[weakref.ref[nn.Module], ProjectionSpec] | str
+_DERIVED: weakref.WeakKeyDictionary[nn.Module, OrderedDict[Hashable, _Known]] = weakref.WeakKeyDictionary()
+
+
+def no_graph(reason: str) -> bool:
+    """Whether ``reason`` says only that the call built no graph to read (a replay can read one)."""
+    return reason.startswith(_NO_GRAPH)
+
+
+_NO_GRAPH = "not derived: no graph:"
+
+
+def derived_projection(module: nn.Module, qkv: Sequence[Any], holders: Sequence[nn.Module],
+                       sig: Hashable | None = None) -> Projection | str:  # fmt: skip
+    """:func:`derive_projection` once per module and call signature; a call that built no graph is run again.
+
+    ``sig``: the call's :func:`signature` when the caller has it already.
+    """
+    if sig is None:
+        sig = signature(module, qkv)
     known = _DERIVED.get(module)
-    if isinstance(known, str):
-        return known
-    if known is not None:
-        holder = known[0]()
+    if known is not None and sig in known:
+        entry = known[sig]
+        if isinstance(entry, str):
+            return entry
+        holder = entry[0]()
         if holder is not None:
-            return Projection(holder, known[1])
+            return Projection(holder, entry[1])
     found = derive_projection(qkv, holders)
-    if isinstance(found, Projection):
-        _DERIVED[module] = (weakref.ref(found.holder), found.spec)
-    elif all(getattr(t, "grad_fn", None) is not None for t in qkv):
-        _DERIVED[module] = found  # a graph was read and gave no answer: the next call's would not either
+    if isinstance(found, str) and no_graph(found):
+        from qkvtrace import replay  # the replay runs model code: only reached by calls that built no graph
+
+        found = replay.derive(module, qkv, holders, found)
+    if known is None:
+        known = _DERIVED[module] = OrderedDict()
+    known[sig] = (weakref.ref(found.holder), found.spec) if isinstance(found, Projection) else found
+    while len(known) > _PER_MODULE:
+        known.popitem(last=False)
     return found
 
 
-def derive_projection(qkv: Sequence[Any], holders: Sequence[nn.Module]) -> Projection | str:
+def derive_projection(qkv: Sequence[Any], holders: Sequence[nn.Module], evidence: str = EVIDENCE) -> Projection | str:
     """The Q/K/V slices of a call whose kernel received ``qkv``, or why they cannot be derived.
 
     ``holders``: the calling module, then its parents, innermost first; the
@@ -176,56 +290,79 @@ def derive_projection(qkv: Sequence[Any], holders: Sequence[nn.Module]) -> Proje
         return "nested Q/K/V: their rows are not derived"
     if any(t.grad_fn is None for t in tensors):
         if torch.is_inference_mode_enabled():
-            return "not derived: inference mode builds no autograd graph, and the rows are read from one"
+            return f"{_NO_GRAPH} inference mode builds no autograd graph"
         if not torch.is_grad_enabled():
-            return "not derived: grad is disabled (torch.no_grad), so no autograd graph exists to read the rows from"
+            return f"{_NO_GRAPH} grad is disabled (torch.no_grad)"
         i = next(i for i, t in enumerate(tensors) if t.grad_fn is None)
         if tensors[i].requires_grad:
             return f"not derived: {'QKV'[i]} is a leaf tensor: no projection made it"
-        return f"not derived: {'QKV'[i]} has no autograd history (nothing it came from requires grad)"
+        return f"{_NO_GRAPH} {'QKV'[i]} has no autograd history (nothing it came from requires grad)"
     if not compat.has_gradient_edge():
         return "not derived: this PyTorch cannot take gradients at a graph edge (torch.autograd.graph.GradientEdge)"
     # the probes below run the graph from Q, K, V themselves: a .grad the model keeps on them (retain_grad)
     # would receive the probe, so it is put back as it was
     retained = [(t, t.grad) for t in tensors if t.retains_grad]
     try:
-        return _derive(tensors, holders)
+        return _derive(tensors, holders, evidence)
     finally:
         for t, grad in retained:
             t.grad = grad
 
 
-def _derive(tensors: Sequence[torch.Tensor], holders: Sequence[nn.Module]) -> Projection | str:
+_Found = list[tuple[_Candidate, tuple[tuple[int, int], ...], str | None]]
+
+
+def _part_rows(part: str, t: torch.Tensor, by_id: dict[int, tuple[torch.Tensor, _Candidate]],
+               by_fn: dict[int, int]) -> _Found | str:  # fmt: skip
+    """Each weight that feeds ``part`` directly: its candidate, its rows, and a projection behind it."""
+    found = _consumers(t.grad_fn, by_id, by_fn)
+    if not found:
+        return (f"not derived: no nn.Linear or Conv1D weight of this module or its parents is consumed on the "
+                f"way back from {part.upper()} (within {_MAX_NODES} autograd nodes)")  # fmt: skip
+    out = []
+    for node, wid in found:
+        cand = by_id[wid][1]
+        others = [n for n, _ in found if n is not node]
+        reached = _reached(t, node, cand.width, others)
+        if isinstance(reached, str):
+            return f"not derived: the matmul {node.name()} that consumes {cand.name}.weight {reached}"
+        rows = rows_of(reached)
+        if rows:
+            out.append((cand, rows, _behind(node, wid, by_id, by_fn)))
+    if not out:
+        return f"not derived: no output feature of a projection reaches {part.upper()} with a non-zero gradient"
+    # the weight giving the most rows first: the part's own projection; the others are named beside it
+    out.sort(key=lambda e: -sum(b - a for a, b in e[1]))
+    return out
+
+
+def _derive(tensors: Sequence[torch.Tensor], holders: Sequence[nn.Module], evidence: str) -> Projection | str:
     by_id = _candidates(holders)
     by_fn = {id(w.grad_fn): wid for wid, (w, _) in by_id.items() if w.grad_fn is not None}
-    parts: dict[str, tuple[_Candidate, tuple[tuple[int, int], ...]]] = {}
+    parts = {}
     for part, t in zip(PARTS, tensors, strict=True):
-        found = _consumer(t.grad_fn, by_id, by_fn)
-        if found is None:
-            return (f"not derived: no nn.Linear or Conv1D weight of this module or its parents is consumed on the "
-                    f"way back from {part.upper()} (within {_MAX_NODES} autograd nodes)")  # fmt: skip
-        node, wid = found
-        cand = by_id[wid][1]
-        edge = torch.autograd.graph.GradientEdge(node, 0)
-        (grad,) = torch.autograd.grad([t], [edge], [_probe(t)], retain_graph=True, allow_unused=True)
-        if grad is None or grad.dim() == 0 or grad.shape[-1] != cand.width:
-            return (f"not derived: the matmul {node.name()} that consumes {cand.name}.weight does not give one "
-                    f"column per output feature")  # fmt: skip
-        reached = grad.detach().ne(0).reshape(-1, cand.width).any(0)
-        rows = rows_of(reached)
-        if not rows:
-            return f"not derived: no output feature of {cand.name} reaches {part.upper()} with a non-zero gradient"
-        parts[part] = (cand, rows)
-    holder = _holder([c.module for c, _ in parts.values()], holders)
+        found = _part_rows(part, t, by_id, by_fn)
+        if isinstance(found, str):
+            return found
+        parts[part] = found
+    holder = _holder([c.module for found in parts.values() for c, _, _ in found], holders)
     names = {id(m): n for n, m in holder.named_modules()}
-    specs = []
-    for part in PARTS:
-        cand, rows = parts[part]
+
+    def spec(cand: _Candidate, rows: tuple[tuple[int, int], ...], behind: str | None,
+             also: tuple[PartSpec, ...] = ()) -> PartSpec:  # fmt: skip
         name = names[id(cand.module)]
         prefix = f"{name}." if name else ""
         bias = f"{prefix}bias" if isinstance(getattr(cand.module, "bias", None), torch.Tensor) else None
+        said = evidence
+        if behind is not None:
+            said += f" (the nearest projection; {behind} comes before it, so its rows are not named)"
         # Linear and Conv1D add bias[r] to output feature r: the bias entries follow the weight's rows
-        specs.append(PartSpec(f"{prefix}weight", rows, bias, rows if bias else (), cand.dim, EVIDENCE))
+        return PartSpec(f"{prefix}weight", rows, bias, rows if bias else (), cand.dim, said, also)
+
+    specs = []
+    for part in PARTS:
+        (first, *more) = parts[part]
+        specs.append(spec(*first, also=tuple(spec(*m) for m in more)))
     return Projection(holder, ProjectionSpec(layout_of(specs), *specs))
 
 

@@ -99,6 +99,9 @@ class SliceInfo:
     #: the call did), ``"by definition: ..."`` (``nn.MultiheadAttention``), or
     #: ``"by shape"`` / ``"by name"`` (a hypothesis, for modules with no call).
     evidence: str | None = None
+    #: Other weights this part is also made from, each a slice of its own (latent attention's K takes a
+    #: rotary part from a second projection); the norms above are then those of all the rows together.
+    also: list[SliceInfo] | None = None
 
 
 @dataclass(slots=True)
@@ -551,6 +554,8 @@ def _ours(record: type, data: dict[str, Any]) -> dict[str, Any]:
 
 def _slice(data: dict[str, Any], version_1: bool = False) -> SliceInfo:
     info = SliceInfo(**_ours(SliceInfo, data))
+    if info.also:
+        info.also = [_slice(a) for a in info.also]  # type: ignore[arg-type]  # dicts in a file
     if version_1 and info.rows is not None:  # /1 wrote one [start, stop) pair
         info.rows = [list(info.rows)]  # type: ignore[arg-type]  # a flat pair in /1
     return info

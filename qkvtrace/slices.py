@@ -71,6 +71,12 @@ class PartSpec:
     dim: int = 0
     #: how ``rows`` are known (``"dataflow: autograd graph"``, ``"by definition: ..."``, ``"by name"``)
     evidence: str = ""
+    #: other weights whose rows feed the same part (latent attention's K: a rotary part from another projection)
+    also: tuple[PartSpec, ...] = ()
+
+    def pieces(self) -> tuple[PartSpec, ...]:
+        """This part's own weight, then every other weight it is made from."""
+        return (self, *self.also)
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,36 +263,53 @@ class NormCache:
         names = self._params.get(id(module))
         if names is None:
             names = self._params[id(module)] = sorted(
-                {n for _, ps in spec.parts() for n in (ps.param, ps.bias_param) if n is not None}
+                {n for _, ps in spec.parts() for p in ps.pieces() for n in (p.param, p.bias_param) if n is not None}
             )
         # looked up on every call: FSDP swaps the tensors behind these names between sharded and whole
         key = (id(module), tuple((id(p), p._version) for p in (param_of(module, n) for n in names)))
         cached = self._qkv.get(key)
         if cached is not None:
             return cached
-        infos = {}
-        for part, ps in spec.parts():
-            weight = param_of(module, ps.param)
-            w = _rows(weight, ps.rows, ps.dim)
-            bias_norm = None
-            if ps.bias_param is not None:
-                bias_norm = self.norm(param_of(module, ps.bias_param), ps.bias_rows)
-            infos[part] = SliceInfo(
-                param=ps.param,
-                rows=[list(r) for r in ps.rows],
-                shape=list(w.shape),
-                weight_norm=self.norm(weight, ps.rows, ps.dim),  # type: ignore[arg-type]  # resolved later
-                bias_param=ps.bias_param,
-                bias_norm=bias_norm,  # type: ignore[arg-type]
-                dim=ps.dim,
-                evidence=ps.evidence,
-            )
+        infos = {part: self._slice(module, ps) for part, ps in spec.parts()}
         info = QKVInfo(spec.layout, infos["q"], infos["k"], infos["v"])
         if len(self._qkv) >= _MAX_CACHED:  # tensors swapped on every forward (FSDP) would grow it without end
             self._qkv.clear()
             self._cache.clear()
         self._qkv[key] = info
         return info
+
+    def _slice(self, module: nn.Module, ps: PartSpec) -> SliceInfo:
+        """One part's record; a part made from several weights names the others in ``also``, and its norms
+        are those of all the rows it names together."""
+        weight = param_of(module, ps.param)
+        own = self.norm(weight, ps.rows, ps.dim)
+        bias = None if ps.bias_param is None else self.norm(param_of(module, ps.bias_param), ps.bias_rows)
+        also = None
+        weight_norm, bias_norm = own, bias
+        if ps.also:
+            also = [self._slice(module, p) for p in ps.also]
+            weight_norm = _joint([own, *(a.weight_norm for a in also)])  # type: ignore[assignment, list-item]  # tensors until resolved
+            bias_norm = _joint([b for b in (bias, *(a.bias_norm for a in also)) if b is not None])  # type: ignore[misc]
+        return SliceInfo(
+            param=ps.param,
+            rows=[list(r) for r in ps.rows],
+            shape=list(_rows(weight, ps.rows, ps.dim).shape),
+            weight_norm=weight_norm,  # type: ignore[arg-type]  # resolved later
+            bias_param=ps.bias_param,
+            bias_norm=bias_norm,  # type: ignore[arg-type]
+            dim=ps.dim,
+            evidence=ps.evidence,
+            also=also,
+        )
+
+
+def _joint(norms: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
+    """The norm of several pieces together (0-dim), from the norm of each; ``None`` when one is missing."""
+    if not norms or any(n is None for n in norms):
+        return None
+    if len(norms) == 1:
+        return norms[0]
+    return torch.stack([n for n in norms if n is not None]).square().sum().sqrt()
 
 
 def grad_slices(
@@ -302,12 +325,14 @@ def grad_slices(
         grad = param_of(module, name).grad
         return None if grad is None else _norm(_rows(compat.whole(grad), rows, dim))
 
+    # a part made from several weights (PartSpec.also): the norm over all the rows it names
     return {
         part: SliceGrad(
-            grad_norm=real(ps.param, ps.rows, ps.dim),  # type: ignore[arg-type]  # resolved later
-            bias_grad_norm=real(ps.bias_param, ps.bias_rows),  # type: ignore[arg-type]
-            pass_grad_norm=pass_norms.get((ps.param, ps.rows)),  # type: ignore[arg-type]
-            pass_bias_grad_norm=(pass_norms.get((ps.bias_param, ps.bias_rows)) if ps.bias_param else None),  # type: ignore[arg-type]
+            grad_norm=_joint([real(p.param, p.rows, p.dim) for p in ps.pieces()]),  # type: ignore[arg-type]  # resolved later
+            bias_grad_norm=_joint([real(p.bias_param, p.bias_rows) for p in ps.pieces() if p.bias_param]),  # type: ignore[arg-type]
+            pass_grad_norm=_joint([pass_norms.get((p.param, p.rows)) for p in ps.pieces()]),  # type: ignore[arg-type]
+            pass_bias_grad_norm=_joint([pass_norms.get((p.bias_param, p.bias_rows))  # type: ignore[arg-type]
+                                        for p in ps.pieces() if p.bias_param]),
         )
         for part, ps in spec.parts()
     }

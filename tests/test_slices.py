@@ -6,9 +6,8 @@ which weight become Q, K and V. That index -- written in the test, from the
 model's own forward, never from qkvtrace -- is the witness: the recorded
 rows, the weight and bias norms, the gradient norms (against ``.grad`` taken
 at those indices) and the endpoints of ``qkvtrace grads`` routes must all
-match it. Under ``torch.no_grad`` and ``inference_mode`` no graph exists to
-read the rows from: the answer must then be "unknown" with a reason, never a
-set of rows.
+match it, in training and under ``torch.no_grad`` and ``inference_mode``,
+where the call itself builds no graph.
 """
 
 from __future__ import annotations
@@ -318,20 +317,29 @@ def test_routes_end_at_the_rows_by_construction(name: str) -> None:
 
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
 @pytest.mark.parametrize("name", [n for n in MODELS if not n.startswith("mha")])
-def test_without_a_graph_the_rows_are_unknown_with_a_reason(name: str, mode: str) -> None:
-    """Witness: under ``no_grad``/``inference_mode`` PyTorch builds no graph (``grad_fn is None``), so there is
-    nothing to derive from: no rows may be reported, and the reason must name the mode."""
+def test_without_a_graph_the_rows_are_derived_on_the_first_call(name: str, mode: str) -> None:
+    """Witness: the model's ``truth`` (rows by construction) and its parameters read in the test. Under
+    ``no_grad``/``inference_mode`` PyTorch builds no graph (``grad_fn is None``) and the module never ran with
+    one: the rows must still be those of the construction, the weight norms those of those rows, and the
+    output bit-identical to an untraced run of the same module."""
     torch.manual_seed(0)
-    model = MODELS[name]()
+    model = MODELS[name]().eval()
     x = torch.randn(B, L, E)
     ctx = torch.no_grad() if mode == "no_grad" else torch.inference_mode()
+    with ctx:
+        plain = model(x)
     with ctx, qkvtrace.trace(model) as t:
         out = model(x)
     assert out.grad_fn is None  # the witness: no graph
+    assert torch.equal(out, plain)
     [call] = t.calls
-    assert call.qkv.layout is None
-    assert all(getattr(call.qkv, p) is None or getattr(call.qkv, p).rows is None for p in "qkv")
-    assert call.qkv.reason and ("no_grad" if mode == "no_grad" else "inference mode") in call.qkv.reason
+    assert call.qkv.layout is not None, call.qkv.reason
+    for part, want in _truth(model).items():
+        s = getattr(call.qkv, part)
+        assert s.param == want.param
+        assert sorted(_expand(s.rows)) == sorted(want.index.tolist())
+        assert s.weight_norm == pytest.approx(_norm(want.weight.index_select(want.dim, want.index)), rel=1e-5)
+    assert all(p.grad is None for p in model.parameters())  # nothing written to the real weights
 
 
 def test_a_derived_layout_serves_later_calls_without_a_graph() -> None:
@@ -414,11 +422,14 @@ def test_a_projection_it_cannot_name_is_unknown_not_an_earlier_layer() -> None:
     assert t.gradients == []
 
 
-def test_frozen_projection_says_why() -> None:
-    """Witness: with every weight frozen (``requires_grad=False``) PyTorch gives Q no ``grad_fn``."""
+def test_frozen_projection_rows_are_derived() -> None:
+    """Witness: ``Interleaved.truth``. With every weight frozen (``requires_grad=False``) PyTorch gives Q no
+    ``grad_fn``; the rows must still be the construction's, and the weights stay frozen."""
     model = Interleaved().requires_grad_(False)
     x = torch.randn(B, L, E, requires_grad=False)
     with qkvtrace.trace(model) as t:
         model(x)
     [call] = t.calls
-    assert call.qkv.layout is None and "no autograd history" in call.qkv.reason
+    assert call.qkv.layout == "interleaved", call.qkv.reason
+    assert _expand(call.qkv.q.rows) == Interleaved.truth["q"][1].tolist()
+    assert not any(p.requires_grad for p in model.parameters())

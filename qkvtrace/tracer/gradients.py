@@ -35,14 +35,15 @@ class GradientRecorder:
 
     def __init__(self, name_of: Callable[[nn.Module], str | None]) -> None:
         self._name_of = name_of
-        self._watched: dict[int, tuple[nn.Module, Projection]] = {}
+        #: by module and projection: a module whose calls use other rows (re-wired, or two kernel calls) has each
+        self._watched: dict[tuple[int, int], tuple[nn.Module, Projection]] = {}
         self._handles: list[RemovableHandle] = []
-        self._pending: dict[int, dict[tuple[str, Rows], torch.Tensor]] = {}
+        self._pending: dict[tuple[int, int], dict[tuple[str, Rows], torch.Tensor]] = {}
         #: this pass's route gradients: call index -> (module name, part -> (norm, per-head norms))
         self._pending_routes: dict[int, tuple[str, dict[str, tuple[torch.Tensor, torch.Tensor | None]]]] = {}
         self.routes: list[RouteRecord] = []
         #: modules whose parameters are sharded (FSDP): their slices are read at the end of every pass
-        self._sharded: set[int] = set()
+        self._sharded: set[tuple[int, int]] = set()
         #: FSDP1: a context in which every rank holds whole parameters and whole ``.grad``
         #: (``summon_full_params(root, with_grads=True)``, a collective: entered by every rank, every pass)
         self.gather: Callable[[], contextlib.AbstractContextManager[object]] | None = None
@@ -52,24 +53,26 @@ class GradientRecorder:
         self.records: list[GradientRecord] = []
 
     def watch(self, owner: nn.Module, projection: Projection) -> None:
-        """Hook the Q/K/V parameters of ``owner``'s projection (once per module)."""
-        if not self._open or id(owner) in self._watched:
+        """Hook the Q/K/V parameters of ``owner``'s projection (once per module and projection)."""
+        key = (id(owner), id(projection.spec))  # the spec is held in _watched: its id stays its own
+        if not self._open or key in self._watched:
             return
-        self._watched[id(owner)] = (owner, projection)
+        self._watched[key] = (owner, projection)
         by_param: dict[str, list[tuple[Rows, int]]] = {}
-        for _, ps in projection.spec.parts():
-            by_param.setdefault(ps.param, []).append((ps.rows, ps.dim))
-            if ps.bias_param is not None:
-                by_param.setdefault(ps.bias_param, []).append((ps.bias_rows, 0))
+        for _, part in projection.spec.parts():
+            for ps in part.pieces():
+                by_param.setdefault(ps.param, []).append((ps.rows, ps.dim))
+                if ps.bias_param is not None:
+                    by_param.setdefault(ps.bias_param, []).append((ps.bias_rows, 0))
         if self.gather is not None:  # FSDP1: each rank's .grad is a shard until gathered at the end of the pass
-            self._sharded.add(id(owner))
+            self._sharded.add(key)
         for pname, rows_list in by_param.items():
             param = param_of(projection.holder, pname)
             if compat.is_dtensor(param):
                 # FSDP's sharded parameter: its .grad is set by FSDP after the reduction, no hook runs for it
-                self._sharded.add(id(owner))
+                self._sharded.add(key)
             elif param.requires_grad:
-                self._handles.append(param.register_hook(self._hook(id(owner), pname, rows_list)))
+                self._handles.append(param.register_hook(self._hook(key, pname, rows_list)))
 
     def watch_routes(self, index: int, module: str, core: routes.Core) -> None:
         """Keep, for each backward pass, the gradients reaching call ``index``'s Q, K and V."""
@@ -89,7 +92,8 @@ class GradientRecorder:
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
-    def _hook(self, mid: int, pname: str, rows_list: list[tuple[Rows, int]]) -> Callable[[torch.Tensor], None]:
+    def _hook(self, mid: tuple[int, int], pname: str,
+              rows_list: list[tuple[Rows, int]]) -> Callable[[torch.Tensor], None]:  # fmt: skip
         def hook(grad: torch.Tensor) -> None:
             if not self._open:
                 return

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from qkvtrace import replay
+
 if TYPE_CHECKING:
     from qkvtrace.tracer.session import Trace
 
@@ -74,7 +76,13 @@ def open_calls() -> list[Any]:
 
 
 def owner_module(frame: types.FrameType | None) -> tuple[nn.Module, list[tuple[Trace, str]]] | None:
-    """The innermost module on the Python stack that an open trace covers, with those traces."""
+    """The innermost module on the Python stack that an open trace covers, with those traces.
+
+    ``None`` while this thread runs a module again to read its rows (:mod:`qkvtrace.replay`): nothing of
+    that run is a call of the traced model.
+    """
+    if replay.active():
+        return None
     while frame is not None:
         code = frame.f_code
         if code.co_argcount and code.co_varnames[0] == "self":

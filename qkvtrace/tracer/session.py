@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from qkvtrace import compat, lazy, maps, masks, paths
-from qkvtrace.dataflow import derived_projection
+from qkvtrace.dataflow import derived_projection, signature
 from qkvtrace.monitor import Event, Monitor
 from qkvtrace.records import (
     AttentionCall,
@@ -112,7 +112,7 @@ class Trace:
         self._result = TraceResult(torch_version=str(torch.__version__))
         self._names: dict[int, tuple[str, nn.Module]] = {}
         self._by_name: dict[str, nn.Module] = {}
-        self._projections: dict[int, Projection | str] = {}
+        self._projections: dict[Any, Projection | str] = {}
         self._counter = itertools.count()
         self._grads = GradientRecorder(self.name_of)
         self._exit: contextlib.ExitStack | None = None
@@ -248,24 +248,24 @@ class Trace:
 
     def projection(self, module: nn.Module, qkv: Sequence[Any] | None = None) -> Projection | str:
         """Where ``module``'s Q/K/V live: ``nn.MultiheadAttention``'s by its definition; any other
-        module's derived from the autograd graph of the ``qkv`` its kernel received.
+        module's derived from the dataflow of the ``qkv`` its kernel received.
 
-        Derived once per module (:func:`qkvtrace.dataflow.derived_projection`), from
-        its first call that builds a graph; until one does, the answer is the reason
-        it is not known.
+        Derived once per module and call signature
+        (:func:`qkvtrace.dataflow.derived_projection`): a call whose layout
+        differs from the module's earlier calls gets its own rows.
         """
-        key = id(module)
-        found = self._projections.get(key)
-        if found is not None:
-            return found
         if isinstance(module, nn.MultiheadAttention):
-            found = self._projections[key] = mha_projection(module)
+            found = self._projections.get(id(module))
+            if found is None:
+                found = self._projections[id(module)] = mha_projection(module)
             return found
         if qkv is None:
             return "not derived: the call handed no Q, K, V tensors to a kernel the tracer sees"
-        found = derived_projection(module, qkv, [module, *self._parents(module)])
-        if isinstance(found, Projection):
-            self._projections[key] = found
+        sig = signature(module, qkv)
+        key = (id(module), sig)
+        found = self._projections.get(key)
+        if found is None:
+            found = self._projections[key] = derived_projection(module, qkv, [module, *self._parents(module)], sig)
         return found
 
     def add_call(

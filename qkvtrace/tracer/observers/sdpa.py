@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from qkvtrace import maps, masks, paths, refusals
+from qkvtrace import maps, masks, paths, refusals, replay
 from qkvtrace.records import AttentionCall
 from qkvtrace.tracer import registry, routes
 from qkvtrace.tracer.build import Target, deliver, modes, nan_count, qkv_info, shape, wants_backward, wants_maps
@@ -109,6 +109,9 @@ class _Args:
 
 def observe_sdpa(original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if not registry.is_active():
+        return redispatch_sdpa(original, args, kwargs)
+    if replay.active():  # a module run again to read its rows: the call it was run for ends the run
+        replay.offer(None, [arg(args, kwargs, _SDPA_ARGS, n) for n in ("query", "key", "value")])
         return redispatch_sdpa(original, args, kwargs)
     relevant = relevant_overrides(args, kwargs)
     if torch.overrides.has_torch_function(relevant):
