@@ -154,14 +154,14 @@ def _consumers(start: Any, by_id: dict[int, tuple[torch.Tensor, _Candidate]],
 
 
 def _behind(node: Any, wid: int, by_id: dict[int, tuple[torch.Tensor, _Candidate]],
-            by_fn: dict[int, int]) -> str | None:  # fmt: skip
-    """The name of a projection whose output reaches ``node``'s input (a low-rank ``q_a_proj → q_b_proj``)."""
+            by_fn: dict[int, int]) -> nn.Module | None:  # fmt: skip
+    """A projection whose output reaches ``node``'s input (``q_a_proj`` of a low-rank ``q_a_proj → q_b_proj``)."""
     for child, _ in node.next_functions:
         if child is None or _weight_of(child, by_id, by_fn) is not None:
             continue
         for _, other in _consumers(child, by_id, by_fn):
             if other != wid:
-                return by_id[other][1].name
+                return by_id[other][1].module
     return None
 
 
@@ -194,7 +194,7 @@ def _reached(t: torch.Tensor, node: Any, width: int, others: Sequence[Any]) -> t
 # -- reuse, while it holds ------------------------------------------------------------------------------
 
 
-def signature(module: nn.Module, qkv: Sequence[Any], graph: bool = True) -> Hashable:
+def signature(module: nn.Module, qkv: Sequence[Any]) -> Hashable:
     """What must be the same for a derived answer to hold for another call of ``module``.
 
     Cheap (no host read, a few attribute reads a tensor) and blind to the
@@ -203,20 +203,19 @@ def signature(module: nn.Module, qkv: Sequence[Any], graph: bool = True) -> Hash
     strides and offset that pick features out of the tensor it is a view of,
     whether the three are views of one tensor, and with a graph the kinds of
     the nodes nearest the kernel and which output of each was taken (a
-    split's ``k, v, q`` order is seen there; ``graph=False`` leaves them out).
+    split's ``k, v, q`` order is seen there).
     """
     out: list[Any] = [tuple(map(id, module._modules.values()))]
-    bases: list[torch.Tensor | None] = []
+    bases: list[int | None] = []
     for t in qkv:
         if not isinstance(t, torch.Tensor) or t.is_nested:
             out.append(None)
             bases.append(None)
             continue
         base = t._base
-        bases.append(base)
         width = int(t.shape[-1]) if base is None or base.dim() == 0 else int(base.shape[-1])
         chain: list[Any] = []
-        node = t.grad_fn if graph else None
+        node = t.grad_fn
         for _ in range(_CHAIN):
             if node is None:
                 break
@@ -226,11 +225,13 @@ def signature(module: nn.Module, qkv: Sequence[Any], graph: bool = True) -> Hash
                 break
             node, nr = nexts[0]
             chain.append(nr)
+        # without the tensor it views (inference mode keeps none) the offset itself says which features it took
+        offset = t.storage_offset() if base is None else t.storage_offset() % max(width, 1)
         out.append((t.dim(), t.dtype, t.shape[-1] if t.dim() else None, base is None, width,
-                    tuple(st for st in t.stride() if st < width), t.storage_offset() % max(width, 1),
-                    tuple(chain)))  # fmt: skip
+                    tuple(st for st in t.stride() if st < width), offset, tuple(chain)))  # fmt: skip
+        bases.append(t.data_ptr() - t.storage_offset() * t.element_size())  # where its storage starts
     q, k, v = bases
-    out.append((q is not None and q is k, k is not None and k is v, q is not None and q is v))
+    out.append((q == k, k == v, q == v))
     return tuple(out)
 
 
@@ -309,7 +310,7 @@ def derive_projection(qkv: Sequence[Any], holders: Sequence[nn.Module], evidence
             t.grad = grad
 
 
-_Found = list[tuple[_Candidate, tuple[tuple[int, int], ...], str | None]]
+_Found = list[tuple[_Candidate, tuple[tuple[int, int], ...], nn.Module | None]]
 
 
 def _part_rows(part: str, t: torch.Tensor, by_id: dict[int, tuple[torch.Tensor, _Candidate]],
@@ -348,14 +349,16 @@ def _derive(tensors: Sequence[torch.Tensor], holders: Sequence[nn.Module], evide
     holder = _holder([c.module for found in parts.values() for c, _, _ in found], holders)
     names = {id(m): n for n, m in holder.named_modules()}
 
-    def spec(cand: _Candidate, rows: tuple[tuple[int, int], ...], behind: str | None,
+    def spec(cand: _Candidate, rows: tuple[tuple[int, int], ...], behind: nn.Module | None,
              also: tuple[PartSpec, ...] = ()) -> PartSpec:  # fmt: skip
         name = names[id(cand.module)]
         prefix = f"{name}." if name else ""
         bias = f"{prefix}bias" if isinstance(getattr(cand.module, "bias", None), torch.Tensor) else None
         said = evidence
         if behind is not None:
-            said += f" (the nearest projection; {behind} comes before it, so its rows are not named)"
+            before = names.get(id(behind), type(behind).__name__)
+            said += (f" (the nearest projection: {before} feeds {name or 'it'} and is named only for rows that reach "
+                     f"this part without passing another projection)")  # fmt: skip
         # Linear and Conv1D add bias[r] to output feature r: the bias entries follow the weight's rows
         return PartSpec(f"{prefix}weight", rows, bias, rows if bias else (), cand.dim, said, also)
 

@@ -90,11 +90,16 @@ def offer(module: nn.Module | None, qkv: Sequence[Any]) -> None:
         return
     from qkvtrace import dataflow
 
-    same = all(_equal(a, b) for a, b in zip(qkv, cap.real, strict=True))
-    if not same and dataflow.signature(module, qkv, graph=False) != cap.layout:
-        return
-    cap.result = dataflow.derive_projection(qkv, cap.holders, EVIDENCE if same else EVIDENCE_LAYOUT)
-    raise _Stop
+    if all(_equal(a, b) for a, b in zip(qkv, cap.real, strict=True)):
+        cap.result = dataflow.derive_projection(qkv, cap.holders, EVIDENCE)
+        raise _Stop
+    if cap.result is None and _layout(qkv) == cap.layout:  # kept unless a later call is the same exactly
+        cap.result = dataflow.derive_projection(qkv, cap.holders, EVIDENCE_LAYOUT)
+
+
+def _layout(qkv: Sequence[torch.Tensor]) -> Hashable:
+    """Shapes but the sequence length (a cache the real call filled makes the run's K and V longer)."""
+    return tuple((t.dim(), t.shape[:-2], t.shape[-1:], t.dtype, t.device) for t in qkv)
 
 
 def _owner_on_stack(frame: types.FrameType | None, cap: _Capture) -> nn.Module | None:
@@ -181,7 +186,7 @@ def derive(module: nn.Module, qkv: Sequence[Any], holders: Sequence[nn.Module], 
     from qkvtrace import dataflow
 
     tried: list[str] = []
-    layout = dataflow.signature(module, qkv, graph=False)
+    layout = _layout(qkv)
     for holder, frame in _frames(holders):
         try:
             args, kwargs = _arguments(frame)
@@ -209,10 +214,13 @@ def derive(module: nn.Module, qkv: Sequence[Any], holders: Sequence[nn.Module], 
 
 
 def _run(cap: _Capture, function: types.FunctionType, module: nn.Module, args: Any, kwargs: Any) -> Projection | str:
+    from qkvtrace.tracer.observers import handwritten
+
     devices = sorted({p.device.index for p in module.parameters() if p.device.type == "cuda"} - {None})
     _local.capture = cap
     try:
-        with torch.random.fork_rng(devices=devices), torch.inference_mode(False), torch.enable_grad():
+        with torch.random.fork_rng(devices=devices), torch.inference_mode(False), torch.enable_grad(), \
+                handwritten.recognising():  # fmt: skip
             function(module, *args, **kwargs)
     except _Stop:
         pass

@@ -244,7 +244,8 @@ class NormCache:
     def __init__(self) -> None:
         self._cache: dict[tuple[int, int, Rows, int], torch.Tensor] = {}
         self._qkv: dict[tuple[int, tuple[tuple[int, int], ...]], QKVInfo] = {}
-        self._params: dict[int, list[str]] = {}
+        #: by module and spec: a module whose calls use other projections (re-wired, two calls) has each
+        self._params: dict[tuple[int, int], list[str]] = {}
 
     def norm(self, param: torch.Tensor, rows: Rows, dim: int = 0) -> torch.Tensor:
         key = (id(param), param._version, rows, dim)
@@ -260,13 +261,13 @@ class NormCache:
         if isinstance(projection, str):
             return QKVInfo(layout=None, q=None, k=None, v=None, reason=projection)
         module, spec = projection.holder, projection.spec
-        names = self._params.get(id(module))
+        names = self._params.get((id(module), id(spec)))
         if names is None:
-            names = self._params[id(module)] = sorted(
+            names = self._params[(id(module), id(spec))] = sorted(
                 {n for _, ps in spec.parts() for p in ps.pieces() for n in (p.param, p.bias_param) if n is not None}
             )
         # looked up on every call: FSDP swaps the tensors behind these names between sharded and whole
-        key = (id(module), tuple((id(p), p._version) for p in (param_of(module, n) for n in names)))
+        key = (id(module), id(spec), tuple((id(p), p._version) for p in (param_of(module, n) for n in names)))
         cached = self._qkv.get(key)
         if cached is not None:
             return cached

@@ -45,13 +45,13 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from qkvtrace import compat, maps, patterns
+from qkvtrace import compat, maps, patterns, replay
 from qkvtrace.records import AttentionCall
 from qkvtrace.tracer import registry, routes
 from qkvtrace.tracer.build import Target, deliver, modes, nan_count, qkv_info, shape, wants_backward, wants_maps
 
-__all__ = ["PATH", "TORCH_ATTENTION", "entry_point_called", "stop_watching", "suspended", "unwatch", "watch",
-           "watch_refused", "watching_any"]
+__all__ = ["PATH", "TORCH_ATTENTION", "entry_point_called", "recognising", "stop_watching", "suspended", "unwatch",
+           "watch", "watch_refused", "watching_any"]
 
 PATH = "hand_written"
 #: ``aten_ops`` stay empty: no attention kernel runs; ``inputs["form"]`` lists the torch functions the module called
@@ -234,6 +234,20 @@ def suspended() -> Iterator[None]:
         return
     with torch.overrides._pop_mode_temporarily():  # type: ignore[attr-defined]
         yield
+
+
+@contextlib.contextmanager
+def recognising() -> Iterator[None]:
+    """A recogniser of its own around a module run again to read its rows (:mod:`qkvtrace.replay`);
+    this thread's state, and the mode of a call in progress, are as they were afterwards."""
+    saved = getattr(_local, "state", None)
+    st = _local.state = _State()
+    st.mode = _Recogniser()
+    try:
+        with st.mode:
+            yield
+    finally:
+        _local.state = saved
 
 
 # -- the mode ---------------------------------------------------------------------------------------
@@ -439,6 +453,9 @@ def _scale_and_cap(steps: tuple[tuple[str, Any], ...]) -> tuple[Any, Any]:
 
 
 def _record(node: _Node, form: tuple[str, ...], v: torch.Tensor, out: torch.Tensor) -> None:
+    if replay.active():  # a module run again to read its rows: the call it was run for ends the run
+        replay.offer(None, (node.q, node.k, v))
+        return
     found = registry.owner_module(sys._getframe())
     if found is None:
         return
