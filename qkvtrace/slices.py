@@ -243,7 +243,7 @@ class NormCache:
 
     def __init__(self) -> None:
         self._cache: dict[tuple[int, int, Rows, int], torch.Tensor] = {}
-        self._qkv: dict[tuple[int, tuple[tuple[int, int], ...]], QKVInfo] = {}
+        self._qkv: dict[tuple[int, int, tuple[tuple[int, int], ...]], QKVInfo] = {}
         #: by module and spec: a module whose calls use other projections (re-wired, two calls) has each
         self._params: dict[tuple[int, int], list[str]] = {}
 
