@@ -265,7 +265,10 @@ def derived_projection(module: nn.Module, qkv: Sequence[Any], holders: Sequence[
         holder = entry[0]()
         if holder is not None:
             return Projection(holder, entry[1])
-    found = derive_projection(qkv, holders)
+    try:
+        found = derive_projection(qkv, holders)
+    except RuntimeError as exc:  # autograd refused a probe: the call is still recorded, with why
+        found = f"not derived: autograd could not read the rows ({type(exc).__name__}: {exc})"
     if isinstance(found, str) and no_graph(found):
         from qkvtrace import replay  # the replay runs model code: only reached by calls that built no graph
 

@@ -59,7 +59,7 @@ class _Stop(BaseException):
 class _Capture:
     """One replay in progress on this thread."""
 
-    __slots__ = ("copies", "holders", "layout", "real", "result", "target")
+    __slots__ = ("copies", "exact", "holders", "layout", "real", "result", "target")
 
     def __init__(self, target: nn.Module, holders: list[nn.Module], real: Sequence[torch.Tensor],
                  layout: Hashable) -> None:  # fmt: skip
@@ -68,6 +68,8 @@ class _Capture:
         self.real = real
         self.layout = layout
         self.result: Projection | str | None = None
+        #: whether ``result`` is from a call whose Q, K, V equal the real call's
+        self.exact = False
         self.copies: set[int] = set()
 
 
@@ -92,6 +94,7 @@ def offer(module: nn.Module | None, qkv: Sequence[Any]) -> None:
 
     if all(_equal(a, b) for a, b in zip(qkv, cap.real, strict=True)):
         cap.result = dataflow.derive_projection(qkv, cap.holders, EVIDENCE)
+        cap.exact = True
         raise _Stop
     if cap.result is None and _layout(qkv) == cap.layout:  # kept unless a later call is the same exactly
         cap.result = dataflow.derive_projection(qkv, cap.holders, EVIDENCE_LAYOUT)
@@ -176,8 +179,38 @@ def _copy(module: nn.Module, args: list[Any], kwargs: dict[str, Any]) -> tuple[d
     return memo, copied
 
 
+#: argument names that hold a cache the call writes into before its kernel (a second run would read it back)
+_CACHE_NAMES = frozenset({"past_key_value", "past_key_values", "layer_past", "cache", "kv_cache", "cache_params"})
+
+
+def _without_cache(args: list[Any], kwargs: dict[str, Any],
+                   names: Sequence[str]) -> tuple[list[Any], dict[str, Any]] | None:  # fmt: skip
+    """The arguments with each cache (a ``...Cache`` object, or a list or ``None``-able value under a cache's
+    name) left out: ``None``, or an empty list. ``None`` when the call was given none."""
+
+    def empty(name: str | None, value: Any) -> Any:
+        if type(value).__name__.endswith("Cache") or (name in _CACHE_NAMES and value is not None):
+            return type(value)() if isinstance(value, (list, dict)) else None
+        return value
+
+    new_args = [empty(names[i] if i < len(names) else None, v) for i, v in enumerate(args)]
+    new_kwargs = {k: empty(k, v) for k, v in kwargs.items()}
+    changed = any(a is not b for a, b in zip(args, new_args, strict=True)) or any(
+        new_kwargs[k] is not kwargs[k] for k in kwargs
+    )
+    return (new_args, new_kwargs) if changed else None
+
+
 def derive(module: nn.Module, qkv: Sequence[Any], holders: Sequence[nn.Module], why: str) -> Projection | str:
     """``module``'s rows for this call, from a replay of the innermost holder whose forward gives them.
+
+    Each holder's forward is run without the cache it was given, if any, and
+    then as it was called: the real call wrote into its cache before its
+    kernel, so a run with a copy of that cache reads the new keys back, and
+    can even give the call's very Q, K, V out of the cache rather than from
+    the projections. The first run that reaches the call gives the rows: one
+    that reproduces its Q, K, V exactly, or else its layout (the evidence
+    says which).
 
     ``why``: why the call itself gave none (returned, with what the replay met, when no replay gives them).
     """
@@ -191,24 +224,33 @@ def derive(module: nn.Module, qkv: Sequence[Any], holders: Sequence[nn.Module], 
         try:
             args, kwargs = _arguments(frame)
             function = _function(frame)
-            memo, (copied, cargs, ckwargs) = _copy(holder, args, kwargs)
-        except Exception as exc:  # a frame or a module that cannot be copied: said, not raised
+        except Exception as exc:  # a frame that cannot be read back: said, not raised
             tried.append(f"{type(holder).__name__} could not be run again ({type(exc).__name__}: {exc})")
             continue
-        target = memo.get(id(module))
-        if target is None:
-            continue
         inside = list(holders[: holders.index(holder) + 1])
-        cap = _Capture(target, [memo[id(h)] for h in inside], [t.detach() for t in qkv], layout)
-        cap.copies = {id(m) for m in copied.modules()}
-        result = _run(cap, function, copied, cargs, ckwargs)
-        if isinstance(result, Projection):
-            back = {id(memo[id(m)]): m for m in holder.modules() if id(m) in memo}
-            return Projection(back[id(result.holder)], result.spec)
-        tried.append(result)
-        if not (result.startswith("not derived: no nn.Linear") or dataflow.no_graph(result)):
+        variants = [(args, kwargs, "")]
+        bare = _without_cache(args, kwargs, frame.f_code.co_varnames)
+        if bare is not None:  # first: a copy of a cache the call already wrote to can give its Q, K, V by chance
+            variants.insert(0, (*bare, ", without its cache"))
+        for vargs, vkwargs, how in variants:
+            try:
+                memo, (copied, cargs, ckwargs) = _copy(holder, vargs, vkwargs)
+            except Exception as exc:  # a module or an argument that cannot be copied: said, not raised
+                tried.append(f"{type(holder).__name__} could not be copied ({type(exc).__name__}: {exc})")
+                break
+            target = memo.get(id(module))
+            if target is None:
+                break
+            cap = _Capture(target, [memo[id(h)] for h in inside], [t.detach() for t in qkv], layout)
+            cap.copies = {id(m) for m in copied.modules()}
+            result = _run(cap, function, copied, cargs, ckwargs)
+            if isinstance(result, Projection):  # the first run that reached the call: one with the cache is no better
+                back = {id(memo[id(m)]): m for m in holder.modules() if id(m) in memo}
+                return Projection(back[id(result.holder)], result.spec)
+            tried.append(result + how)
+        if tried and not (tried[-1].startswith("not derived: no nn.Linear") or dataflow.no_graph(tried[-1])):
             break  # the run could not reach the call: a parent's would not either
-        # Q, K, V came into this forward made: the projections are its parent's
+        # else Q, K, V came into this forward made: the projections are its parent's
     said = "; ".join(dict.fromkeys(tried))
     return f"{why}, and running the module again on copies with gradients on gave none: {said}" if said else why
 

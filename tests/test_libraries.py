@@ -441,6 +441,31 @@ def test_library_model_qkv_slices_and_gradients(name: str) -> None:
                 assert sg.bias_grad_norm == pytest.approx(vector_norm(bias.grad()), rel=1e-6), (module, part)
 
 
+@pytest.mark.parametrize("hand_written", [False, True], ids=["sdpa", "eager"])
+@pytest.mark.parametrize("grad_mode", ["no_grad", "inference_mode"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_library_model_qkv_rows_in_inference(name: str, grad_mode: str, hand_written: bool) -> None:
+    """Witness: each library's layout read here from the model's own parameters (``spec.parts``), and the
+    untraced output. A fresh model in eval, its first call under ``no_grad`` or ``inference_mode`` (no graph,
+    the library's own KV cache where it makes one): every call must still name the right rows and norms."""
+    spec = MODELS[name]
+    run = build(name, "eval", hand_written=hand_written)
+    ctx = torch.no_grad if grad_mode == "no_grad" else torch.inference_mode
+    with ctx():
+        plain = run.model(**run.inputs)
+    with ctx(), qkvtrace.trace(run.model) as t:
+        out = run.model(**run.inputs)
+    assert all(torch.equal(a, b) for a, b in zip(tensors(plain), tensors(out), strict=True))
+    assert [c.module for c in t.calls] == attention_modules(name, run.model)
+    for c in t.calls:
+        assert c.qkv.layout is not None, f"{c.module}: {c.qkv.reason}"
+        for part, (weight, _) in spec.parts(run.model, spec.qkv_owner(c.module)).items():
+            info = getattr(c.qkv, part)
+            recorded = [i for lo, hi in (info.rows or []) for i in range(lo, hi)]
+            assert sorted(recorded) == sorted(weight.rows()), (c.module, part, info.rows)
+            assert info.weight_norm == pytest.approx(vector_norm(weight.value()), rel=1e-6), (c.module, part)
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", list(MODELS))
 def test_hand_written_attention_is_recorded(name: str, mode: str) -> None:

@@ -338,3 +338,48 @@ def test_attention_written_by_hand_has_rows_in_inference(mode: str) -> None:
     assert call.path == "hand_written"
     for part, start in (("q", E), ("k", 0), ("v", 2 * E)):
         assert _expand(getattr(call.qkv, part).rows) == list(range(start, start + E)), call.qkv.reason
+
+
+@pytest.mark.parametrize("mode", ["train", "no_grad", "inference_mode"])
+def test_deepseek_v2_latent_attention_rows_by_its_layout(mode: str) -> None:
+    """Witness: DeepSeek-V2's layout in the transformers library, read from its config: Q is every row of
+    ``q_b_proj`` (behind ``q_a_proj``); K per head is ``kv_b_proj`` rows ``h·(nope+v) + [0, nope)`` plus the
+    rotary rows ``[kv_lora_rank, kv_lora_rank + rope)`` of ``kv_a_proj_with_mqa``; V per head ``kv_b_proj`` rows
+    ``h·(nope+v) + nope + [0, v)``. Run with its own KV cache (a prompt, then one decoding step), outputs equal an
+    untraced run's."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "DeepseekV2Config"):
+        pytest.skip("this transformers has no DeepSeek-V2")
+    nope, rope, vdim, rank, heads = 8, 4, 8, 8, 2
+    config = transformers.DeepseekV2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=1,
+        num_attention_heads=heads, num_key_value_heads=heads, q_lora_rank=16, kv_lora_rank=rank,
+        qk_rope_head_dim=rope, qk_nope_head_dim=nope, v_head_dim=vdim, n_routed_experts=2, num_experts_per_tok=1,
+        first_k_dense_replace=1, max_position_embeddings=64, attn_implementation="sdpa",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.DeepseekV2ForCausalLM(config).train(mode == "train")
+    ids = torch.randint(0, 64, (1, 5))
+
+    def run() -> list[torch.Tensor]:
+        first = model(ids, use_cache=True)
+        second = model(ids[:, -1:], past_key_values=first.past_key_values, use_cache=True)
+        return [first.logits, second.logits]
+
+    with _MODES[mode]():  # type: ignore[attr-defined]
+        plain = run()
+        with qkvtrace.trace(model) as t:
+            traced = run()
+    assert all(torch.equal(a, b) for a, b in zip(plain, traced, strict=True))
+    k_rows = [h * (nope + vdim) + i for h in range(heads) for i in range(nope)]
+    v_rows = [h * (nope + vdim) + nope + i for h in range(heads) for i in range(vdim)]
+    assert len(t.calls) == 2
+    for call in t.calls:
+        q, k, v = call.qkv.q, call.qkv.k, call.qkv.v
+        assert q.param == "q_b_proj.weight" and _expand(q.rows) == list(range(heads * (nope + rope))), call.qkv.reason
+        assert "q_a_proj" in (q.evidence or "")
+        assert k.param == "kv_b_proj.weight" and _expand(k.rows) == k_rows
+        assert k.also is not None
+        assert [(a.param, _expand(a.rows)) for a in k.also] == [("kv_a_proj_with_mqa.weight",
+                                                                 list(range(rank, rank + rope)))]  # fmt: skip
+        assert v.param == "kv_b_proj.weight" and _expand(v.rows) == v_rows
