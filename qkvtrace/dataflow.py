@@ -59,7 +59,7 @@ from torch import nn
 from qkvtrace import compat
 from qkvtrace.slices import PARTS, PartSpec, Projection, ProjectionSpec, layout_of, rows_of
 
-__all__ = ["EVIDENCE", "derive_projection", "derived_projection", "no_graph", "signature"]
+__all__ = ["EVIDENCE", "derive_projection", "derived_projection", "lasting", "no_graph", "signature"]
 
 EVIDENCE = "dataflow: autograd graph"
 
@@ -249,6 +249,13 @@ def no_graph(reason: str) -> bool:
 _NO_GRAPH = "not derived: no graph:"
 
 
+def lasting(found: Projection | str) -> bool:
+    """Whether an answer holds for later calls of the same signature (rows, or a reason that will not change)."""
+    from qkvtrace import replay
+
+    return not (isinstance(found, str) and found.endswith(replay.PROFILING))
+
+
 def derived_projection(module: nn.Module, qkv: Sequence[Any], holders: Sequence[nn.Module],
                        sig: Hashable | None = None) -> Projection | str:  # fmt: skip
     """:func:`derive_projection` once per module and call signature; a call that built no graph is run again.
@@ -273,6 +280,8 @@ def derived_projection(module: nn.Module, qkv: Sequence[Any], holders: Sequence[
         from qkvtrace import replay  # the replay runs model code: only reached by calls that built no graph
 
         found = replay.derive(module, qkv, holders, found)
+        if not lasting(found):
+            return found
     if known is None:
         known = _DERIVED[module] = OrderedDict()
     known[sig] = (weakref.ref(found.holder), found.spec) if isinstance(found, Projection) else found

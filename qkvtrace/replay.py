@@ -41,13 +41,16 @@ from torch import nn
 
 from qkvtrace.slices import Projection
 
-__all__ = ["EVIDENCE", "EVIDENCE_LAYOUT", "active", "derive", "offer"]
+__all__ = ["EVIDENCE", "EVIDENCE_LAYOUT", "PROFILING", "active", "derive", "offer"]
 
 EVIDENCE = "dataflow: autograd graph of the call run again on copies with gradients on"
 EVIDENCE_LAYOUT = (
     "dataflow: autograd graph of the module run again on copies with gradients on "
     "(the run gave this call's layout but other values: the module keeps state, such as a KV cache)"
 )
+
+#: why a call's rows wait for a later call: a profiler records (its reason is not kept for later calls)
+PROFILING = "a profiler is recording, and running the module again to read them would show in its profile"
 
 _local = threading.local()
 
@@ -216,6 +219,8 @@ def derive(module: nn.Module, qkv: Sequence[Any], holders: Sequence[nn.Module], 
     """
     if active():
         return why
+    if torch.autograd._profiler_enabled():  # the run's operations would show in the profile being recorded
+        return f"{why}; {PROFILING}"
     from qkvtrace import dataflow
 
     tried: list[str] = []

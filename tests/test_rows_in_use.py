@@ -383,3 +383,28 @@ def test_deepseek_v2_latent_attention_rows_by_its_layout(mode: str) -> None:
         assert [(a.param, _expand(a.rows)) for a in k.also] == [("kv_a_proj_with_mqa.weight",
                                                                  list(range(rank, rank + rope)))]  # fmt: skip
         assert v.param == "kv_b_proj.weight" and _expand(v.rows) == v_rows
+
+
+def test_inside_a_users_profiler_the_module_is_not_run_again() -> None:
+    """Witness: the user's own ``torch.profiler`` -- the operations it records with the trace open are those it
+    records untraced (a second run of the module would add its matmuls); once the profiler is closed, the next
+    call of the same module has its rows (``Ordered``'s construction)."""
+    torch.manual_seed(0)
+    model = Ordered().eval()
+    x = torch.randn(B, L, E)
+
+    def ops(traced: bool) -> list[str]:
+        with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            if traced:
+                with qkvtrace.trace(model) as t:
+                    model(x)
+                [call] = t.calls
+                assert call.qkv.layout is None and "profiler" in (call.qkv.reason or "")
+            else:
+                model(x)
+        return [e.name for e in prof.events() if e.name in ("aten::addmm", "aten::mm", "aten::bmm", "aten::linear")]
+
+    assert ops(traced=True) == ops(traced=False)
+    with torch.no_grad(), qkvtrace.trace(model) as t:
+        model(x)
+    assert _expand(t.calls[0].qkv.q.rows) == list(range(E))

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from qkvtrace import compat, lazy, maps, masks, paths
-from qkvtrace.dataflow import derived_projection, signature
+from qkvtrace.dataflow import derived_projection, lasting, signature
 from qkvtrace.monitor import Event, Monitor
 from qkvtrace.records import (
     AttentionCall,
@@ -265,7 +265,9 @@ class Trace:
         key = (id(module), sig)
         found = self._projections.get(key)
         if found is None:
-            found = self._projections[key] = derived_projection(module, qkv, [module, *self._parents(module)], sig)
+            found = derived_projection(module, qkv, [module, *self._parents(module)], sig)
+            if lasting(found):
+                self._projections[key] = found
         return found
 
     def add_call(
