@@ -201,9 +201,10 @@ def signature(module: nn.Module, qkv: Sequence[Any]) -> Hashable:
     sequence length, so a decoding loop keeps one answer: the module's
     children; for each of Q, K and V its rank, dtype, last dimension, the
     strides and offset that pick features out of the tensor it is a view of,
-    whether the three are views of one tensor, and with a graph the kinds of
-    the nodes nearest the kernel and which output of each was taken (a
-    split's ``k, v, q`` order is seen there).
+    whether the three are views of one tensor, and with a graph which output
+    of each of the nodes nearest the kernel was taken (a split's ``k, v, q``
+    order is seen there; the nodes' kinds are not: a mode of the user's can
+    record a reshape as a view).
     """
     out: list[Any] = [tuple(map(id, module._modules.values()))]
     bases: list[int | None] = []
@@ -220,7 +221,6 @@ def signature(module: nn.Module, qkv: Sequence[Any]) -> Hashable:
             if node is None:
                 break
             nexts = node.next_functions
-            chain.append(type(node))
             if not nexts:
                 break
             node, nr = nexts[0]

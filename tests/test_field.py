@@ -482,7 +482,8 @@ def _relative_bias(score: torch.Tensor, b: Any, h: Any, q_idx: Any, kv_idx: Any)
 
 
 def test_flex_attention_is_recorded() -> None:
-    """Witness: the untraced output, FlexAttention saved before the trace (by ``is``), the test's score_mod."""
+    """Witness: the untraced output, FlexAttention saved before the trace (by ``is``), the test's score_mod, and
+    ``FlexBlock``'s rows by construction."""
     flex = pytest.importorskip("torch.nn.attention.flex_attention")
     model = nn.Sequential(FlexBlock())
     x = torch.randn(B, L, E)
@@ -498,5 +499,6 @@ def test_flex_attention_is_recorded() -> None:
     assert (call.module, call.path, call.sdpa_backend) == ("0", "flex", None)
     assert call.inputs["score_mod"] == "_relative_bias" and call.inputs["block_mask"] is None
     assert call.evidence in ("witnessed", "cached") and call.aten_ops  # FlexAttention's own operator
-    # no graph under no_grad: the rows are unknown, and said so
-    assert call.qkv.layout is None and call.qkv.reason and "no_grad" in call.qkv.reason
+    # no graph under no_grad, yet the rows are FlexBlock's by construction: thirds of ``qkv.weight``, q first
+    assert call.qkv.layout == "packed", call.qkv.reason
+    assert [getattr(call.qkv, p).rows for p in "qkv"] == [[[i * E, (i + 1) * E]] for i in range(3)]

@@ -22,7 +22,6 @@ import torch
 from torch import nn
 
 from qkvtrace import compat, lazy, maps, masks, paths
-from qkvtrace.dataflow import derived_projection, lasting, signature
 from qkvtrace.monitor import Event, Monitor
 from qkvtrace.records import (
     AttentionCall,
@@ -34,12 +33,13 @@ from qkvtrace.records import (
     Unobserved,
     squared_shares,
 )
-from qkvtrace.slices import NormCache, Projection, guess_projection, mha_projection
+from qkvtrace.slices import NormCache, Projection, guess_projection
 from qkvtrace.tracer import compiled as compiled_log
 from qkvtrace.tracer import registry
 from qkvtrace.tracer.gradients import GradientRecorder
 from qkvtrace.tracer.install import installation
 from qkvtrace.tracer.observers import handwritten
+from qkvtrace.tracer.projections import Projections
 from qkvtrace.tracer.routes import Core
 
 __all__ = ["Trace", "trace"]
@@ -112,7 +112,7 @@ class Trace:
         self._result = TraceResult(torch_version=str(torch.__version__))
         self._names: dict[int, tuple[str, nn.Module]] = {}
         self._by_name: dict[str, nn.Module] = {}
-        self._projections: dict[Any, Projection | str] = {}
+        self._projections = Projections(self._parents)
         self._counter = itertools.count()
         self._grads = GradientRecorder(self.name_of)
         self._exit: contextlib.ExitStack | None = None
@@ -247,28 +247,8 @@ class Trace:
         return next(self._counter)
 
     def projection(self, module: nn.Module, qkv: Sequence[Any] | None = None) -> Projection | str:
-        """Where ``module``'s Q/K/V live: ``nn.MultiheadAttention``'s by its definition; any other
-        module's derived from the dataflow of the ``qkv`` its kernel received.
-
-        Derived once per module and call signature
-        (:func:`qkvtrace.dataflow.derived_projection`): a call whose layout
-        differs from the module's earlier calls gets its own rows.
-        """
-        if isinstance(module, nn.MultiheadAttention):
-            found = self._projections.get(id(module))
-            if found is None:
-                found = self._projections[id(module)] = mha_projection(module)
-            return found
-        if qkv is None:
-            return "not derived: the call handed no Q, K, V tensors to a kernel the tracer sees"
-        sig = signature(module, qkv)
-        key = (id(module), sig)
-        found = self._projections.get(key)
-        if found is None:
-            found = derived_projection(module, qkv, [module, *self._parents(module)], sig)
-            if lasting(found):
-                self._projections[key] = found
-        return found
+        """Where ``module``'s Q/K/V live for this call (:class:`~qkvtrace.tracer.projections.Projections`)."""
+        return self._projections.get(module, qkv)
 
     def add_call(
         self, call: AttentionCall, owner: nn.Module, projection: Projection | str, core: Core | None = None
