@@ -234,8 +234,8 @@ def test_a_fully_masked_row_is_reported_not_nan() -> None:
     others = [i for i in range(L) if i != 2]
     assert _max_err(c.attention_map[:, :, others], w[:, :, others]) <= MHA_TOL
     _check_rows(c)
-    # rows per (batch, query) whose weights PyTorch returned as NaN in every head: PyTorch's count, not the map's
-    assert c.output["fully_masked_rows"] == int(torch.isnan(w).all(-1).all(1).sum())
+    # (batch, head, query) rows whose weights PyTorch returned as NaN: PyTorch's count, not the map's
+    assert c.output["fully_masked_rows"] == int(torch.isnan(w).all(-1).sum()) == B * H
 
 
 # -- direct SDPA against the MATH backend's weights -----------------------------------
