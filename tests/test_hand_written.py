@@ -429,7 +429,7 @@ def test_saved_trace_validates_and_reads_back(tmp_path: Any) -> None:
     with qkvtrace.trace(model) as t:
         model(x)
     data = json.loads(t.save(tmp_path / "t.json").read_text())
-    schema = json.loads((Path(qkvtrace.__file__).parent / "schemas" / "trace-2.json").read_text())
+    schema = json.loads((Path(qkvtrace.__file__).parent / "schemas" / "trace-3.json").read_text())
     Draft202012Validator(schema).validate(data)
     back = TraceResult.from_dict(data)
     assert back.calls[0].path == "hand_written"

@@ -277,7 +277,7 @@ def test_routes_off_records_none_and_json_round_trips(tmp_path: Any) -> None:
     with qkvtrace.trace(model) as t:
         _loss(model(x)).backward()
     path = t.save(tmp_path / "t.json")
-    back = load_trace(path)  # validated against the qkvtrace.trace/2 schema, then read
+    back = load_trace(path)  # validated against the qkvtrace.trace/3 schema, then read
     assert back.routes == t.routes
     assert back.calls[0].backward_kernel == t.calls[0].backward_kernel
 
