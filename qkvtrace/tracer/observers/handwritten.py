@@ -47,7 +47,7 @@ from torch.overrides import TorchFunctionMode
 
 from qkvtrace import compat, maps, patterns
 from qkvtrace.records import AttentionCall
-from qkvtrace.tracer import registry, routes
+from qkvtrace.tracer import folded, registry, routes
 from qkvtrace.tracer.build import Target, deliver, modes, nan_count, qkv_info, shape, wants_backward, wants_maps
 
 __all__ = ["PATH", "TORCH_ATTENTION", "entry_point_called", "stop_watching", "suspended", "unwatch", "watch",
@@ -105,6 +105,8 @@ class _Node:
     probs: torch.Tensor | None = None
     dropout_p: float = 0.0
     softmax_dtype: str | None = None
+    #: heads folded into dimension 0 of Q or K (``[B·H, T, d]``), as the module's own reshape made them
+    heads: int | None = None
 
 
 @dataclass
@@ -115,6 +117,8 @@ class _State:
     nodes: dict[int, _Node] = field(default_factory=dict)
     #: activations scaled by a number before any product (Q or K scaled before QKᵀ), and through which steps
     scaled: dict[int, tuple[weakref.ref[torch.Tensor], tuple[tuple[str, Any], ...]]] = field(default_factory=dict)
+    #: activations the module folded ``[B, H, T, d]`` into ``[B·H, T, d]``, with the heads folded
+    folds: dict[int, tuple[weakref.ref[torch.Tensor], int]] = field(default_factory=dict)
 
 
 def _state() -> _State:
@@ -209,6 +213,7 @@ def _switch_off(module: nn.Module) -> None:
     watching[0] -= 1
     st.nodes.clear()
     st.scaled.clear()
+    st.folds.clear()
     if torch.overrides._get_current_function_mode() is mode:  # type: ignore[attr-defined]
         mode.__exit__(None, None, None)
 
@@ -248,6 +253,7 @@ class _Recogniser(TorchFunctionMode):
         except Exception as exc:  # the model's call goes on whatever happens here
             _state().nodes.clear()
             _state().scaled.clear()
+            _state().folds.clear()
             registry.report_failure("hand-written attention", exc)
         return out
 
@@ -292,6 +298,7 @@ def _see(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> 
     first = args[0] if args else kwargs.get("input")
     if (name in _SCALE or name in _MOVES) and _node(nodes, first) is None and _activation(first):
         _scaled(st, name, first, args, kwargs, out)  # type: ignore[arg-type]  # an activation: a tensor
+        _fold(st, name, first, out)  # type: ignore[arg-type]
     if not nodes:
         return
     if name == "where":
@@ -362,6 +369,24 @@ def _scaled(st: _State, name: str, first: torch.Tensor, args: tuple[Any, ...], k
             st.scaled[id(t)] = (weakref.ref(t), steps)
 
 
+def _folded(st: _State, t: Any) -> int | None:
+    found = st.folds.get(id(t))
+    return found[1] if found is not None and found[0]() is t else None
+
+
+def _fold(st: _State, name: str, first: torch.Tensor, out: Any) -> None:
+    """Follow ``[B, H, T, d]`` folded into ``[B·H, T, d]`` by a reshape, then through moves and scalings."""
+    if not isinstance(out, torch.Tensor) or out.dim() != 3:
+        return
+    heads = _folded(st, first)
+    if heads is not None and out.shape[0] == first.shape[0]:
+        st.folds[id(out)] = (weakref.ref(out), heads)
+    elif heads is None and name in ("reshape", "view", "flatten"):
+        heads = folded.split_heads(first.shape, out.shape)
+        if heads is not None:
+            st.folds[id(out)] = (weakref.ref(out), heads)
+
+
 def _where(nodes: dict[int, _Node], args: tuple[Any, ...], out: Any) -> None:
     if len(args) != 3:
         return
@@ -394,8 +419,8 @@ def _product(nodes: dict[int, _Node], name: str, args: tuple[Any, ...], kwargs: 
         nodes.pop(id(a), None)
         _record(probs, (*probs.form, name), b, out)
         return
-    node = _Node(weakref.ref(out), "scores", a, b, transposed, (name,))
     st, before = _state(), []
+    node = _Node(weakref.ref(out), "scores", a, b, transposed, (name,), heads=_folded(st, a) or _folded(st, b))
     for part, operand in (("q", a), ("k", b)):  # a number Q or K was scaled by before the product scales QKᵀ too
         factors = _factors(st, operand)
         node.steps = (*node.steps, *factors)
@@ -452,6 +477,7 @@ def _record(node: _Node, form: tuple[str, ...], v: torch.Tensor, out: torch.Tens
     blocked, bias = patterns.combine(list(node.terms), final)
     scale, cap = _scale_and_cap(node.steps)
     qkv = qkv_info(first, projection, (q, k, v))
+    heads, heads_evidence = _heads_of(node, owner, v) if q.dim() == 3 else (None, None)
     rows: Any = 0
     mask = None
     if blocked is not None:
@@ -485,14 +511,15 @@ def _record(node: _Node, form: tuple[str, ...], v: torch.Tensor, out: torch.Tens
             "softcap": cap,
             "softmax_dtype": node.softmax_dtype,
             "form": " → ".join(form),
+            **({"heads": {"count": heads, "evidence": heads_evidence}} if q.dim() == 3 else {}),
             **modes(owner),
         },
         qkv=qkv,
         output={"nan_count": nan_count(out), "fully_masked_rows": rows},
         evidence=EVIDENCE,
     )
-    core = routes.sdpa_core(out, q, k, v, heads=_heads(owner)) if wants_backward(targets) else None
-    source = _ProbsSource(probs, blocked, node.dropout_p, _heads(owner)) if wants_maps(targets) else None
+    core = routes.sdpa_core(out, q, k, v, heads=heads) if wants_backward(targets) else None
+    source = _ProbsSource(probs, blocked, node.dropout_p, heads, heads_evidence) if wants_maps(targets) else None
     deliver(call, targets, owner, projection, core, source)
 
 
@@ -503,8 +530,9 @@ class _ProbsSource:
     probs: torch.Tensor
     blocked: torch.Tensor | None
     dropout_p: float
-    #: the module's number of heads (its own attribute), to unfold ``[B*H, T, T]`` probabilities
+    #: the heads folded into ``[B*H, T, T]`` probabilities (to unfold them), and where that number comes from
     heads: int | None
+    heads_evidence: str | None = None
 
     def compute(self, budget: maps.MapBudget, name: str) -> maps.MapResult:
         p, blocked = self.probs.detach(), self.blocked
@@ -512,11 +540,30 @@ class _ProbsSource:
             p = p.view(p.shape[0] // self.heads, self.heads, *p.shape[1:])
             if blocked is not None and blocked.dim() == 3 and blocked.shape[0] == self.probs.shape[0]:
                 blocked = blocked.view(p.shape[0], self.heads, *blocked.shape[1:])
+        unfolded = p.dim() == 4 and self.probs.dim() == 3
         while p.dim() < 4:
             p = p.unsqueeze(0)
         if p.dim() > 4:
             return maps.MapResult(reason=f"not computed: probabilities of {p.dim()} dims (maps are [B, H, T, T])")
-        return maps.from_weights(p, blocked, budget, self.dropout_p)
+        result = maps.from_weights(p, blocked, budget, self.dropout_p)
+        if self.probs.dim() == 3 and result.weights is not None:
+            result.notes.append(f"[B·H, T, T] unfolded into {self.heads} heads ({self.heads_evidence})" if unfolded
+                                else "heads folded into the batch: the split was not shown, [1, B·H, T, T]")
+        return result
+
+
+def _heads_of(node: _Node, owner: nn.Module, v: torch.Tensor) -> tuple[int | None, str | None]:
+    """The heads folded into dimension 0 of ``[B·H, T, d]`` Q, K, V: from the dataflow, else the module's word."""
+    seen = node.heads or _folded(_state(), v)
+    if seen is not None:
+        return seen, "dataflow: the module reshaped [B, H, T, d] into [B·H, T, d]"
+    heads, how = folded.heads_in((node.q, node.k, v))
+    if heads is not None:
+        return heads, how
+    heads = _heads(owner)
+    if heads is not None:
+        return heads, f"the module's own attribute ({type(owner).__name__} says {heads} heads)"
+    return None, "not shown: no reshape from [B, H, T, d] in the dataflow, and no head count on the module"
 
 
 def _heads(module: nn.Module) -> int | None:
