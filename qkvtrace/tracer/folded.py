@@ -14,17 +14,22 @@ B ends and H begins; what made the tensor does:
   through moves and scalings only.
 
 A ``[a, h, T, d]`` shape folded into ``[a·h, T, d]`` (or ``[a·h, d, T]``, K
-transposed) says ``h`` heads. Reading sizes and graph nodes reads no values.
+transposed) says ``h`` heads. Reading sizes and graph nodes reads no values. :class:`ProbsSource`
+unfolds a hand-written attention's own probabilities with the number found.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
-__all__ = ["heads_in", "split_heads"]
+from qkvtrace import maps
+
+__all__ = ["ProbsSource", "heads_in", "module_heads", "split_heads"]
 
 #: autograd nodes walked back through: moves and scalings keep the folded layout
 _WALK = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "TransposeBackward0",
@@ -71,3 +76,41 @@ def heads_in(tensors: Sequence[Any]) -> tuple[int | None, str | None]:
         if heads is not None:
             return heads, "autograd graph: a reshape of a [B, H, T, d] tensor"
     return None, None
+
+
+@dataclass
+class ProbsSource:
+    """The probabilities the model computed itself: its map is them, not a recomputation."""
+
+    probs: torch.Tensor
+    blocked: torch.Tensor | None
+    dropout_p: float
+    #: the heads folded into ``[B*H, T, T]`` probabilities (to unfold them), and where that number comes from
+    heads: int | None
+    heads_evidence: str | None = None
+
+    def compute(self, budget: maps.MapBudget, name: str) -> maps.MapResult:
+        p, blocked = self.probs.detach(), self.blocked
+        if p.dim() == 3 and self.heads and p.shape[0] % self.heads == 0:
+            p = p.view(p.shape[0] // self.heads, self.heads, *p.shape[1:])
+            if blocked is not None and blocked.dim() == 3 and blocked.shape[0] == self.probs.shape[0]:
+                blocked = blocked.view(p.shape[0], self.heads, *blocked.shape[1:])
+        unfolded = p.dim() == 4 and self.probs.dim() == 3
+        while p.dim() < 4:
+            p = p.unsqueeze(0)
+        if p.dim() > 4:
+            return maps.MapResult(reason=f"not computed: probabilities of {p.dim()} dims (maps are [B, H, T, T])")
+        result = maps.from_weights(p, blocked, budget, self.dropout_p)
+        if self.probs.dim() == 3 and result.weights is not None:
+            result.notes.append(f"[B·H, T, T] unfolded into {self.heads} heads ({self.heads_evidence})" if unfolded
+                                else "heads folded into the batch: the split was not shown, [1, B·H, T, T]")
+        return result
+
+
+def module_heads(module: nn.Module) -> int | None:
+    """The module's own count of heads, where it keeps one under a usual name."""
+    for attr in ("num_heads", "n_heads", "n_head", "heads", "num_attention_heads"):
+        value = getattr(module, attr, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None

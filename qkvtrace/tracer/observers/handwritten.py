@@ -45,7 +45,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from qkvtrace import compat, maps, patterns
+from qkvtrace import compat, patterns
 from qkvtrace.records import AttentionCall
 from qkvtrace.tracer import folded, registry, routes
 from qkvtrace.tracer.build import Target, deliver, modes, nan_count, qkv_info, shape, wants_backward, wants_maps
@@ -519,37 +519,8 @@ def _record(node: _Node, form: tuple[str, ...], v: torch.Tensor, out: torch.Tens
         evidence=EVIDENCE,
     )
     core = routes.sdpa_core(out, q, k, v, heads=heads) if wants_backward(targets) else None
-    source = _ProbsSource(probs, blocked, node.dropout_p, heads, heads_evidence) if wants_maps(targets) else None
+    source = folded.ProbsSource(probs, blocked, node.dropout_p, heads, heads_evidence) if wants_maps(targets) else None
     deliver(call, targets, owner, projection, core, source)
-
-
-@dataclass
-class _ProbsSource:
-    """The probabilities the model computed itself: its map is them, not a recomputation."""
-
-    probs: torch.Tensor
-    blocked: torch.Tensor | None
-    dropout_p: float
-    #: the heads folded into ``[B*H, T, T]`` probabilities (to unfold them), and where that number comes from
-    heads: int | None
-    heads_evidence: str | None = None
-
-    def compute(self, budget: maps.MapBudget, name: str) -> maps.MapResult:
-        p, blocked = self.probs.detach(), self.blocked
-        if p.dim() == 3 and self.heads and p.shape[0] % self.heads == 0:
-            p = p.view(p.shape[0] // self.heads, self.heads, *p.shape[1:])
-            if blocked is not None and blocked.dim() == 3 and blocked.shape[0] == self.probs.shape[0]:
-                blocked = blocked.view(p.shape[0], self.heads, *blocked.shape[1:])
-        unfolded = p.dim() == 4 and self.probs.dim() == 3
-        while p.dim() < 4:
-            p = p.unsqueeze(0)
-        if p.dim() > 4:
-            return maps.MapResult(reason=f"not computed: probabilities of {p.dim()} dims (maps are [B, H, T, T])")
-        result = maps.from_weights(p, blocked, budget, self.dropout_p)
-        if self.probs.dim() == 3 and result.weights is not None:
-            result.notes.append(f"[B·H, T, T] unfolded into {self.heads} heads ({self.heads_evidence})" if unfolded
-                                else "heads folded into the batch: the split was not shown, [1, B·H, T, T]")
-        return result
 
 
 def _heads_of(node: _Node, owner: nn.Module, v: torch.Tensor) -> tuple[int | None, str | None]:
@@ -560,16 +531,7 @@ def _heads_of(node: _Node, owner: nn.Module, v: torch.Tensor) -> tuple[int | Non
     heads, how = folded.heads_in((node.q, node.k, v))
     if heads is not None:
         return heads, how
-    heads = _heads(owner)
+    heads = folded.module_heads(owner)
     if heads is not None:
         return heads, f"the module's own attribute ({type(owner).__name__} says {heads} heads)"
     return None, "not shown: no reshape from [B, H, T, d] in the dataflow, and no head count on the module"
-
-
-def _heads(module: nn.Module) -> int | None:
-    """The module's own count of heads, where it keeps one under a usual name."""
-    for attr in ("num_heads", "n_heads", "n_head", "heads", "num_attention_heads"):
-        value = getattr(module, attr, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
