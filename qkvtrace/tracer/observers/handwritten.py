@@ -18,6 +18,11 @@ the torch functions they call and follows the dataflow:
    recorded now, owned by the innermost traced module on the Python stack,
    with its Q/K/V slices derived from the dataflow like any SDPA call's.
 
+Scores may be assembled from pieces before the softmax (local blocks beside
+global tokens, joined by ``torch.cat`` along the keys): the joined tensor is
+scores; slices of its probabilities along the keys, each times its values,
+summed until every key column is covered, are the attention's output.
+
 Why a mode, and why only there: an active ``TorchFunctionMode`` makes
 ``nn.MultiheadAttention`` and the encoder layers refuse their fast paths, so
 the mode is switched on only by forward hooks of the candidate modules, and
@@ -67,6 +72,8 @@ _CAST = frozenset({"to", "float", "half", "bfloat16", "double", "type", "type_as
 _SAME = frozenset({"view", "reshape", "contiguous", "clone", "view_as", "reshape_as", "flatten", "unflatten",
                    "squeeze", "unsqueeze", "detach", "tanh", "tanh_", "clamp", "clamp_", "nan_to_num"})  # fmt: skip
 _SOFTMAX = frozenset({"softmax", "_softmax"})
+_CAT = frozenset({"cat", "concat", "concatenate"})
+_SLICE = frozenset({"__getitem__", "narrow", "split", "chunk", "tensor_split"})
 _DROPOUT = frozenset({"dropout", "dropout_", "native_dropout"})
 
 #: PyTorch's modules whose fast paths an active mode refuses: never inside or around a candidate
@@ -107,6 +114,13 @@ class _Node:
     softmax_dtype: str | None = None
     #: heads folded into dimension 0 of Q or K (``[B·H, T, d]``), as the module's own reshape made them
     heads: int | None = None
+    #: scores assembled with ``torch.cat`` along the keys: how many pieces, and whether a piece had its own mask
+    pieces: int = 0
+    piece_masked: bool = False
+    #: a slice of the probabilities along the keys (stage ``"piece"``) or its product with values (``"partial"``):
+    #: how many key columns it covers, and the first values it met
+    cols: int = 0
+    value: torch.Tensor | None = None
 
 
 @dataclass
@@ -295,6 +309,9 @@ def _see(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> 
     if name in _MATMUL or name == "baddbmm" or name == "einsum":
         _product(nodes, name, args, kwargs, out)
         return
+    if name in _CAT and nodes:
+        _cat(nodes, args, kwargs, out)
+        return
     first = args[0] if args else kwargs.get("input")
     if (name in _SCALE or name in _MOVES) and _node(nodes, first) is None and _activation(first):
         _scaled(st, name, first, args, kwargs, out)  # type: ignore[arg-type]  # an activation: a tensor
@@ -313,8 +330,13 @@ def _see(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> 
                 _keep(nodes, out, node, form=(*node.form, name), terms=(*node.terms, term))
         return
     form = (*node.form, name)
+    if node.stage in ("piece", "partial"):
+        _assembled(nodes, node, name, args, out, form)
+        return
     if node.stage == "probs":
-        if name in _DROPOUT:
+        if node.pieces and name in _SLICE:  # assembled scores: the probabilities of each piece of keys
+            _slices(nodes, node, out, form)
+        elif name in _DROPOUT:
             p = float(kwargs.get("p", args[1] if len(args) > 1 else 0.5))
             training = bool(kwargs.get("training", args[2] if len(args) > 2 else True))
             dropped = p if training else 0.0
@@ -387,6 +409,53 @@ def _fold(st: _State, name: str, first: torch.Tensor, out: Any) -> None:
             st.folds[id(out)] = (weakref.ref(out), heads)
 
 
+def _cat(nodes: dict[int, _Node], args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+    """Scores assembled from pieces along the keys (local blocks beside global tokens): one node of scores."""
+    parts = args[0] if args else kwargs.get("tensors")
+    dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+    if not isinstance(out, torch.Tensor) or not isinstance(parts, (list, tuple)) or not isinstance(dim, int):
+        return
+    if dim % out.dim() != out.dim() - 1:
+        return
+    found = [n for n in (_node(nodes, t) for t in parts) if n is not None]
+    if not found or any(n.stage != "scores" for n in found):
+        return
+    first = found[0]
+    if any(not patterns.same_steps(n.steps, first.steps) for n in found):
+        return  # pieces scaled differently: no one scale for the assembled scores
+    form = (*first.form, f"cat {len(parts)} pieces")
+    _keep(nodes, out, first, form=form, terms=(), pieces=len(parts), piece_masked=any(n.terms for n in found))
+
+
+def _slices(nodes: dict[int, _Node], node: _Node, out: Any, form: tuple[str, ...]) -> None:
+    probs = node.ref()
+    for t in out if isinstance(out, (tuple, list)) else (out,):
+        if isinstance(t, torch.Tensor) and probs is not None and t.shape[:-1] == probs.shape[:-1]:
+            _keep(nodes, t, node, form=form, stage="piece", cols=int(t.shape[-1]))
+
+
+def _assembled(nodes: dict[int, _Node], node: _Node, name: str, args: tuple[Any, ...], out: Any,
+               form: tuple[str, ...]) -> None:  # fmt: skip
+    """A piece of the probabilities reshaped, or the products of the pieces with their values summed up."""
+    if name in _SAME or name in _CAST or name in _DROPOUT:
+        result = out[0] if isinstance(out, tuple) else out
+        if isinstance(result, torch.Tensor) and result.numel() == node.ref().numel():  # type: ignore[union-attr]
+            _keep(nodes, result, node, form=form)
+        return
+    other = _node(nodes, args[1]) if len(args) > 1 else None
+    if node.stage != "partial" or name not in _ADD or name.startswith("sub") or other is None:
+        return
+    if other.stage != "partial" or other.probs is not node.probs or not isinstance(out, torch.Tensor):
+        return
+    cols = node.cols + other.cols
+    assert node.probs is not None
+    if cols == node.probs.shape[-1]:  # every key column met its values: the attention's output
+        assert node.value is not None
+        _record(node, form, node.value, out)
+    else:
+        _keep(nodes, out, node, form=form, cols=cols)
+
+
 def _where(nodes: dict[int, _Node], args: tuple[Any, ...], out: Any) -> None:
     if len(args) != 3:
         return
@@ -419,6 +488,10 @@ def _product(nodes: dict[int, _Node], name: str, args: tuple[Any, ...], kwargs: 
         nodes.pop(id(a), None)
         _record(probs, (*probs.form, name), b, out)
         return
+    if probs is not None and probs.stage == "piece":  # a piece of the probabilities times its values
+        _keep(nodes, out, probs, form=(*probs.form, name), stage="partial",
+              value=probs.value if probs.value is not None else b)
+        return
     st, before = _state(), []
     node = _Node(weakref.ref(out), "scores", a, b, transposed, (name,), heads=_folded(st, a) or _folded(st, b))
     for part, operand in (("q", a), ("k", b)):  # a number Q or K was scaled by before the product scales QKᵀ too
@@ -439,28 +512,10 @@ def _product(nodes: dict[int, _Node], name: str, args: tuple[Any, ...], kwargs: 
 # -- the record ---------------------------------------------------------------------------------------
 
 
-def _scale_and_cap(steps: tuple[tuple[str, Any], ...]) -> tuple[Any, Any]:
-    """The scale applied to QKᵀ and the soft-cap (``c · tanh(s / c)``), as numbers or 0-dim tensors."""
-    cap = None
-    factors = list(steps)
-    tanh = next((i for i, (kind, _) in enumerate(factors) if kind == "tanh"), None)
-    if tanh is not None:
-        after = factors[tanh + 1] if tanh + 1 < len(factors) else None
-        cap = after[1] if after is not None and after[0] == "mul" else None
-        drop = {tanh, tanh + 1} if cap is not None else {tanh}
-        if cap is not None and tanh > 0 and factors[tanh - 1][0] == "div":
-            drop.add(tanh - 1)
-        factors = [f for i, f in enumerate(factors) if i not in drop and i < tanh]
-    scale: Any = 1.0
-    for kind, value in factors:
-        if kind == "tanh":
-            continue
-        scale = scale / value if kind == "div" else scale * value
-    if isinstance(scale, torch.Tensor):
-        scale = scale.detach().float()
-    if isinstance(cap, torch.Tensor):
-        cap = cap.detach().float()
-    return scale, cap
+#: why the count and the map of scores assembled from pieces (``torch.cat``) are left out
+_PIECE_MASKED = "not counted: a piece of the scores was masked before torch.cat joined them (keys are not positions)"
+_ASSEMBLED_MAP = ("not computed: the scores were assembled from pieces with torch.cat, so their key axis is the "
+                  "pieces side by side, not key positions")  # fmt: skip
 
 
 def _record(node: _Node, form: tuple[str, ...], v: torch.Tensor, out: torch.Tensor) -> None:
@@ -475,12 +530,12 @@ def _record(node: _Node, form: tuple[str, ...], v: torch.Tensor, out: torch.Tens
     projection = first.projection(owner, (q, k, v))
     final = tuple(probs.shape)
     blocked, bias = patterns.combine(list(node.terms), final)
-    scale, cap = _scale_and_cap(node.steps)
+    scale, cap = patterns.scale_and_cap(node.steps)
     qkv = qkv_info(first, projection, (q, k, v))
     heads, heads_evidence = _heads_of(node, owner, v) if q.dim() == 3 else (None, None)
-    rows: Any = 0
+    rows: Any = None if node.piece_masked else 0
     mask = None
-    if blocked is not None:
+    if blocked is not None and not node.piece_masked:
         with torch.no_grad():
             rows = blocked.all(dim=-1).expand(final[:-1]).sum()
             dtypes = sorted({str(t.tensor.dtype) for t in node.terms})
@@ -512,14 +567,20 @@ def _record(node: _Node, form: tuple[str, ...], v: torch.Tensor, out: torch.Tens
             "softmax_dtype": node.softmax_dtype,
             "form": " → ".join(form),
             **({"heads": {"count": heads, "evidence": heads_evidence}} if q.dim() == 3 else {}),
+            **({"assembled": {"pieces": node.pieces, "keys": final[-1]}} if node.pieces else {}),
             **modes(owner),
         },
         qkv=qkv,
-        output={"nan_count": nan_count(out), "fully_masked_rows": rows},
+        output={"nan_count": nan_count(out), "fully_masked_rows": rows,
+                **({"fully_masked_rows_reason": _PIECE_MASKED} if node.piece_masked else {})},
         evidence=EVIDENCE,
     )
-    core = routes.sdpa_core(out, q, k, v, heads=heads) if wants_backward(targets) else None
-    source = folded.ProbsSource(probs, blocked, node.dropout_p, heads, heads_evidence) if wants_maps(targets) else None
+    # routes need one Q, K, V: scores assembled from pieces have a K and a V per piece (rows and norms: the first's)
+    core = routes.sdpa_core(out, q, k, v, heads=heads) if wants_backward(targets) and not node.pieces else None
+    source: Any = folded.ProbsSource(probs, blocked, node.dropout_p, heads, heads_evidence) if wants_maps(targets) \
+        else None  # fmt: skip
+    if source is not None and node.pieces:
+        source = _ASSEMBLED_MAP
     deliver(call, targets, owner, projection, core, source)
 
 
