@@ -56,7 +56,7 @@ def register(sub: Any) -> None:
                        description=_HELP, epilog=_EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("files", metavar="FILE", type=Path, nargs="+",
-                   help="a per-rank trace file (qkvtrace.trace/2 or /1) or long-run stream (.jsonl), "
+                   help="a per-rank trace file (qkvtrace.trace/3, /2 or /1) or long-run stream (.jsonl), "
                         "or a folder of NAME.rankN.json or NAME.rankN.jsonl")  # fmt: skip
     p.add_argument("--json", metavar="OUT", type=Path,
                    help="write the qkvtrace.merge/1 JSON (traces) or qkvtrace.streammerge/1 (streams)")  # fmt: skip

@@ -84,7 +84,7 @@ def register(sub: Any) -> None:
                    help="run the model through torch.compile (backend inductor unless named: aot_eager, eager, "
                         "...) and show what the compiled graphs do with each attention (rows marked compiled)"
                    )  # fmt: skip
-    p.add_argument("--json", metavar="FILE", type=Path, help="also write the qkvtrace.trace/2 JSON here")
+    p.add_argument("--json", metavar="FILE", type=Path, help="also write the qkvtrace.trace/3 JSON here")
     p.add_argument("--html", metavar="FILE", type=Path,
                    help="also write one self-contained HTML page (no network needed to open it): the "
                         "calls table, sortable and filterable, each call's details, and the maps with "

@@ -30,7 +30,7 @@ def register(sub: Any) -> None:
     p = sub.add_parser("validate", help="check qkvtrace JSON files against their schemas",
                        description=_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
                        epilog="examples:\n  qkvtrace validate reports/torch-*/report.json reports/diffs/*.json\n"
-                              "  qkvtrace validate --schema qkvtrace.trace/2 t.json")  # fmt: skip
+                              "  qkvtrace validate --schema qkvtrace.trace/3 t.json")  # fmt: skip
     p.add_argument("files", metavar="FILE", type=Path, nargs="+", help="a qkvtrace JSON file or a report folder")
     p.add_argument("--schema", metavar="ID", choices=schema_ids(),
                    help=f"require this schema id ({', '.join(schema_ids())}); default: any of them")  # fmt: skip

@@ -87,8 +87,9 @@ def count_fully_masked(
 
     ``query_rows`` is ``(batch, heads, length)``. ``key_padding_blocked`` is
     ``(B, S)``; ``attn_blocked`` is ``(L, S)``, ``(B*H, L, S)`` or anything
-    broadcastable to ``(B, H, L, S)``. Rows are counted per batch item and
-    query position, and per head only when the mask differs per head.
+    broadcastable to ``(B, H, L, S)``. Rows are counted as the kernel sees
+    them: per batch item, head and query position, whatever the mask's own
+    shape (an ``(L, S)`` mask blocking one row counts ``B * H``).
     """
     b, h, length = query_rows
     parts = []
@@ -106,6 +107,5 @@ def count_fully_masked(
     blocked = parts[0]
     for p in parts[1:]:
         blocked = blocked | p
-    fully = blocked.all(dim=-1)  # (B|1, H'|1, L|1)
-    heads = fully.shape[1]
-    return fully.expand(b, heads, length).sum()
+    fully = blocked.all(dim=-1)  # (B|1, H|1, L|1)
+    return fully.expand(b, h, length).sum()

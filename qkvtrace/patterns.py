@@ -21,6 +21,9 @@ resolves its records, names what they are:
 An additive value at or below ``-1e4`` counts as blocking: its weight after
 the softmax underflows to exactly 0 in every floating dtype.
 
+The numbers the scores were scaled by (a scale, a soft-cap) are read here
+too (:func:`scale_and_cap`), without reading a tensor's value.
+
 Nothing is read back to the host while the trace is open: the tensors stay on
 the device and the names are :class:`~qkvtrace.lazy.Deferred`.
 """
@@ -34,7 +37,7 @@ import torch
 
 from qkvtrace.lazy import Deferred
 
-__all__ = ["BLOCKING", "Term", "bias_kind", "combine", "mask_kind"]
+__all__ = ["BLOCKING", "Term", "bias_kind", "combine", "mask_kind", "same_steps", "scale_and_cap"]
 
 #: an additive value at or below this removes the key: exp(-1e4) is 0 in every floating dtype
 BLOCKING = -1e4
@@ -165,3 +168,38 @@ def bias_kind(bias: torch.Tensor | None, blocked: torch.Tensor | None) -> Deferr
         return None
     kept, kept_blocked = bias.detach(), None if blocked is None else blocked.detach()
     return Deferred(lambda: _name_bias(kept, kept_blocked))
+
+
+# -- the numbers the scores were scaled by ----------------------------------------------------
+
+
+def scale_and_cap(steps: tuple[tuple[str, Any], ...]) -> tuple[Any, Any]:
+    """The scale applied to QKᵀ and the soft-cap (``c · tanh(s / c)``), as numbers or 0-dim tensors."""
+    cap = None
+    factors = list(steps)
+    tanh = next((i for i, (kind, _) in enumerate(factors) if kind == "tanh"), None)
+    if tanh is not None:
+        after = factors[tanh + 1] if tanh + 1 < len(factors) else None
+        cap = after[1] if after is not None and after[0] == "mul" else None
+        drop = {tanh, tanh + 1} if cap is not None else {tanh}
+        if cap is not None and tanh > 0 and factors[tanh - 1][0] == "div":
+            drop.add(tanh - 1)
+        factors = [f for i, f in enumerate(factors) if i not in drop and i < tanh]
+    scale: Any = 1.0
+    for kind, value in factors:
+        if kind == "tanh":
+            continue
+        scale = scale / value if kind == "div" else scale * value
+    if isinstance(scale, torch.Tensor):
+        scale = scale.detach().float()
+    if isinstance(cap, torch.Tensor):
+        cap = cap.detach().float()
+    return scale, cap
+
+
+def same_steps(a: tuple[tuple[str, Any], ...], b: tuple[tuple[str, Any], ...]) -> bool:
+    """The same factors in the same order: numbers equal, tensors the very same (no value is read)."""
+    def same(x: Any, y: Any) -> bool:
+        return x is y or (isinstance(x, (int, float)) and isinstance(y, (int, float)) and x == y)
+
+    return len(a) == len(b) and all(k == j and same(x, y) for (k, x), (j, y) in zip(a, b, strict=True))

@@ -76,7 +76,7 @@ _MAX_ROWS = 20  # rows shown in a failure table; the rest are counted
 
 
 def calls_of(t: Any) -> list[dict[str, Any]]:
-    """The call records of ``t`` as ``qkvtrace.trace/2`` JSON objects (a ``/1`` file's as written).
+    """The call records of ``t`` as ``qkvtrace.trace/3`` JSON objects (a ``/2`` or ``/1`` file's as written).
 
     ``t``: an open or finished :class:`qkvtrace.Trace`, a
     :class:`qkvtrace.TraceResult`, its ``to_dict()`` form, a list of call
@@ -296,7 +296,7 @@ def assert_same_as_report(t: Any, reference: str | Path, *, scenario: str | None
       naming one of its probe scenarios: the trace of that scenario on the
       running PyTorch must show the calls the report recorded — the check to
       run after a PyTorch upgrade; or
-    * a trace file (``qkvtrace.trace/2`` or ``/1``) kept as the expected behaviour of
+    * a trace file (``qkvtrace.trace/3``, ``/2`` or ``/1``) kept as the expected behaviour of
       your own model.
 
     Compared per call, in order: module, path, SDPA backend, PyTorch's

@@ -4,7 +4,7 @@ Collectors build these; renderers read them. No record holds a live module,
 and only the optional attention maps are tensors (CPU copies, written to the
 JSON only when asked for): everything else is strings, numbers, shapes and
 lists of them, so a record outlives the model and serialises to the
-``qkvtrace.trace/2`` JSON of DESIGN.md without PyTorch.
+``qkvtrace.trace/3`` JSON of DESIGN.md without PyTorch.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from qkvtrace.errors import SchemaError
+from qkvtrace.traceversions import TRACE_SCHEMA, TRACE_SCHEMAS, read_older_call
 
 __all__ = [
     "TRACE_SCHEMA",
@@ -40,10 +41,6 @@ __all__ = [
     "rows_label",
     "squared_shares",
 ]
-
-TRACE_SCHEMA = "qkvtrace.trace/2"
-#: the schemas :meth:`TraceResult.from_dict` reads (``/1``: one ``[start, stop)`` pair as a slice's rows)
-TRACE_SCHEMAS = ("qkvtrace.trace/1", TRACE_SCHEMA)
 
 #: The paths an attention call can take (DESIGN.md, "Vocabulary"). A call
 #: whose wrapper evidence is missing (a future PyTorch routing elsewhere) says "unknown".
@@ -420,7 +417,7 @@ class TraceResult:
     compiled: list[CompiledAttention] = field(default_factory=list)
 
     def to_dict(self, *, maps: bool = False) -> dict[str, Any]:
-        """The ``qkvtrace.trace/2`` JSON object (``maps``: with the attention maps' values)."""
+        """The ``qkvtrace.trace/3`` JSON object (``maps``: with the attention maps' values)."""
         return {
             "schema": TRACE_SCHEMA,
             "torch_version": self.torch_version,
@@ -485,16 +482,17 @@ class TraceResult:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TraceResult:
-        """Read a ``qkvtrace.trace/2`` (or ``/1``) object; refuse any other schema."""
+        """Read a ``qkvtrace.trace/3`` (or ``/2``, ``/1``) object; refuse any other schema."""
         schema = data.get("schema") if isinstance(data, dict) else None
         if schema not in TRACE_SCHEMAS:
             raise SchemaError(
-                f"expected schema {TRACE_SCHEMA!r} (or {TRACE_SCHEMAS[0]!r}) but found {schema!r}; "
-                "this file was not written by `qkvtrace trace` of this version"
+                f"expected schema {TRACE_SCHEMA!r} (or {' or '.join(map(repr, TRACE_SCHEMAS[:-1]))}) but found "
+                f"{schema!r}; this file was not written by `qkvtrace trace` of this version"
             )
-        old = schema != TRACE_SCHEMA
+        old = schema == TRACE_SCHEMAS[0]  # /1: a slice's rows as one pair
         calls = []
         for c in data["calls"]:
+            c = read_older_call(c, schema)
             qkv, written_map = c["qkv"], c.get("attention_map")
             c = _ours(AttentionCall, c)
             c["map_tensors"] = _map_from_dict(written_map)

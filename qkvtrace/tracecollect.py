@@ -1,4 +1,4 @@
-"""Trace a TARGET in this interpreter and print its ``qkvtrace.trace/1`` JSON: ``python -m qkvtrace.tracecollect``.
+"""Trace a TARGET in this interpreter and print its ``qkvtrace.trace/3`` JSON: ``python -m qkvtrace.tracecollect``.
 
 What ``qkvtrace compare --python A --python B TARGET`` runs in each
 environment. It needs only torch (no rendering library): the model is built

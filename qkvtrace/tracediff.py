@@ -8,7 +8,8 @@ the second in B); a call present on one side only appeared or vanished.
 
 For each matched pair the facts PyTorch decides are compared exactly (path,
 SDPA backend, PyTorch's reasons, the words refusing faster backends, the
-aten kernels, how each mask was read, dtype, NaN and fully-masked rows) and
+aten kernels, how each mask was read, dtype, NaN and fully-masked rows --
+these only between traces that count them alike, see docs/json.md) and
 the measured norms within a relative tolerance (Q/K/V weight and activation
 norms per slice, and the gradient norms of the module's last backward pass).
 Nothing here needs PyTorch: traces made elsewhere compare anywhere.
@@ -21,6 +22,7 @@ from collections import defaultdict
 from typing import Any
 
 from qkvtrace.errors import SchemaError
+from qkvtrace.traceversions import fully_masked_comparable
 
 __all__ = ["TRACEDIFF_SCHEMA", "diff_traces", "is_trace"]
 
@@ -85,7 +87,7 @@ def _mask_view(mask: Any) -> Any:
 
 
 def _call_changes(a: dict[str, Any], b: dict[str, Any], ga: dict[str, Any] | None, gb: dict[str, Any] | None,
-                  rtol: float) -> list[dict[str, Any]]:  # fmt: skip
+                  rtol: float, outputs: tuple[str, ...] = _OUTPUT) -> list[dict[str, Any]]:  # fmt: skip
     changes: list[dict[str, Any]] = []
 
     def note(field: str, label: str, was: Any, became: Any, kind: str) -> None:
@@ -106,7 +108,7 @@ def _call_changes(a: dict[str, Any], b: dict[str, Any], ga: dict[str, Any] | Non
         if ma != mb:
             note(f"inputs.{key}", key.replace("_", " "), ma, mb, "exact")
     oa, ob = a.get("output") or {}, b.get("output") or {}
-    for key in _OUTPUT:
+    for key in outputs:
         if oa.get(key) != ob.get(key):
             note(f"output.{key}", key.replace("_", " "), oa.get(key), ob.get(key), "exact")
     qa, qb = a.get("qkv") or {}, b.get("qkv") or {}
@@ -139,11 +141,13 @@ def diff_traces(a: dict[str, Any], b: dict[str, Any], *, rtol: float = 1e-4) -> 
             raise SchemaError(f"{name}: expected a qkvtrace.trace file, got {doc.get('schema')!r}")
     ca, cb = _keyed_calls(a), _keyed_calls(b)
     gra, grb = _last_grads(a), _last_grads(b)
+    comparable = fully_masked_comparable(a.get("schema"), b.get("schema"))
+    outputs = _OUTPUT if comparable else tuple(k for k in _OUTPUT if k != "fully_masked_rows")
     changed: list[dict[str, Any]] = []
     for key in sorted(ca.keys() & cb.keys(), key=lambda k: ca[k].get("index", 0)):
         module = key[0]
         found = _call_changes(ca[key], cb[key], gra.get(module) if key[1] == 0 else None,
-                              grb.get(module) if key[1] == 0 else None, rtol)  # fmt: skip
+                              grb.get(module) if key[1] == 0 else None, rtol, outputs)  # fmt: skip
         if found:
             changed.append({"module": module, "occurrence": key[1], "index_a": ca[key].get("index"),
                             "index_b": cb[key].get("index"), "changes": found})  # fmt: skip
@@ -164,6 +168,9 @@ def diff_traces(a: dict[str, Any], b: dict[str, Any], *, rtol: float = 1e-4) -> 
         "vanished": vanished,
     }
     result["summary"] = _summary(result)
+    if not comparable:
+        result["summary"] += (f"; fully-masked rows not compared: {a.get('schema')} and {b.get('schema')} count "
+                              "them differently (since qkvtrace.trace/3 every (batch, head, query) row)")  # fmt: skip
     return result
 
 

@@ -1,6 +1,6 @@
 """Structure checks for qkvtrace's JSON files, against the JSON Schemas it ships.
 
-Every file qkvtrace writes carries a ``"schema"`` key (``qkvtrace.trace/2``,
+Every file qkvtrace writes carries a ``"schema"`` key (``qkvtrace.trace/3``,
 ``qkvtrace.report/1``, ``qkvtrace.diff/1``, ...), and for each id there is one
 JSON Schema (Draft 2020-12) in ``qkvtrace/schemas/``, named after it
 (``qkvtrace.report/1`` -> ``report-1.json``). Readers go through
@@ -147,10 +147,12 @@ def load_json(
 
 
 def load_trace(path: str | Path) -> TraceResult:
-    """Read a ``qkvtrace.trace/2`` (or ``/1``) file (``qkvtrace trace ... --json``) into records.
+    """Read a ``qkvtrace.trace/3`` (or ``/2``, ``/1``) file (``qkvtrace trace ... --json``) into records.
 
     Keys this version does not know (a file from a newer qkvtrace) are left
-    out rather than refused: the schema allows them.
+    out rather than refused: the schema allows them. The ``fully_masked_rows``
+    of a ``/2`` or ``/1`` file, counted with another meaning, are read as
+    ``None`` with the reason (``fully_masked_rows_reason``).
     """
     import dataclasses
 

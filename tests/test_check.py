@@ -129,8 +129,9 @@ def test_mha_fully_masked_rows_and_nan_are_reported_as_measured() -> None:
     assert report.convention is not None and report.convention.true_means == "ignore"
     assert report.convention.source == "known" and report.convention.confirmed is True
     # independent: the same forward, untraced, in each mode; rows whose keys are all blocked, by hand
-    fully_masked = int(model.blocked(kpm).all(dim=1).sum()) * x.shape[1]
-    assert fully_masked == 8
+    heads = model.mha.num_heads  # rows are counted per (batch, head, query), as the kernel sees them
+    fully_masked = int(model.blocked(kpm).all(dim=1).sum()) * heads * x.shape[1]
+    assert fully_masked == 16
     for mode, train in (("inference", False), ("training", True)):
         model.train(train)
         with torch.set_grad_enabled(train):

@@ -87,7 +87,7 @@ def test_encoder_demo_json_matches_library(tmp_path: Path) -> None:
     proc = qkv("trace", "demo:encoder", "--json", str(out))
     assert proc.returncode == 0, proc.stderr
     data = json.loads(out.read_text())
-    assert data["schema"] == "qkvtrace.trace/2"
+    assert data["schema"] == "qkvtrace.trace/3"
     # The same model run untraced in this process, under the profiler.
     model, (x,) = demo_encoder()
     model.eval()

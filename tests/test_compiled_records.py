@@ -279,7 +279,7 @@ def test_mha_with_and_without_weights() -> None:
 
 
 def test_compiled_records_reach_the_json_and_the_cli(tmp_path: Any) -> None:
-    """Witness: the trace/2 JSON schema (jsonschema) and the Dynamo graph of demo:tiny-lm (a backend written
+    """Witness: the trace/3 JSON schema (jsonschema) and the Dynamo graph of demo:tiny-lm (a backend written
     here) for the modules `qkvtrace trace --compile aot_eager` must list as compiled rows."""
     import json
     import os
@@ -303,7 +303,7 @@ def test_compiled_records_reach_the_json_and_the_cli(tmp_path: Any) -> None:
     data = json.loads(out.read_text())
     from importlib.resources import files
 
-    schema = json.loads((files("qkvtrace") / "schemas" / "trace-2.json").read_text())
+    schema = json.loads((files("qkvtrace") / "schemas" / "trace-3.json").read_text())
     jsonschema.validate(data, schema)
     assert sorted(c["module"] for c in data["compiled"]) == modules
     again = qkvtrace.TraceResult.from_dict(data)

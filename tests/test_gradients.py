@@ -243,7 +243,7 @@ def test_gradients_in_json() -> None:
         loss_of(mha, x1).backward()
         loss_of(mha, x2).backward()
     data = json.loads(json.dumps(t.to_dict()))
-    assert data["schema"] == "qkvtrace.trace/2"
+    assert data["schema"] == "qkvtrace.trace/3"
     grads = data["gradients"]
     assert [(g["module"], g["backward_index"]) for g in grads] == [("", 0), ("", 1)]
     expected = slice_norms(mha.in_proj_weight.grad, mha.in_proj_bias.grad)

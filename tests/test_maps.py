@@ -234,8 +234,8 @@ def test_a_fully_masked_row_is_reported_not_nan() -> None:
     others = [i for i in range(L) if i != 2]
     assert _max_err(c.attention_map[:, :, others], w[:, :, others]) <= MHA_TOL
     _check_rows(c)
-    # rows per (batch, query) whose weights PyTorch returned as NaN in every head: PyTorch's count, not the map's
-    assert c.output["fully_masked_rows"] == int(torch.isnan(w).all(-1).all(1).sum())
+    # (batch, head, query) rows whose weights PyTorch returned as NaN: PyTorch's count, not the map's
+    assert c.output["fully_masked_rows"] == int(torch.isnan(w).all(-1).sum()) == B * H
 
 
 # -- direct SDPA against the MATH backend's weights -----------------------------------
@@ -448,7 +448,7 @@ def test_maps_draw_no_random_numbers_and_note_dropout() -> None:
 
 
 def test_json_has_maps_only_when_asked(tmp_path: Path) -> None:
-    """Witness: the trace-2.json schema, the mask built here (query 1 blocked in every batch and head), and for
+    """Witness: the trace-3.json schema, the mask built here (query 1 blocked in every batch and head), and for
     the round trip the in-memory result the file was written from."""
     mha = nn.MultiheadAttention(E, H, batch_first=True).eval()
     x = torch.randn(B, L, E)
@@ -459,7 +459,7 @@ def test_json_has_maps_only_when_asked(tmp_path: Path) -> None:
     plain = t.to_dict()["calls"][0]
     assert "attention_map" not in plain and plain["attention_map_heads"] == list(range(H))
     path = t.save(tmp_path / "t.json", maps=True)
-    data = load_json(path, "qkvtrace.trace/2")  # validates against trace-2.json
+    data = load_json(path, "qkvtrace.trace/3")  # validates against trace-3.json
     written = data["calls"][0]["attention_map"]
     assert written["shape"] == [B, H, L, L]
     assert sorted(written["fully_masked"]) == sorted([b, h, 1] for b in range(B) for h in range(H))
@@ -502,7 +502,7 @@ def test_cli_maps_writes_pictures_per_call_and_head_and_a_grid(tmp_path: Path) -
 
     first_token = int(demo_tiny_lm()[1][0][0, 0])
     assert "<svg" in svg and f">{html.escape(VOCABULARY[first_token])}</text>" in svg  # the demo's words label the axes
-    data = load_json(tmp_path / "t.json", "qkvtrace.trace/2")
+    data = load_json(tmp_path / "t.json", "qkvtrace.trace/3")
     batch = demo_tiny_lm()[1][0].shape[0]  # every batch item by default, as in Python
     assert data["calls"][0]["attention_map"]["shape"] == [batch, 2, 16, 16]  # heads 0 and 3
 

@@ -173,7 +173,8 @@ def test_rank_comes_from_the_records_before_the_name(tmp_path: Path, capsys: pyt
     [
         (["x.rank0.json", "y.rank0.json"], "x.rank0.json and y.rank0.json are both rank 0; give one file per rank"),
         (["plain.json"], "its records carry no rank and its name has none (NAME.rankN.json)"),
-        (["report"], '/schema: expected "qkvtrace.trace/1" or "qkvtrace.trace/2", got "qkvtrace.report/1"'),
+        (["report"], '/schema: expected "qkvtrace.trace/1", "qkvtrace.trace/2" or "qkvtrace.trace/3", '
+                     'got "qkvtrace.report/1"'),
         (["empty"], "no per-rank trace files (NAME.rankN.json) in this folder"),
         (["w2.rank0.json", "w4.rank1.json"], "the files come from jobs of different world sizes"),
         (["mixed.rank0.json"], "holds records of ranks [0, 1]; give one file per rank"),
@@ -231,7 +232,7 @@ def test_save_per_rank_outside_torch_distributed(tmp_path: Path, monkeypatch: py
     monkeypatch.setenv("RANK", "3")  # torchrun sets it before the process group exists
     path = save_per_rank(t.result, tmp_path / "traces", stem="step1")
     assert path == tmp_path / "traces" / "step1.rank3.json"
-    assert load_json(path, "qkvtrace.trace/2") == t.to_dict()
+    assert load_json(path, "qkvtrace.trace/3") == t.to_dict()
     assert json.loads(path.read_text()) == t.to_dict()
     with pytest.raises(TypeError, match="needs a qkvtrace trace or TraceResult"):
         save_per_rank({"calls": []}, tmp_path)

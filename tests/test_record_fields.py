@@ -36,7 +36,8 @@ def test_fused_encoder_layer_records_is_causal_as_passed(is_causal: bool) -> Non
 
 
 def test_flex_fully_masked_rows_are_counted_from_the_block_mask() -> None:
-    """Witness: the rows whose keys ``mask_mod`` blocks everywhere, counted here with Python loops."""
+    """Witness: the rows whose keys ``mask_mod`` blocks everywhere, counted here with Python loops, in each batch
+    item and head of the query (the block mask has one for all)."""
     flex = pytest.importorskip("torch.nn.attention.flex_attention")
     d, length, heads = 4, 8, 2
 
@@ -55,8 +56,9 @@ def test_flex_fully_masked_rows_are_counted_from_the_block_mask() -> None:
         model[0](q, None)
     masked, plain = t.calls
     ti = torch.tensor
-    expected = B * sum(all(not bool(mask_mod(0, 0, ti(i), ti(j))) for j in range(length)) for i in range(length))
-    assert expected == 2 * B
+    expected = B * heads * sum(all(not bool(mask_mod(0, 0, ti(i), ti(j))) for j in range(length))
+                               for i in range(length))  # fmt: skip
+    assert expected == 2 * B * heads
     assert masked.output["fully_masked_rows"] == expected
     assert plain.output["fully_masked_rows"] == 0  # nothing masks
 

@@ -278,7 +278,8 @@ def test_nan_count_is_the_number_of_nan_in_the_output(mode: str) -> None:
 
 
 def test_fully_masked_rows_counted_by_hand() -> None:
-    """Witness: the masks built here; their fully blocked rows are counted by hand (3)."""
+    """Witness: the masks built here; their fully blocked (batch, query) rows are counted by hand (3), in each of
+    the H heads the kernel runs."""
     mha = _mha().eval()
     x = torch.randn(B, L, E)
     attn_mask = torch.zeros(L, L, dtype=torch.bool)
@@ -291,12 +292,12 @@ def test_fully_masked_rows_counted_by_hand() -> None:
     by_hand = int(blocked.all(dim=-1).sum())
     assert by_hand == 3  # (0, 1), (0, 3), (1, 1)
     call = _only_call(t)
-    assert call["output"]["fully_masked_rows"] == by_hand
+    assert call["output"]["fully_masked_rows"] == by_hand * H
     assert call["output"]["nan_count"] == int(torch.isnan(out).sum())
 
 
 def test_fully_masked_rows_of_a_direct_sdpa_call() -> None:
-    """Witness: the mask built here with one query row blocked, times the batch size."""
+    """Witness: the mask built here with one query row blocked, times the batch size and the heads of the call."""
     torch.manual_seed(0)
     model = _UserSDPA()
     x = torch.randn(B, L, E)
@@ -305,7 +306,7 @@ def test_fully_masked_rows_of_a_direct_sdpa_call() -> None:
     with torch.no_grad(), qkvtrace.trace(model) as t:
         out = model(x, mask)
     call = _only_call(t)
-    assert call["output"]["fully_masked_rows"] == B * int((~mask).all(dim=-1).sum()) == B
+    assert call["output"]["fully_masked_rows"] == B * H * int((~mask).all(dim=-1).sum()) == B * H  # (B, H, L, dh)
     assert call["output"]["nan_count"] == int(torch.isnan(out).sum())
 
 

@@ -277,7 +277,7 @@ def test_routes_off_records_none_and_json_round_trips(tmp_path: Any) -> None:
     with qkvtrace.trace(model) as t:
         _loss(model(x)).backward()
     path = t.save(tmp_path / "t.json")
-    back = load_trace(path)  # validated against the qkvtrace.trace/2 schema, then read
+    back = load_trace(path)  # validated against the qkvtrace.trace/3 schema, then read
     assert back.routes == t.routes
     assert back.calls[0].backward_kernel == t.calls[0].backward_kernel
 
@@ -358,9 +358,10 @@ class _FoldedHeads(nn.Module):
 
 
 @pytest.mark.parametrize("num_heads", [H, None])
-def test_routes_of_folded_heads_are_per_head_when_the_module_says_how_many(num_heads: int | None) -> None:
-    """Witness: PyTorch's own .grad of the q, k, v tensors the model handed to its attention (retained by the
-    model), unfolded here to [B, H, T, d] for the per-head norms."""
+def test_routes_of_folded_heads_are_per_head_whether_or_not_the_module_says_how_many(num_heads: int | None) -> None:
+    """The module's reshape from [B, H, T, d] shows the heads when it names no count. Witness: PyTorch's own .grad
+    of the q, k, v tensors the model handed to its attention (retained by the model), unfolded here to
+    [B, H, T, d] for the per-head norms."""
     model = _FoldedHeads(num_heads)
     x = _weights(9)
     with qkvtrace.trace(model) as t:
@@ -373,10 +374,7 @@ def test_routes_of_folded_heads_are_per_head_when_the_module_says_how_many(num_h
         grad = grad.transpose(1, 2) if part == "k" else grad  # K was kept as the matmul received it, transposed
         got = getattr(route, part)
         assert got.norm == pytest.approx(grad.norm().item(), rel=1e-5), part
-        if num_heads is None:  # how the batch dimension folds heads is not known: totals only
-            assert got.per_head is None, part
-        else:
-            assert got.per_head == pytest.approx(_per_head(grad.reshape(B, H, T, D)), rel=1e-5), part
+        assert got.per_head == pytest.approx(_per_head(grad.reshape(B, H, T, D)), rel=1e-5), part
 
 
 def test_a_grad_the_model_retains_on_q_k_v_is_its_own() -> None:

@@ -65,7 +65,7 @@ def _jsonschema_errors(data: Any, schema_id: str) -> list[str]:
 def test_one_schema_file_per_id() -> None:
     """Witness: the files in qkvtrace/schemas/, read with json: the id each one's ``schema`` const fixes."""
     ids = schema_ids()
-    assert {"qkvtrace.trace/2", "qkvtrace.report/1", "qkvtrace.diff/1"} <= set(ids)
+    assert {"qkvtrace.trace/3", "qkvtrace.report/1", "qkvtrace.diff/1"} <= set(ids)
     consts = {p.name: json.loads(p.read_text())["properties"]["schema"] for p in SCHEMAS.glob("*.json")}
     assert sorted(p.name for p in SCHEMAS.glob("*.json")) == sorted(schema_file(i) for i in ids)
     assert sorted(c["const"] for c in consts.values()) == sorted(ids)  # one file per id, and no file without one
@@ -95,9 +95,9 @@ def test_every_file_the_tool_writes_validates(tmp_path: Path, capsys: pytest.Cap
         assert got == code, err
         written.setdefault(schema_id, []).append(path)
 
-    write("qkvtrace.trace/2", "t-train.json", "trace", "demo:mha", "--train", "--backward")
-    write("qkvtrace.trace/2", "t-encoder.json", "trace", "demo:encoder")
-    write("qkvtrace.trace/2", "t-lm.json", "trace", "demo:tiny-lm", "--train", "--backward")
+    write("qkvtrace.trace/3", "t-train.json", "trace", "demo:mha", "--train", "--backward")
+    write("qkvtrace.trace/3", "t-encoder.json", "trace", "demo:encoder")
+    write("qkvtrace.trace/3", "t-lm.json", "trace", "demo:tiny-lm", "--train", "--backward")
     write("qkvtrace.check/1", "c-ok.json", "check", "demo:tiny-lm", "--causal", "--mode", "inference")
     write("qkvtrace.check/1", "c-leak.json", "check", f"{ROOT / 'tests' / 'mistakes.py'}:build_reversed",
           "--causal", "--mode", "inference", code=1)  # fmt: skip
@@ -118,7 +118,12 @@ def test_every_file_the_tool_writes_validates(tmp_path: Path, capsys: pytest.Cap
     (ranks / "trace.rank0.json").write_bytes((tmp_path / "t-train.json").read_bytes())
     (ranks / "trace.rank1.json").write_bytes((tmp_path / "t-encoder.json").read_bytes())
     write("qkvtrace.merge/1", "m.json", "merge", ranks, code=1)
-    # a trace as the previous format wrote it: one [start, stop) pair per slice (readers still read it)
+    # a trace as /2 wrote it (same keys; fully_masked_rows counted otherwise, read as null with the reason)
+    two = json.loads((tmp_path / "t-train.json").read_text())
+    (tmp_path / "t-2.json").write_text(json.dumps({**two, "schema": "qkvtrace.trace/2"}))
+    written["qkvtrace.trace/2"] = [tmp_path / "t-2.json"]
+    assert load_trace(tmp_path / "t-2.json").calls[0].output["fully_masked_rows"] is None
+    # a trace as the first format wrote it: one [start, stop) pair per slice (readers still read it)
     old = json.loads((tmp_path / "t-train.json").read_text())
     old["schema"] = "qkvtrace.trace/1"
     for call in old["calls"]:
@@ -281,7 +286,7 @@ def test_trace_schema_allows_fields_added_later(trace_file: Path, tmp_path: Path
         (lambda t: t.update(unobserved=[{"module": "a", "module_type": "B"}]),
          "/unobserved/0/reason: missing (a required key)"),
         (lambda t: t.update(schema="qkvtrace.report/1"),
-         '/schema: expected "qkvtrace.trace/1" or "qkvtrace.trace/2", got "qkvtrace.report/1"; '
+         '/schema: expected "qkvtrace.trace/1", "qkvtrace.trace/2" or "qkvtrace.trace/3", got "qkvtrace.report/1"; '
          'is it the right file?'),
     ],
 )  # fmt: skip

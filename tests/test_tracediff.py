@@ -141,6 +141,57 @@ def test_weight_norm_change_beyond_tolerance() -> None:
     assert "qkv.k.weight_norm" not in ch and "qkv.v.weight_norm" not in ch
 
 
+class EagerOrSDPA(nn.Module):
+    """One attention, written by hand (eager) or through SDPA, with the same weights (4 heads of 4)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+        self.num_heads, self.eager = 4, True
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        q, k, v = (t.reshape(2, -1, 4, 4).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        if self.eager:
+            return ((q @ k.transpose(-2, -1)) * 0.5 + mask).softmax(-1) @ v
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def test_eager_and_sdpa_versions_of_one_model_count_the_same_fully_masked_rows() -> None:
+    """The same [T, T] mask (row 1 blocked, built here) on an eager and an SDPA version of one model: no change
+    in fully-masked rows. Witness: the mask, whose one blocked row is counted here in each of the 2 x 4 (batch,
+    head) pairs the kernels run."""
+    torch.manual_seed(0)
+    model = EagerOrSDPA()
+    x = torch.randn(2, 5, 16)
+    mask = torch.zeros(5, 5)
+    mask[1] = float("-inf")
+    a = _trace(model, lambda: model(x, mask))
+    model.eager = False
+    b = _trace(model, lambda: model(x, mask))
+    want = int(torch.isneginf(mask).all(-1).sum()) * 2 * 4
+    assert [(c["path"], c["output"]["fully_masked_rows"]) for c in (*a["calls"], *b["calls"])] == [
+        ("hand_written", want), ("sdpa", want)]  # fmt: skip
+    assert "output.fully_masked_rows" not in _changes(diff_traces(a, b))
+
+
+def test_fully_masked_rows_of_an_older_trace_are_not_compared() -> None:
+    """A /2 trace counted fully-masked rows otherwise: a diff with it does not report them, and says why.
+    Witness: the masks passed here (one row blocked in A, none in B: the /3 counts differ by construction)."""
+    torch.manual_seed(0)
+    model = Direct()
+    x = torch.randn(2, 5, 16)
+    blocked = torch.ones(5, 5, dtype=torch.bool)
+    blocked[2] = False  # True = attend (SDPA)
+    a = _trace(model, lambda: model(x, blocked))
+    b = _trace(model, lambda: model(x, torch.ones(5, 5, dtype=torch.bool)))
+    assert _changes(diff_traces(a, b))["output.fully_masked_rows"] == (2 * 4, 0)
+    older = {**a, "schema": "qkvtrace.trace/2"}
+    d = diff_traces(older, b)
+    assert d["changed"] == [] or "output.fully_masked_rows" not in _changes(d)
+    assert "fully-masked rows not compared: qkvtrace.trace/2 and qkvtrace.trace/3" in d["summary"]
+    assert "not compared" not in diff_traces(older, older)["summary"]
+
+
 class TwoBlocks(nn.Module):
     def __init__(self) -> None:
         super().__init__()

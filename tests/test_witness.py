@@ -425,7 +425,7 @@ def test_untraced_traced_untraced_run_the_same_kernels(name: str, maps: bool, pa
 
 def test_every_recorded_path_is_in_the_vocabulary() -> None:
     """Witness: the path vocabulary as docs/trace.md tells users (written by hand, read here with a regular
-    expression) and the ``path`` enum of the trace/2 JSON schema consumers validate against.
+    expression) and the ``path`` enum of the trace/3 JSON schema consumers validate against.
     The paths themselves are checked against the profiler in test_traced_run_matches_the_witness."""
     import json
     import re
@@ -436,7 +436,7 @@ def test_every_recorded_path_is_in_the_vocabulary() -> None:
     root = Path(__file__).resolve().parents[1]
     line = next(x for x in (root / "docs" / "trace.md").read_text().splitlines() if x.startswith("(`fast` "))
     documented = set(re.findall(r"`(\w+)`", line.split(")")[0]))
-    schema = json.loads((root / "qkvtrace" / "schemas" / "trace-2.json").read_text())
+    schema = json.loads((root / "qkvtrace" / "schemas" / "trace-3.json").read_text())
     enum = set(schema["$defs"]["call"]["properties"]["path"]["enum"])
     assert documented <= enum, (documented, enum)
     seen = set()

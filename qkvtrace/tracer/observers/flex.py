@@ -44,8 +44,8 @@ def _fully_masked(q: Any, block_mask: Any, score_mod: Any) -> tuple[Any, str | N
 
     No block mask and no ``score_mod``: nothing masks, 0 rows. A block mask: its
     ``mask_mod`` evaluated over every position (``create_mask``), inside the
-    blocks it keeps (``to_dense``), counted per batch item, per head where
-    the mask has heads, per query position. A ``score_mod`` can mask too (by
+    blocks it keeps (``to_dense``), counted per (batch, head, query) row of
+    the kernel, whatever the mask's own shape. A ``score_mod`` can mask too (by
     returning ``-inf``), and only running it on the scores would tell.
     """
     if not isinstance(q, torch.Tensor) or q.is_nested:
@@ -64,10 +64,12 @@ def _fully_masked(q: Any, block_mask: Any, score_mod: Any) -> tuple[Any, str | N
         bq, bk = block_mask.BLOCK_SIZE
         blocks = block_mask.to_dense().to(q.device).bool()  # [b, h, lq / bq, lk / bk]
         keep &= blocks.repeat_interleave(bq, -2).repeat_interleave(bk, -1)[..., :lq, :lk]
-        rows = (~keep).all(-1).sum()
-        if b == 1 and q.dim() == 4 and q.shape[0] > 1:  # one mask for every batch item
-            rows = rows * q.shape[0]
-    return rows, None
+        fully = (~keep).all(-1)  # [b, h, lq]: b and h are 1 where one mask serves every batch item or head
+        try:  # counted per (batch, head, query) row of the kernel
+            rows = fully.expand(torch.broadcast_shapes(fully.shape, q.shape[:-1]))
+        except RuntimeError:
+            return None, f"not counted: a block mask of shape {[b, h, lq, lk]} for a query of {list(q.shape)}"
+    return rows.sum(), None
 
 
 def observe_flex(original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

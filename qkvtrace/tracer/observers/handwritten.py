@@ -18,6 +18,11 @@ the torch functions they call and follows the dataflow:
    recorded now, owned by the innermost traced module on the Python stack,
    with its Q/K/V slices derived from the dataflow like any SDPA call's.
 
+Scores may be assembled from pieces before the softmax (local blocks beside
+global tokens, joined by ``torch.cat`` along the keys): the joined tensor is
+scores; slices of its probabilities along the keys, each times its values,
+summed until every key column is covered, are the attention's output.
+
 Why a mode, and why only there: an active ``TorchFunctionMode`` makes
 ``nn.MultiheadAttention`` and the encoder layers refuse their fast paths, so
 the mode is switched on only by forward hooks of the candidate modules, and
@@ -45,9 +50,9 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from qkvtrace import compat, maps, patterns, replay
+from qkvtrace import compat, patterns, replay
 from qkvtrace.records import AttentionCall
-from qkvtrace.tracer import registry, routes
+from qkvtrace.tracer import folded, registry, routes
 from qkvtrace.tracer.build import Target, deliver, modes, nan_count, qkv_info, shape, wants_backward, wants_maps
 
 __all__ = ["PATH", "TORCH_ATTENTION", "entry_point_called", "recognising", "stop_watching", "suspended", "unwatch",
@@ -67,6 +72,8 @@ _CAST = frozenset({"to", "float", "half", "bfloat16", "double", "type", "type_as
 _SAME = frozenset({"view", "reshape", "contiguous", "clone", "view_as", "reshape_as", "flatten", "unflatten",
                    "squeeze", "unsqueeze", "detach", "tanh", "tanh_", "clamp", "clamp_", "nan_to_num"})  # fmt: skip
 _SOFTMAX = frozenset({"softmax", "_softmax"})
+_CAT = frozenset({"cat", "concat", "concatenate"})
+_SLICE = frozenset({"__getitem__", "narrow", "split", "chunk", "tensor_split"})
 _DROPOUT = frozenset({"dropout", "dropout_", "native_dropout"})
 
 #: PyTorch's modules whose fast paths an active mode refuses: never inside or around a candidate
@@ -105,6 +112,15 @@ class _Node:
     probs: torch.Tensor | None = None
     dropout_p: float = 0.0
     softmax_dtype: str | None = None
+    #: heads folded into dimension 0 of Q or K (``[B·H, T, d]``), as the module's own reshape made them
+    heads: int | None = None
+    #: scores assembled with ``torch.cat`` along the keys: how many pieces, and whether a piece had its own mask
+    pieces: int = 0
+    piece_masked: bool = False
+    #: a slice of the probabilities along the keys (stage ``"piece"``) or its product with values (``"partial"``):
+    #: how many key columns it covers, and the first values it met
+    cols: int = 0
+    value: torch.Tensor | None = None
 
 
 @dataclass
@@ -115,6 +131,8 @@ class _State:
     nodes: dict[int, _Node] = field(default_factory=dict)
     #: activations scaled by a number before any product (Q or K scaled before QKᵀ), and through which steps
     scaled: dict[int, tuple[weakref.ref[torch.Tensor], tuple[tuple[str, Any], ...]]] = field(default_factory=dict)
+    #: activations the module folded ``[B, H, T, d]`` into ``[B·H, T, d]``, with the heads folded
+    folds: dict[int, tuple[weakref.ref[torch.Tensor], int]] = field(default_factory=dict)
 
 
 def _state() -> _State:
@@ -209,6 +227,7 @@ def _switch_off(module: nn.Module) -> None:
     watching[0] -= 1
     st.nodes.clear()
     st.scaled.clear()
+    st.folds.clear()
     if torch.overrides._get_current_function_mode() is mode:  # type: ignore[attr-defined]
         mode.__exit__(None, None, None)
 
@@ -262,6 +281,7 @@ class _Recogniser(TorchFunctionMode):
         except Exception as exc:  # the model's call goes on whatever happens here
             _state().nodes.clear()
             _state().scaled.clear()
+            _state().folds.clear()
             registry.report_failure("hand-written attention", exc)
         return out
 
@@ -303,9 +323,13 @@ def _see(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> 
     if name in _MATMUL or name == "baddbmm" or name == "einsum":
         _product(nodes, name, args, kwargs, out)
         return
+    if name in _CAT and nodes:
+        _cat(nodes, args, kwargs, out)
+        return
     first = args[0] if args else kwargs.get("input")
     if (name in _SCALE or name in _MOVES) and _node(nodes, first) is None and _activation(first):
         _scaled(st, name, first, args, kwargs, out)  # type: ignore[arg-type]  # an activation: a tensor
+        _fold(st, name, first, out)  # type: ignore[arg-type]
     if not nodes:
         return
     if name == "where":
@@ -320,8 +344,13 @@ def _see(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> 
                 _keep(nodes, out, node, form=(*node.form, name), terms=(*node.terms, term))
         return
     form = (*node.form, name)
+    if node.stage in ("piece", "partial"):
+        _assembled(nodes, node, name, args, out, form)
+        return
     if node.stage == "probs":
-        if name in _DROPOUT:
+        if node.pieces and name in _SLICE:  # assembled scores: the probabilities of each piece of keys
+            _slices(nodes, node, out, form)
+        elif name in _DROPOUT:
             p = float(kwargs.get("p", args[1] if len(args) > 1 else 0.5))
             training = bool(kwargs.get("training", args[2] if len(args) > 2 else True))
             dropped = p if training else 0.0
@@ -376,6 +405,71 @@ def _scaled(st: _State, name: str, first: torch.Tensor, args: tuple[Any, ...], k
             st.scaled[id(t)] = (weakref.ref(t), steps)
 
 
+def _folded(st: _State, t: Any) -> int | None:
+    found = st.folds.get(id(t))
+    return found[1] if found is not None and found[0]() is t else None
+
+
+def _fold(st: _State, name: str, first: torch.Tensor, out: Any) -> None:
+    """Follow ``[B, H, T, d]`` folded into ``[B·H, T, d]`` by a reshape, then through moves and scalings."""
+    if not isinstance(out, torch.Tensor) or out.dim() != 3:
+        return
+    heads = _folded(st, first)
+    if heads is not None and out.shape[0] == first.shape[0]:
+        st.folds[id(out)] = (weakref.ref(out), heads)
+    elif heads is None and name in ("reshape", "view", "flatten"):
+        heads = folded.split_heads(first.shape, out.shape)
+        if heads is not None:
+            st.folds[id(out)] = (weakref.ref(out), heads)
+
+
+def _cat(nodes: dict[int, _Node], args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+    """Scores assembled from pieces along the keys (local blocks beside global tokens): one node of scores."""
+    parts = args[0] if args else kwargs.get("tensors")
+    dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+    if not isinstance(out, torch.Tensor) or not isinstance(parts, (list, tuple)) or not isinstance(dim, int):
+        return
+    if dim % out.dim() != out.dim() - 1:
+        return
+    found = [n for n in (_node(nodes, t) for t in parts) if n is not None]
+    if not found or any(n.stage != "scores" for n in found):
+        return
+    first = found[0]
+    if any(not patterns.same_steps(n.steps, first.steps) for n in found):
+        return  # pieces scaled differently: no one scale for the assembled scores
+    form = (*first.form, f"cat {len(parts)} pieces")
+    _keep(nodes, out, first, form=form, terms=(), pieces=len(parts), piece_masked=any(n.terms for n in found))
+
+
+def _slices(nodes: dict[int, _Node], node: _Node, out: Any, form: tuple[str, ...]) -> None:
+    probs = node.ref()
+    for t in out if isinstance(out, (tuple, list)) else (out,):
+        if isinstance(t, torch.Tensor) and probs is not None and t.shape[:-1] == probs.shape[:-1]:
+            _keep(nodes, t, node, form=form, stage="piece", cols=int(t.shape[-1]))
+
+
+def _assembled(nodes: dict[int, _Node], node: _Node, name: str, args: tuple[Any, ...], out: Any,
+               form: tuple[str, ...]) -> None:  # fmt: skip
+    """A piece of the probabilities reshaped, or the products of the pieces with their values summed up."""
+    if name in _SAME or name in _CAST or name in _DROPOUT:
+        result = out[0] if isinstance(out, tuple) else out
+        if isinstance(result, torch.Tensor) and result.numel() == node.ref().numel():  # type: ignore[union-attr]
+            _keep(nodes, result, node, form=form)
+        return
+    other = _node(nodes, args[1]) if len(args) > 1 else None
+    if node.stage != "partial" or name not in _ADD or name.startswith("sub") or other is None:
+        return
+    if other.stage != "partial" or other.probs is not node.probs or not isinstance(out, torch.Tensor):
+        return
+    cols = node.cols + other.cols
+    assert node.probs is not None
+    if cols == node.probs.shape[-1]:  # every key column met its values: the attention's output
+        assert node.value is not None
+        _record(node, form, node.value, out)
+    else:
+        _keep(nodes, out, node, form=form, cols=cols)
+
+
 def _where(nodes: dict[int, _Node], args: tuple[Any, ...], out: Any) -> None:
     if len(args) != 3:
         return
@@ -408,8 +502,12 @@ def _product(nodes: dict[int, _Node], name: str, args: tuple[Any, ...], kwargs: 
         nodes.pop(id(a), None)
         _record(probs, (*probs.form, name), b, out)
         return
-    node = _Node(weakref.ref(out), "scores", a, b, transposed, (name,))
+    if probs is not None and probs.stage == "piece":  # a piece of the probabilities times its values
+        _keep(nodes, out, probs, form=(*probs.form, name), stage="partial",
+              value=probs.value if probs.value is not None else b)
+        return
     st, before = _state(), []
+    node = _Node(weakref.ref(out), "scores", a, b, transposed, (name,), heads=_folded(st, a) or _folded(st, b))
     for part, operand in (("q", a), ("k", b)):  # a number Q or K was scaled by before the product scales QKᵀ too
         factors = _factors(st, operand)
         node.steps = (*node.steps, *factors)
@@ -428,28 +526,10 @@ def _product(nodes: dict[int, _Node], name: str, args: tuple[Any, ...], kwargs: 
 # -- the record ---------------------------------------------------------------------------------------
 
 
-def _scale_and_cap(steps: tuple[tuple[str, Any], ...]) -> tuple[Any, Any]:
-    """The scale applied to QKᵀ and the soft-cap (``c · tanh(s / c)``), as numbers or 0-dim tensors."""
-    cap = None
-    factors = list(steps)
-    tanh = next((i for i, (kind, _) in enumerate(factors) if kind == "tanh"), None)
-    if tanh is not None:
-        after = factors[tanh + 1] if tanh + 1 < len(factors) else None
-        cap = after[1] if after is not None and after[0] == "mul" else None
-        drop = {tanh, tanh + 1} if cap is not None else {tanh}
-        if cap is not None and tanh > 0 and factors[tanh - 1][0] == "div":
-            drop.add(tanh - 1)
-        factors = [f for i, f in enumerate(factors) if i not in drop and i < tanh]
-    scale: Any = 1.0
-    for kind, value in factors:
-        if kind == "tanh":
-            continue
-        scale = scale / value if kind == "div" else scale * value
-    if isinstance(scale, torch.Tensor):
-        scale = scale.detach().float()
-    if isinstance(cap, torch.Tensor):
-        cap = cap.detach().float()
-    return scale, cap
+#: why the count and the map of scores assembled from pieces (``torch.cat``) are left out
+_PIECE_MASKED = "not counted: a piece of the scores was masked before torch.cat joined them (keys are not positions)"
+_ASSEMBLED_MAP = ("not computed: the scores were assembled from pieces with torch.cat, so their key axis is the "
+                  "pieces side by side, not key positions")  # fmt: skip
 
 
 def _record(node: _Node, form: tuple[str, ...], v: torch.Tensor, out: torch.Tensor) -> None:
@@ -467,11 +547,12 @@ def _record(node: _Node, form: tuple[str, ...], v: torch.Tensor, out: torch.Tens
     projection = first.projection(owner, (q, k, v))
     final = tuple(probs.shape)
     blocked, bias = patterns.combine(list(node.terms), final)
-    scale, cap = _scale_and_cap(node.steps)
+    scale, cap = patterns.scale_and_cap(node.steps)
     qkv = qkv_info(first, projection, (q, k, v))
-    rows: Any = 0
+    heads, heads_evidence = _heads_of(node, owner, v) if q.dim() == 3 else (None, None)
+    rows: Any = None if node.piece_masked else 0
     mask = None
-    if blocked is not None:
+    if blocked is not None and not node.piece_masked:
         with torch.no_grad():
             rows = blocked.all(dim=-1).expand(final[:-1]).sum()
             dtypes = sorted({str(t.tensor.dtype) for t in node.terms})
@@ -502,44 +583,33 @@ def _record(node: _Node, form: tuple[str, ...], v: torch.Tensor, out: torch.Tens
             "softcap": cap,
             "softmax_dtype": node.softmax_dtype,
             "form": " → ".join(form),
+            **({"heads": {"count": heads, "evidence": heads_evidence}} if q.dim() == 3 else {}),
+            **({"assembled": {"pieces": node.pieces, "keys": final[-1]}} if node.pieces else {}),
             **modes(owner),
         },
         qkv=qkv,
-        output={"nan_count": nan_count(out), "fully_masked_rows": rows},
+        output={"nan_count": nan_count(out), "fully_masked_rows": rows,
+                **({"fully_masked_rows_reason": _PIECE_MASKED} if node.piece_masked else {})},
         evidence=EVIDENCE,
     )
-    core = routes.sdpa_core(out, q, k, v, heads=_heads(owner)) if wants_backward(targets) else None
-    source = _ProbsSource(probs, blocked, node.dropout_p, _heads(owner)) if wants_maps(targets) else None
+    # routes need one Q, K, V: scores assembled from pieces have a K and a V per piece (rows and norms: the first's)
+    core = routes.sdpa_core(out, q, k, v, heads=heads) if wants_backward(targets) and not node.pieces else None
+    source: Any = folded.ProbsSource(probs, blocked, node.dropout_p, heads, heads_evidence) if wants_maps(targets) \
+        else None  # fmt: skip
+    if source is not None and node.pieces:
+        source = _ASSEMBLED_MAP
     deliver(call, targets, owner, projection, core, source)
 
 
-@dataclass
-class _ProbsSource:
-    """The probabilities the model computed itself: its map is them, not a recomputation."""
-
-    probs: torch.Tensor
-    blocked: torch.Tensor | None
-    dropout_p: float
-    #: the module's number of heads (its own attribute), to unfold ``[B*H, T, T]`` probabilities
-    heads: int | None
-
-    def compute(self, budget: maps.MapBudget, name: str) -> maps.MapResult:
-        p, blocked = self.probs.detach(), self.blocked
-        if p.dim() == 3 and self.heads and p.shape[0] % self.heads == 0:
-            p = p.view(p.shape[0] // self.heads, self.heads, *p.shape[1:])
-            if blocked is not None and blocked.dim() == 3 and blocked.shape[0] == self.probs.shape[0]:
-                blocked = blocked.view(p.shape[0], self.heads, *blocked.shape[1:])
-        while p.dim() < 4:
-            p = p.unsqueeze(0)
-        if p.dim() > 4:
-            return maps.MapResult(reason=f"not computed: probabilities of {p.dim()} dims (maps are [B, H, T, T])")
-        return maps.from_weights(p, blocked, budget, self.dropout_p)
-
-
-def _heads(module: nn.Module) -> int | None:
-    """The module's own count of heads, where it keeps one under a usual name."""
-    for attr in ("num_heads", "n_heads", "n_head", "heads", "num_attention_heads"):
-        value = getattr(module, attr, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
+def _heads_of(node: _Node, owner: nn.Module, v: torch.Tensor) -> tuple[int | None, str | None]:
+    """The heads folded into dimension 0 of ``[B·H, T, d]`` Q, K, V: from the dataflow, else the module's word."""
+    seen = node.heads or _folded(_state(), v)
+    if seen is not None:
+        return seen, "dataflow: the module reshaped [B, H, T, d] into [B·H, T, d]"
+    heads, how = folded.heads_in((node.q, node.k, v))
+    if heads is not None:
+        return heads, how
+    heads = folded.module_heads(owner)
+    if heads is not None:
+        return heads, f"the module's own attribute ({type(owner).__name__} says {heads} heads)"
+    return None, "not shown: no reshape from [B, H, T, d] in the dataflow, and no head count on the module"

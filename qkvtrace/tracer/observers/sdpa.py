@@ -239,7 +239,11 @@ def _override_mask(mask: Any, device: torch.device) -> dict[str, Any]:
 
 
 def fully_masked_rows(q: Any, k: Any, mask: Any, is_causal: bool) -> Any:
-    """Query rows whose keys are all blocked by what SDPA received (a 0-dim tensor), ``None`` for nested inputs."""
+    """Query rows whose keys are all blocked by what SDPA received (a 0-dim tensor), ``None`` for nested inputs.
+
+    Counted as the kernel sees them: one per (batch, head, query) row of ``q``,
+    whatever the mask's own shape (a ``[T, T]`` mask blocking one row counts ``B * H``).
+    """
     if q.is_nested:
         return None
     with torch.no_grad():
@@ -254,12 +258,9 @@ def fully_masked_rows(q: Any, k: Any, mask: Any, is_causal: bool) -> Any:
             blocked = causal if blocked is None else (blocked | causal)
         if blocked is None:
             return 0
-        lead = q.shape[:-2]
-        b = int(lead[0]) if len(lead) >= 1 else 1
-        h = int(lead[1]) if len(lead) >= 2 else 1
-        while blocked.dim() < 4:
-            blocked = blocked.unsqueeze(0)
-        return masks.count_fully_masked((b, h, q.shape[-2]), None, blocked)
+        fully = blocked.all(dim=-1)  # what the mask blocks, per query row of its own shape
+        rows = torch.broadcast_shapes(fully.shape, q.shape[:-1])  # every (batch..., head, query) row of the kernel
+        return fully.expand(rows).sum()
 
 
 def _record(
