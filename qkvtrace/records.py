@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import stat
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 from qkvtrace.errors import SchemaError
+from qkvtrace.files import atomic_write_text
 from qkvtrace.traceversions import TRACE_SCHEMA, TRACE_SCHEMAS, read_older_call
 
 __all__ = [
@@ -571,35 +570,3 @@ def squared_shares(norms: Sequence[float | None]) -> list[float | None]:
     """Each norm's share of the sum of the squared norms (``None`` for a missing norm or a zero sum)."""
     total = sum(n * n for n in norms if n is not None)
     return [n * n / total if n is not None and total > 0 else None for n in norms]
-
-
-def atomic_write_text(path: Path, text: str) -> Path:
-    """Write ``text`` to ``path`` through a temporary file and a rename.
-
-    The file gets the permissions ``open()`` would give it (those of the file it
-    replaces, else 0o666 less the umask), not the 0o600 of a temporary file.
-    """
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.chmod(tmp, _new_file_mode(path))
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    return path
-
-
-def _new_file_mode(path: Path) -> int:
-    """The mode ``open(path, "w")`` would leave: the existing file's, else 0o666 less the process's umask."""
-    try:
-        return stat.S_IMODE(path.stat().st_mode)
-    except OSError:
-        umask = os.umask(0o022)  # read by setting it back at once (Python < 3.13 has no getter)
-        os.umask(umask)
-        return 0o666 & ~umask
