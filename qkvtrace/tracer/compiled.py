@@ -40,8 +40,9 @@ import torch
 from torch import nn
 
 from qkvtrace.records import CompiledAttention
-from qkvtrace.tracer import registry
+from qkvtrace.tracer import compiled_sdpa, registry
 from qkvtrace.tracer.build import dtype_name
+from qkvtrace.tracer.observers import handwritten
 
 if TYPE_CHECKING:
     from qkvtrace.tracer.session import Trace
@@ -58,6 +59,8 @@ _DYNAMO = "dynamo_output_graph"
 _AOT = ("aot_inference_graph", "aot_forward_graph", "aot_backward_graph")
 _CODE = "inductor_output_code"
 _BREAK = "dynamo_graph_break_reason"
+#: Dynamo starts compiling a frame (logged before it traces the frame's code)
+_START = "dynamo_start"
 
 #: Dynamo graph targets that are an attention entry point, by the function's name
 _ENTRY = {
@@ -122,6 +125,9 @@ class _Handler(logging.Handler):
             if not isinstance(metadata, dict) or not metadata:
                 return
             event = next(iter(metadata))
+            if event == _START:  # before Dynamo reads a module's hooks: it must not compile the watching ones in
+                handwritten.stop_watching_for_compile()
+                return
             if event == "artifact" and (metadata.get("artifact") or {}).get("name") == _BREAK:
                 _graph_break(getattr(record, "payload", None) or "")
                 return
@@ -387,6 +393,7 @@ def _read_dynamo(key: tuple[Any, Any], frame: types.FrameType | None) -> None:
             continue
         shapes, dtypes, device = _tensors(op.inputs)
         pending = _Pending(op.nodes, op.entry, device)
+        chosen = compiled_sdpa.backend_of_node(node) if _ENTRY.get(_name(node.target)) == "sdpa" else None
         for t in traces:
             module = t.name_of(op.owner)
             if module is None:
@@ -397,6 +404,9 @@ def _read_dynamo(key: tuple[Any, Any], frame: types.FrameType | None) -> None:
                 runs=[f"{op.written} (the graph as captured: PyTorch picks the kernel when it runs)"],
                 evidence=[f"Dynamo graph {graph}: node {node.name}"], runtime=RUNTIME_NOT_OBSERVED,
             )  # fmt: skip
+            if chosen is not None:  # what runs when the graph runs as captured; a backend's own code overrides it
+                record.sdpa_backend = chosen
+                record.evidence.append(f"sdpa_backend: {compiled_sdpa.EVIDENCE}")
             t.add_compiled(record)
             pending.records.append((t, record))
         if pending.records:

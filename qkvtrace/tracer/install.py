@@ -485,7 +485,7 @@ def _compile_in_place(inst: Installation, compile_method: Callable[..., Any]) ->
     """``nn.Module.compile`` whose compiled call stands aside while a trace is open (undone when the last closes)."""
 
     def compile(self: nn.Module, *args: Any, **kwargs: Any) -> None:
-        _stop_watching()
+        handwritten.stop_watching_for_compile()
         compile_method(self, *args, **kwargs)
         with inst._lock:
             if inst._count > 0:
@@ -496,21 +496,12 @@ def _compile_in_place(inst: Installation, compile_method: Callable[..., Any]) ->
     return compile
 
 
-def _stop_watching() -> None:
-    """``torch.compile`` is used while a trace is open: Dynamo must not see the hooks that watch for hand-written
-    attention (it would compile them in and recompile once they are gone); the open traces say so."""
-    if handwritten.watching_any():
-        for t in registry.open_traces():
-            t.note(handwritten.NOT_WATCHED)
-    handwritten.stop_watching()
-
-
 def _compile_then_patch(inst: Installation, compile_fn: Callable[..., Any]) -> Callable[..., Any]:
     """``torch.compile`` that stops the watching for hand-written attention and, once Dynamo is imported,
     patches ``OptimizedModule.__call__``."""
 
     def compile_(*args: Any, **kwargs: Any) -> Any:
-        _stop_watching()
+        handwritten.stop_watching_for_compile()
         result = compile_fn(*args, **kwargs)
         with inst._lock:
             if inst._count > 0:

@@ -54,8 +54,8 @@ from qkvtrace import compat, patterns, replay
 from qkvtrace.tracer import folded, registry
 from qkvtrace.tracer.observers.handwritten_record import PATH, record
 
-__all__ = ["PATH", "TORCH_ATTENTION", "entry_point_called", "recognising", "stop_watching", "suspended", "unwatch",
-           "watch", "watch_refused", "watching_any"]
+__all__ = ["PATH", "TORCH_ATTENTION", "entry_point_called", "recognising", "stop_watching", "stop_watching_for_compile",
+           "suspended", "unwatch", "watch", "watch_refused", "watching_any"]
 
 _MATMUL = frozenset({"matmul", "bmm", "__matmul__"})
 _SCALE = frozenset({"mul", "mul_", "__mul__", "__rmul__", "multiply", "div", "div_", "__truediv__", "true_divide",
@@ -174,6 +174,16 @@ def unwatch(handles: list[Any]) -> None:
 def watching_any() -> bool:
     """Some open trace watches modules now."""
     return bool(_handles)
+
+
+def stop_watching_for_compile() -> None:
+    """``torch.compile`` is used, or Dynamo starts compiling, while a trace is open: Dynamo must not see the
+    hooks that watch for hand-written attention (it would compile them in and compile again once they are
+    gone); the open traces say so."""
+    if watching_any():
+        for t in registry.open_traces():
+            t.note(NOT_WATCHED)
+    stop_watching()
 
 
 def stop_watching() -> None:
