@@ -171,9 +171,11 @@ _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_
 def _copy(module: nn.Module, args: list[Any], kwargs: dict[str, Any]) -> tuple[dict[int, Any], Any]:
     """Copies of ``module`` (parameters sharing storage, requiring grad; no hooks) and of the arguments."""
     memo: dict[int, Any] = {}
-    for p in module.parameters():
-        memo[id(p)] = nn.Parameter(p.detach(), requires_grad=p.is_floating_point() or p.is_complex())
     with torch.inference_mode(False), torch.no_grad():
+        for p in module.parameters():
+            # a weight made under inference_mode cannot enter a graph: that one alone is copied
+            shared = p.detach().clone() if p.is_inference() else p.detach()
+            memo[id(p)] = nn.Parameter(shared, requires_grad=p.is_floating_point() or p.is_complex())
         copied = copy.deepcopy((module, args[1:], kwargs), memo)
     for m in copied[0].modules():
         for name in _HOOKS:

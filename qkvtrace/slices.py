@@ -26,6 +26,7 @@ them when the block ends.
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -232,6 +233,16 @@ def _norm(t: torch.Tensor) -> torch.Tensor:
 
 
 _MAX_CACHED = 4096
+#: versions for tensors that keep none (made under ``inference_mode``): a new one each time, never a stale hit
+_UNTRACKED = itertools.count(-1, -1)
+
+
+def version_of(t: torch.Tensor) -> int:
+    """``t._version``, which moves on every in-place change; a new number each call for an inference tensor."""
+    try:
+        return t._version
+    except RuntimeError:  # "Inference tensors do not track version counter"
+        return next(_UNTRACKED)
 
 
 class NormCache:
@@ -248,7 +259,7 @@ class NormCache:
         self._params: dict[tuple[int, int], list[str]] = {}
 
     def norm(self, param: torch.Tensor, rows: Rows, dim: int = 0) -> torch.Tensor:
-        key = (id(param), param._version, rows, dim)
+        key = (id(param), version_of(param), rows, dim)
         value = self._cache.get(key)
         if value is None:
             with torch.no_grad():
@@ -267,7 +278,7 @@ class NormCache:
                 {n for _, ps in spec.parts() for p in ps.pieces() for n in (p.param, p.bias_param) if n is not None}
             )
         # looked up on every call: FSDP swaps the tensors behind these names between sharded and whole
-        key = (id(module), id(spec), tuple((id(p), p._version) for p in (param_of(module, n) for n in names)))
+        key = (id(module), id(spec), tuple((id(p), version_of(p)) for p in (param_of(module, n) for n in names)))
         cached = self._qkv.get(key)
         if cached is not None:
             return cached

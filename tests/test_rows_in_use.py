@@ -408,3 +408,24 @@ def test_inside_a_users_profiler_the_module_is_not_run_again() -> None:
     with torch.no_grad(), qkvtrace.trace(model) as t:
         model(x)
     assert _expand(t.calls[0].qkv.q.rows) == list(range(E))
+
+
+def test_a_module_fused_under_inference_mode_has_rows_and_norms() -> None:
+    """Witness: ``Fusable``'s construction after ``fuse()`` (thirds of ``qkv.weight``), whose weight is made
+    under ``inference_mode`` here (an inference tensor: no version counter, no graph), and the norms of those
+    rows computed in the test."""
+    torch.manual_seed(0)
+    model = Fusable().eval()
+    x = torch.randn(B, L, E)
+    with torch.inference_mode(), qkvtrace.trace(model) as t:
+        model(x)
+        model.fuse()
+        model(x)
+    assert t.result.warnings == []
+    before, after = t.calls
+    assert before.qkv.layout == "separate" and after.qkv.layout == "packed", after.qkv.reason
+    assert model.qkv is not None and model.qkv.weight.is_inference()
+    for i, part in enumerate("qkv"):
+        s = getattr(after.qkv, part)
+        assert _expand(s.rows) == list(range(i * E, (i + 1) * E))
+        assert s.weight_norm == pytest.approx(_norm(model.qkv.weight[i * E : (i + 1) * E]), rel=1e-5)
