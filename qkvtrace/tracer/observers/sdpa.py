@@ -30,6 +30,7 @@ from torch import nn
 
 from qkvtrace import maps, masks, paths, refusals, replay
 from qkvtrace.records import AttentionCall
+from qkvtrace.slices import Projection
 from qkvtrace.tracer import registry, routes
 from qkvtrace.tracer.build import Target, deliver, modes, nan_count, qkv_info, shape, wants_backward, wants_maps
 from qkvtrace.tracer.install import redispatch_sdpa, relevant_overrides
@@ -61,7 +62,7 @@ def _overrides(value: Any) -> bool:
 
 
 class _Args:
-    __slots__ = ("dropout_p", "gqa", "is_causal", "k", "mask", "q", "scale", "v")
+    __slots__ = ("dropout_p", "gqa", "is_causal", "k", "mask", "projection", "q", "scale", "v")
 
     def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self.q = arg(args, kwargs, _SDPA_ARGS, "query")
@@ -72,6 +73,8 @@ class _Args:
         self.is_causal = bool(arg(args, kwargs, _SDPA_ARGS, "is_causal", False))
         self.scale = kwargs.get("scale")
         self.gqa = bool(kwargs.get("enable_gqa", False))
+        #: where the call's Q/K/V rows live (set by ``_record``)
+        self.projection: Projection | str = "not derived: the call was not recorded"
 
     def backend(self) -> str | None:
         return paths.sdpa_backend(self.q, self.k, self.v, self.mask, self.dropout_p, self.is_causal, self.scale,
@@ -140,12 +143,12 @@ def observe_sdpa(original: Callable[..., Any], args: tuple[Any, ...], kwargs: di
     except BaseException as exc:  # record the refused call, then let the error go on unchanged
         call = _record(owner, targets, a, backend, None, "unavailable: the call raised", None, refused)
         call.error = f"{type(exc).__name__}: {exc}"
-        _deliver(call, owner, targets, qkv=(a.q, a.k, a.v))
+        _deliver(call, owner, targets, a)
         raise
     _learn(a, backend, ops)
     core = routes.sdpa_core(out, a.q, a.k, a.v, key=sig) if wants_backward(targets) else None
     record = _record(owner, targets, a, backend, ops, evidence, out, refused)
-    _deliver(record, owner, targets, core, a.map_source(targets), (a.q, a.k, a.v))
+    _deliver(record, owner, targets, a, core, a.map_source(targets))
     return out
 
 
@@ -196,7 +199,7 @@ def _observe_override(
         _pop(stack, ctx)
         call = _record(owner, targets, a, ctx.backend, None, "unavailable: the call raised", None, (None, None))
         call.error = f"{type(exc).__name__}: {exc}"
-        _deliver(call, owner, targets, qkv=(a.q, a.k, a.v))
+        _deliver(call, owner, targets, a)
         raise
     _pop(stack, ctx)
     backend = ctx.backend
@@ -204,7 +207,7 @@ def _observe_override(
         backend = _EVIDENCE.backend_of(a.q.device.type, ops)
     core = routes.sdpa_core(out, a.q, a.k, a.v, key=sig) if wants_backward(targets) else None
     record = _record(owner, targets, a, backend, ops, evidence, out, ctx.refusals)
-    _deliver(record, owner, targets, core, a.map_source(targets, override=_overrides(a.mask)), (a.q, a.k, a.v))
+    _deliver(record, owner, targets, a, core, a.map_source(targets, override=_overrides(a.mask)))
     return out
 
 
@@ -214,9 +217,10 @@ def _pop(stack: list[Any], ctx: Any) -> None:
             break
 
 
-def _deliver(call: AttentionCall, owner: nn.Module, targets: list[Target], core: routes.Core | None = None,
-             source: maps.SDPASource | None = None, qkv: tuple[Any, ...] | None = None) -> None:  # fmt: skip
-    deliver(call, targets, owner, targets[0][0].projection(owner, qkv), core, source)
+def _deliver(call: AttentionCall, owner: nn.Module, targets: list[Target], a: _Args, core: routes.Core | None = None,
+             source: maps.SDPASource | None = None) -> None:  # fmt: skip
+    """Hand the call to its traces, with the projection :func:`_record` found for it (asked once a call)."""
+    deliver(call, targets, owner, a.projection, core, source)
 
 
 def _override_mask(mask: Any, device: torch.device) -> dict[str, Any]:
@@ -270,7 +274,7 @@ def _record(
     q, k, v, mask = a.q, a.k, a.v, a.mask
     mask_record: dict[str, Any] | None = None
     first = targets[0][0]
-    projection = first.projection(owner, (q, k, v))  # read from the call's graph: outside no_grad
+    projection = a.projection = first.projection(owner, (q, k, v))  # read from the call's graph: outside no_grad
     with torch.no_grad():
         if isinstance(mask, torch.Tensor) and _overrides(mask):
             mask_record = _override_mask(mask, q.device)
