@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import sys
 import threading
 import weakref
@@ -438,6 +439,19 @@ def _scale_and_cap(steps: tuple[tuple[str, Any], ...]) -> tuple[Any, Any]:
     return scale, cap
 
 
+#: folders whose frames are not the model's code: PyTorch's and the tracer's own
+_NOT_THE_MODEL = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.path.dirname(__file__)) + os.sep)
+
+
+def _site(frame: Any) -> str | None:
+    """``file:line`` of the innermost frame in the model's own code: the line whose ``@ v`` completes the attention."""
+    while frame is not None:
+        if not frame.f_code.co_filename.startswith(_NOT_THE_MODEL):
+            return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+        frame = frame.f_back
+    return None
+
+
 def _record(node: _Node, form: tuple[str, ...], v: torch.Tensor, out: torch.Tensor) -> None:
     found = registry.owner_module(sys._getframe())
     if found is None:
@@ -485,6 +499,7 @@ def _record(node: _Node, form: tuple[str, ...], v: torch.Tensor, out: torch.Tens
             "softcap": cap,
             "softmax_dtype": node.softmax_dtype,
             "form": " → ".join(form),
+            "site": _site(sys._getframe()),
             **modes(owner),
         },
         qkv=qkv,
