@@ -65,3 +65,34 @@ def test_every_command_refuses_a_missing_target_in_one_line(tmp_path: Path, comm
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert "'missing.py'" in lines[0] and "does not exist" in lines[0]
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_every_changed_report_row_shows_what_changed() -> None:
+    """Witness: the two committed reports read here as plain JSON: for each scenario whose calls differ, the fields
+    that differ are found here, and the Markdown row of the diff must show both sides apart, with those values."""
+    from qkvtrace.diff import diff_reports
+    from qkvtrace.render.diff_render import diff_markdown
+
+    a, b = (json.loads((ROOT / "reports" / v / "report.json").read_text()) for v in
+            ("torch-2.4.1+cu121", "torch-2.13.0+cpu"))  # fmt: skip
+    md = diff_markdown(diff_reports(a, b))
+    rows = {r.split(" | ")[1]: r.strip("| ").split(" | ") for r in md.splitlines() if r.startswith("| scenario |")}
+    sa, sb = ({s["name"]: s for s in r["probes"]["scenarios"]} for r in (a, b))
+    checked = 0
+    for name, row in rows.items():
+        assert row[2] != row[3], row  # was and became read differently
+        calls_a, calls_b = (s[name].get("calls") or [] if name in s else [] for s in (sa, sb))
+        if len(calls_a) == len(calls_b) == 1 and calls_a[0]["path"] == calls_b[0]["path"]:
+            differ = [k for k in ("sdpa_refusals",) if calls_a[0].get(k) != calls_b[0].get(k)]
+            for key in differ:
+                ra, rb = calls_a[0][key] or {}, calls_b[0][key] or {}
+                apart = [k for k in sorted(ra.keys() | rb.keys()) if ra.get(k) != rb.get(k)]
+                for backend in apart:
+                    assert backend in row[2] and backend in row[3], (name, row)
+                    for side, refusals in ((row[2], ra), (row[3], rb)):
+                        assert " ".join(refusals.get(backend, ["absent"])) in side, (name, side)
+                checked += 1
+    assert checked  # sdpa_forced_math is such a row: same path and backend, other refusals
