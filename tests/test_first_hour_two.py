@@ -96,3 +96,58 @@ def test_every_changed_report_row_shows_what_changed() -> None:
                         assert " ".join(refusals.get(backend, ["absent"])) in side, (name, side)
                 checked += 1
     assert checked  # sdpa_forced_math is such a row: same path and backend, other refusals
+
+
+@pytest.mark.parametrize("width, length", [(80, 16), (60, 20), (120, 20)])
+def test_terminal_maps_fit_the_width_and_keep_every_label_and_maximum(width: int, length: int) -> None:
+    """Witness: PyTorch's own attention weights (``need_weights=True, average_attn_weights=False``) of the same call:
+    every head's every row must be printed with its whole label and its maximum, at the console's width."""
+    import re
+
+    import torch
+    from rich.console import Console
+    from torch import nn
+
+    import qkvtrace
+    from qkvtrace.render.maps_render import terminal_maps
+
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(16, 4, batch_first=True).eval()
+    x = torch.randn(1, length, 16)
+    with torch.no_grad():
+        _, weights = mha(x, x, x, need_weights=True, average_attn_weights=False)
+        with qkvtrace.trace(mha, attention_maps=True) as t:
+            mha(x, x, x, need_weights=False)
+    labels = [f"word{i:02d}" for i in range(length)]
+    console = Console(width=width, record=True, color_system=None)
+    for part in terminal_maps(t.result, [labels], width=console.width):
+        console.print(part)
+    lines = console.export_text().splitlines()
+    assert max(len(line.rstrip()) for line in lines) <= width
+    from collections import Counter
+
+    printed = Counter(pair for line in lines  # each head's row: "<label> <shades> <max>", heads side by side
+                      for pair in re.findall(r"(word\d\d) [ ·░▒▓█]+ (\d\.\d\d)", line))  # fmt: skip
+    want = Counter((labels[q], f"{float(weights[0, h, q].max()):.2f}") for h in range(4) for q in range(length))
+    assert printed == want
+    assert "…" not in console.export_text()
+
+
+def test_a_terminal_map_wider_than_the_console_is_named_not_cut() -> None:
+    """Witness: the map's width worked out here (label, 20 keys, the max, 2 spaces between) against 30 columns."""
+    import torch
+    from rich.console import Console
+    from torch import nn
+
+    import qkvtrace
+    from qkvtrace.render.maps_render import terminal_maps
+
+    mha = nn.MultiheadAttention(16, 4, batch_first=True).eval()
+    x = torch.randn(1, 20, 16)
+    with torch.no_grad(), qkvtrace.trace(mha, attention_maps=True) as t:
+        mha(x, x, x, need_weights=False)
+    console = Console(width=30, record=True, color_system=None)
+    for part in terminal_maps(t.result, [[f"word{i:02d}" for i in range(20)]], width=console.width):
+        console.print(part)
+    text = " ".join(console.export_text().split())
+    assert f"{6 + 2 + 20 + 2 + 4} columns wide" in text and "0." not in text
