@@ -151,3 +151,65 @@ def test_a_terminal_map_wider_than_the_console_is_named_not_cut() -> None:
         console.print(part)
     text = " ".join(console.export_text().split())
     assert f"{6 + 2 + 20 + 2 + 4} columns wide" in text and "0." not in text
+
+
+def test_trace_compile_of_a_model_without_hand_written_attention_neither_warns_nor_calls_graphs_reasons(
+    tmp_path: Path,
+) -> None:
+    """Witness: the tiny LM's own source, which calls F.scaled_dot_product_attention (no attention by hand), and
+    the profiler of its compiled run here, which names the kernel the compiled code calls."""
+    import inspect
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from qkvtrace.demos import CausalSelfAttention, demo_tiny_lm
+
+    assert "scaled_dot_product_attention" in inspect.getsource(CausalSelfAttention.forward)
+    model, args = demo_tiny_lm()
+    torch._dynamo.reset()
+    compiled = torch.compile(model.eval())
+    with torch.no_grad():
+        compiled(*args)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            compiled(*args)
+    torch._dynamo.reset()
+    kernels = {e.name.removeprefix("aten::") for e in prof.events() if "scaled_dot_product" in e.name}
+    assert kernels
+    proc = qkv("trace", "demo:tiny-lm", "--compile", "--json", "t.json", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "not watched" not in proc.stdout and "warning" not in proc.stdout
+    header = next(line for line in proc.stdout.splitlines() if "why not fast" in line)
+    assert "compiled code runs" in header
+    for line in proc.stdout.splitlines():
+        if line.startswith("│ #c"):
+            why, runs = (cell.strip() for cell in line.split("│")[5:7])
+            assert why == "-" and any(k.startswith(runs.removeprefix("aten.")[:20]) for k in kernels), line
+    assert json.loads((tmp_path / "t.json").read_text())["warnings"] == []
+
+
+def test_a_model_compiled_before_the_trace_is_said_to_be(tmp_path: Path) -> None:
+    """Witness: the compiled call made here before the trace opened; and, after ``torch._dynamo.reset()`` as the
+    reason advises, the same model's attention recorded from the graphs compiled inside a new trace."""
+    import torch
+
+    import qkvtrace
+    from qkvtrace.demos import demo_tiny_lm
+
+    model, args = demo_tiny_lm()
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(model.eval())
+        with torch.no_grad():
+            compiled(*args)  # compiled and warmed up before any trace
+            with qkvtrace.trace(model) as t:
+                compiled(*args)
+        reasons = {u.module: u.reason for u in t.result.unobserved}
+        assert set(reasons) == {"blocks.0.attention", "blocks.1.attention"}
+        assert all("compiled the model's forward before the trace opened" in r for r in reasons.values()), reasons
+        torch._dynamo.reset()
+        with torch.no_grad(), qkvtrace.trace(model) as again:
+            compiled(*args)
+        assert {op.module for op in again.result.compiled} == set(reasons) and not again.result.unobserved
+    finally:
+        torch._dynamo.reset()
