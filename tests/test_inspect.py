@@ -196,7 +196,7 @@ def test_missing_functions_are_recorded_not_fatal() -> None:
 
 
 @needs_layout_engine
-def test_cli_writes_report_and_replaces_it(tmp_path: Path) -> None:
+def test_cli_writes_report_and_a_second_run_keeps_it(tmp_path: Path) -> None:
     """Witness: the files listed in the output folder, the first run's report.json bytes, and ``torch.__version__``."""
     proc = qkv("inspect", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr
