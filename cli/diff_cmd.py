@@ -81,7 +81,8 @@ def register(sub: Any) -> None:
     c.add_argument("target", metavar="TARGET", nargs="?", default=None,
                    help="trace this model in both environments (module:callable, file.py:callable, demo:NAME, "
                         "hf:NAME...); without it, compare the reports")  # fmt: skip
-    c.add_argument("--python", action="append", metavar="PY", type=Path, default=[], required=True,
+    # PY kept as typed: Path("./python") is "python", which `which` would look up on PATH instead
+    c.add_argument("--python", action="append", metavar="PY", default=[], required=True,
                    help="a Python interpreter with torch installed; give exactly two")  # fmt: skip
     c.add_argument("--train", action="store_true", help="with TARGET: a training step instead of inference")
     c.add_argument("--input-shape", metavar="B,T", help="with TARGET: batch and length of made-up inputs")
@@ -187,7 +188,7 @@ def _tail(text: str, lines: int = 15) -> str:
     return "\n".join(text.strip().splitlines()[-lines:])
 
 
-def collect_in(python: Path, env_extra: dict[str, str] | None = None, module: str = "qkvtrace.report",
+def collect_in(python: str | Path, env_extra: dict[str, str] | None = None, module: str = "qkvtrace.report",
                module_args: tuple[str, ...] = (), schema: str = REPORT_SCHEMA) -> dict[str, Any]:  # fmt: skip
     """Run a collector (the report's, or a trace's) under another interpreter and return what it printed."""
     import qkvtrace
@@ -216,6 +217,8 @@ def collect_in(python: Path, env_extra: dict[str, str] | None = None, module: st
         # otherwise import a checkout's qkvtrace instead of the copy shipped above
         proc = subprocess.run([exe, "-W", "ignore", "-m", module, *module_args], capture_output=True, text=True,
                               env=env, cwd=shipped, timeout=1800)  # fmt: skip
+    if proc.returncode == 2 and proc.stderr.strip() and len(proc.stderr.strip().splitlines()) == 1:
+        raise QkvtraceError(f"{proc.stderr.strip()} (under {python})")  # the collector's own one-line refusal
     if proc.returncode != 0:
         raise QkvtraceError(
             f"the collector crashed under {python} (exit {proc.returncode}); its last lines:\n{_tail(proc.stderr)}"
@@ -236,6 +239,7 @@ def _compare_traces(args: argparse.Namespace, console: Console) -> int:
     if not args.rtol >= 0:
         raise InputError(f"--rtol must be 0 or more, got {args.rtol}")
     module_args = [args.target, *(["--train"] if args.train else []), *(["--random-init"] if args.random_init else [])]
+    module_args += ["--cwd", os.getcwd()]  # TARGET relative to where the user runs, as `qkvtrace trace` reads it
     if args.input_shape:
         module_args += ["--input-shape", args.input_shape]
     traces = []
@@ -257,7 +261,7 @@ def _safe(target: str) -> str:
 
 
 def run_compare(args: argparse.Namespace, console: Console) -> int:
-    from qkvtrace.cli.inspect_cmd import picture_note, prepare_out, write_report_dir
+    from qkvtrace.cli.inspect_cmd import picture_note, prepare_out, replaced_or_kept, write_report_dir
     from qkvtrace.diff import diff_reports
     from qkvtrace.render.diff_render import diff_renderable
 
@@ -273,7 +277,7 @@ def run_compare(args: argparse.Namespace, console: Console) -> int:
             report = collect_in(python)
         written = write_report_dir(report, args.out)
         console.print(f"torch {report['environment']['torch_version']} ← {python}: wrote {written.folder}/"
-                      + (" (replaced)" if written.replaced else ""))  # fmt: skip
+                      + replaced_or_kept(written))  # fmt: skip
         note = picture_note(written)
         if note:
             console.print(note)

@@ -54,7 +54,7 @@ def register(sub: Any) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("reports", nargs="*", metavar="REPORTS", type=Path,
                    help="a folder of torch-<version>/ reports, or report folders/report.json files")  # fmt: skip
-    p.add_argument("--python", action="append", metavar="PY", type=Path, default=[],
+    p.add_argument("--python", action="append", metavar="PY", default=[],  # as typed: see compare's --python
                    help="an interpreter with torch installed: collect its report into --out (repeatable)")  # fmt: skip
     p.add_argument("--out", metavar="DIR", type=Path,
                    help="where reports and the timeline go, created if missing (default: REPORTS if one folder, "
@@ -76,9 +76,9 @@ def _out(args: argparse.Namespace) -> Path | None:
     return Path("reports") if args.python and not args.reports else None
 
 
-def _collect(pythons: list[Path], out: Path, console: Console) -> None:
+def _collect(pythons: list[str], out: Path, console: Console) -> None:
     from qkvtrace.cli.diff_cmd import collect_in
-    from qkvtrace.cli.inspect_cmd import picture_note, prepare_out, write_report_dir
+    from qkvtrace.cli.inspect_cmd import picture_note, prepare_out, replaced_or_kept, write_report_dir
 
     prepare_out(out)
     err = Console(stderr=True, highlight=False)  # progress on stderr, never mixed into what stdout carries
@@ -88,7 +88,7 @@ def _collect(pythons: list[Path], out: Path, console: Console) -> None:
         written = write_report_dir(report, out)
         missing = ", ".join(m["name"] for m in report.get("missing", []))
         console.print(f"torch {report['environment']['torch_version']} ← {python}: wrote {written.folder}/"
-                      + (" (replaced)" if written.replaced else "")
+                      + replaced_or_kept(written)
                       + (f"; this release lacks {missing}" if missing else ""))  # fmt: skip
         note = picture_note(written)
         if note:

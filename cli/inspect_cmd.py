@@ -15,12 +15,12 @@ from rich.markup import escape
 from rich.table import Table
 
 from qkvtrace.cli._common import progress
-from qkvtrace.errors import OutputError
+from qkvtrace.errors import OutputError, SchemaError
 
 if TYPE_CHECKING:  # the CLI imports this module at start-up; drawing libraries load only when needed
     from qkvtrace.render.graph import Drawing
 
-__all__ = ["Written", "picture_note", "prepare_out", "register", "run", "write_report_dir"]
+__all__ = ["Written", "picture_note", "prepare_out", "register", "replaced_or_kept", "run", "write_report_dir"]
 
 _HELP = """\
 Read the attention path of the installed PyTorch and write it down:
@@ -32,12 +32,19 @@ Read the attention path of the installed PyTorch and write it down:
                  with qkvtrace; the same bytes on every machine), else by
                  Graphviz's `dot` on PATH; $QKVTRACE_DOT names another program
 
-into OUT/torch-<version>/. An existing report of the same version is replaced
-whole; an interrupted run leaves the old one untouched. If no picture can be
-drawn, the previous callgraph.svg is kept, and you are told whether it still
-shows this call graph. Two runs in the same environment write byte-identical
-report.json files, so reports can live under version control and be compared
-with `qkvtrace diff`.
+into OUT/torch-<version>/.
+
+An existing report of the same version is kept when it says what this run
+found: the same sources, conditions, call graph and scenario results,
+measured errors (max |difference| between two computations: rounding noise
+that moves from run to run) within a factor of 4 or 1e-5, other measured
+numbers within 10 %, whatever Python or machine made it. So a second run, or
+the first in a fresh checkout, leaves the files as they were: reports can live
+under version control and be compared with `qkvtrace diff`. Otherwise the
+report is replaced whole; an interrupted run leaves the old one untouched.
+
+If no picture can be drawn, the previous callgraph.svg is kept, and you are
+told whether it still shows this call graph.
 """
 
 
@@ -74,6 +81,9 @@ class Written:
     picture: str
     #: the layout program that drew the picture, or why there is none
     drawing: Drawing
+    #: the report there said what this run found (:func:`~qkvtrace.reportio.first_difference`),
+    #: so its numbers and environment were kept and the files were written again from it
+    kept: bool = False
 
 
 def write_report_dir(report: dict[str, Any], out: Path) -> Written:
@@ -81,9 +91,16 @@ def write_report_dir(report: dict[str, Any], out: Path) -> Written:
     from qkvtrace.render.graph import render_svg, report_graph, to_dot
     from qkvtrace.render.markdown import report_markdown
     from qkvtrace.report import dumps_report, report_dirname
+    from qkvtrace.reportio import first_difference
 
     version = report["environment"]["torch_version"]
     final = out / report_dirname(version)
+    previous = _previous(final)
+    kept = previous is not None and first_difference(previous, report) is None
+    if kept and previous is not None:
+        # Same findings, other noise (or another machine): keep the report that is there, so a
+        # checkout's committed report stays as it was and two runs write the same bytes.
+        report = previous
     try:
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=out))
         tmp.chmod(0o755)  # mkdtemp makes it private; a report folder is for reading
@@ -118,7 +135,26 @@ def write_report_dir(report: dict[str, Any], out: Path) -> Written:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return Written(final, replaced, picture, drawing)
+    return Written(final, replaced, picture, drawing, kept)
+
+
+def _previous(final: Path) -> dict[str, Any] | None:
+    """The report already in ``final``, or ``None`` when there is none that reads as a report."""
+    from qkvtrace.reportio import load_report
+
+    if not (final / "report.json").is_file():
+        return None
+    try:
+        return load_report(final)
+    except SchemaError:  # damaged or of another schema: it is replaced
+        return None
+
+
+def replaced_or_kept(written: Written) -> str:
+    """`` (kept ...)``, `` (replaced)`` or nothing: what happened to a report of the same version."""
+    if written.kept:
+        return " (kept the report there: it says the same)"
+    return " (replaced)" if written.replaced else ""
 
 
 def picture_note(written: Written) -> str | None:
@@ -168,7 +204,17 @@ def _summary(report: dict[str, Any], written: Written, seconds: float) -> Table:
         table.add_row("picture", {"kept": "callgraph.svg kept from the previous report",
                                   "kept-stale": "callgraph.svg kept from the previous report (out of date)",
                                   "none": "not drawn"}[written.picture])  # fmt: skip
-    replaced = "  (replaced the previous report of this version)" if written.replaced else ""
+    if written.kept:
+        from qkvtrace.reportio import ERROR_FACTOR, ERROR_FLOOR, MAGNITUDE_TOLERANCE
+
+        replaced = (
+            "  (kept the report there: it says the same; measured errors agree within a factor of "
+            f"{ERROR_FACTOR:g} or {ERROR_FLOOR:g}, other numbers within {MAGNITUDE_TOLERANCE:.0%})"
+        )
+    elif written.replaced:
+        replaced = "  (replaced the previous report of this version)"
+    else:
+        replaced = ""
     table.add_row("written", f"{written.folder}/{replaced}")
     table.add_row("took", f"{seconds:.1f} s")
     return table

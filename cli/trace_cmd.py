@@ -184,7 +184,7 @@ def _maps_out(args: argparse.Namespace, result: Any, loaded: Any, console: Conso
 
     tokens = token_labels(loaded.model, loaded.args)  # per batch item; each map names the items it holds
     if args.show_maps:
-        for part in terminal_maps(result, tokens):
+        for part in terminal_maps(result, tokens, width=console.width):
             console.print(part)
     if args.maps is not None:
         files = write_map_pictures(result, args.maps, tokens)

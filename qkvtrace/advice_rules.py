@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from qkvtrace.advice_sdpa import forward_site, sdpa_in_place_of
+from qkvtrace.records import kernel_refusal
 
 __all__ = ["Candidate", "candidates_for", "combined"]
 
@@ -73,9 +74,16 @@ def candidates_for(call: Any, model: nn.Module, train: bool) -> tuple[list[Candi
             f"{said} in place of {call.inputs.get('form') or 'the softmax(QKᵀ)V'} in {call.module_type}.forward "
             "(measured on tensors of the call's shapes)",
             "the attention weights the hand-written code computes: SDPA returns none",
-            call.module, _no_copy, tolerance=1e-3, pair=make, site=forward_site(model, call.module))], ""  # fmt: skip
+            call.module, _no_copy, tolerance=1e-3, pair=make,
+            site=call.inputs.get("site") or forward_site(model, call.module))], ""  # fmt: skip
     if path == "fallback" and train:
-        return [], "training: MultiheadAttention has no faster path for a training step than SDPA inside the fallback"
+        why = "training: MultiheadAttention has no faster path for a training step than SDPA inside the fallback"
+        refused = kernel_refusal(call.sdpa_refusals)
+        if call.sdpa_backend and refused:  # PyTorch's own words for the kernel SDPA did not pick
+            why += f"; SDPA ran {call.sdpa_backend}: PyTorch refused {refused[0]}: {refused[1]}"
+            if call.inputs.get("dropout_p"):
+                why += f" (the module's dropout={call.inputs['dropout_p']:g}; it applies in training only)"
+        return [], why
     return [], f"no change known for PyTorch's reason: {call.why_not_fast_path or 'none given'}"
 
 

@@ -32,6 +32,7 @@ from torch import nn
 
 from qkvtrace.advice_rules import Candidate, candidates_for, combined
 from qkvtrace.grads import probe_like
+from qkvtrace.records import kernel_refusal
 
 __all__ = ["ADVISE_SCHEMA", "Advice", "Measured", "advise"]
 
@@ -61,6 +62,15 @@ class Measured:
     reason_after: str | None = None
     #: changed / unchanged time of one unit of work, per interleaved repetition
     ratios: list[float] = field(default_factory=list)
+    #: what ``ratios`` time: ``"model"`` (a unit of the whole model), or ``"core"`` (a change to the model's own
+    #: code: the attention core alone, as written and with the change, on tensors of the call's shapes)
+    measured_on: str = "model"
+    #: with ``measured_on == "core"``: the whole model's time with the change over without, per repetition,
+    #: estimated as (model − n·core as written + n·core changed) / model, each timed in that repetition, where n is
+    #: the number of calls the same code made in one unit
+    model_ratios: list[float] = field(default_factory=list)
+    #: with ``measured_on == "core"``: n·(core as written) / model, the share of a unit the changed code takes
+    core_share: float | None = None
     #: the largest |changed - unchanged| over every output element (and every gradient with ``train``)
     max_abs_diff: float | None = None
     max_abs_grad_diff: float | None = None
@@ -72,6 +82,13 @@ class Measured:
     @property
     def median(self) -> float | None:
         return statistics.median(self.ratios) if self.ratios else None
+
+    @property
+    def model_median(self) -> float | None:
+        """The whole model's median time ratio: measured, or estimated from the core (``model_ratios``)."""
+        if self.measured_on == "core":
+            return statistics.median(self.model_ratios) if self.model_ratios else None
+        return self.median
 
 
 @dataclass
@@ -255,10 +272,11 @@ def advise(
                 advice.unmeasured.append(f"{call.module or '(root)'}: {cand.change}")
                 continue
             say(f"measuring {i}/{len(work)}: {cand.change} on {call.module or '(root)'}")
-            _measure(m, cand, base, model, args, kwargs, train, repeats, n)
+            same_code = sum(1 for c in before.calls if (c.path, c.module_type) == (call.path, call.module_type))
+            _measure(m, cand, base, model, args, kwargs, train, repeats, n, same_code)
             work[i:i] = [(call, n, c) for c in _next_changes(m, cand, call, base_model, train)]
     order = {RECOMMENDED: 0}
-    advice.measured.sort(key=lambda m: (order.get(m.verdict, 1), m.median if m.median is not None else 9e9))
+    advice.measured.sort(key=lambda m: (order.get(m.verdict, 1), m.model_median if m.model_median is not None else 9e9))
     advice.seconds = time.perf_counter() - started
     return advice
 
@@ -278,10 +296,10 @@ def _cuda_devices() -> list[int]:
     return list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
 
 
-def _measure(m: Measured, cand: Candidate, base: _Run, model: nn.Module, args: tuple[Any, ...],
-             kwargs: dict[str, Any], train: bool, repeats: int, occurrence: int) -> None:  # fmt: skip
+def _measure(m: Measured, cand: Candidate, base: _Run, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+             train: bool, repeats: int, occurrence: int, same_code: int = 1) -> None:  # fmt: skip
     if cand.pair is not None:
-        _measure_pair(m, cand, repeats, train)
+        _measure_pair(m, cand, repeats, train, base, same_code)
         return
     changed_model = copy.deepcopy(model).train(train)
     try:
@@ -294,28 +312,34 @@ def _measure(m: Measured, cand: Candidate, base: _Run, model: nn.Module, args: t
         return
     m.where = where[0] if where else None
     call = _same_call(after.calls, m.module, occurrence)
+    refused = None
     if call is not None:
         m.path_after, m.backend_after = call.path, call.sdpa_backend
         m.reason_after = call.why_not_fast_path or call.why_not_fused_layer
+        refused = kernel_refusal(call.sdpa_refusals)
     _judge(m, cand, base, changed, repeats, train)
     peak_a, peak_b = _peak(base), _peak(changed)
     if peak_a and peak_b:
         m.memory_ratio = peak_b / peak_a
     m.verdict = _verdict(m, cand)
+    if m.verdict.startswith("no other path") and refused is not None:  # PyTorch's words for the kernel it did not pick
+        m.verdict += f"; PyTorch refused {refused[0]}: {refused[1]}"
 
 
-def _measure_pair(m: Measured, cand: Candidate, repeats: int, train: bool) -> None:
-    """A change to the model's own code: the computation as written and as changed, on tensors of its shapes."""
+def _measure_pair(m: Measured, cand: Candidate, repeats: int, train: bool, base: _Run, calls: int) -> None:
+    """A change to the model's own code: the computation as written and as changed, on tensors of its shapes; the
+    whole model is timed beside them, so the change's share of a unit can be estimated (``model_ratios``)."""
     assert cand.pair is not None
     written, changed, kernel = cand.pair()
     m.where = cand.site
+    m.measured_on = "core"
     m.path_after, m.backend_after = kernel()
-    _judge(m, cand, written, changed, repeats, train)
+    _judge(m, cand, written, changed, repeats, train, model=base, calls=calls)
     m.verdict = _verdict(m, cand)
 
 
 def _judge(m: Measured, cand: Candidate, today: Callable[[], Any], changed: Callable[[], Any], repeats: int,
-           train: bool) -> None:  # fmt: skip
+           train: bool, model: _Run | None = None, calls: int = 1) -> None:  # fmt: skip
     """The largest output (and, with ``train``, gradient) difference of one run each, then their time ratio."""
     torch.manual_seed(0)
     out_a, grad_a = today()
@@ -327,9 +351,18 @@ def _judge(m: Measured, cand: Candidate, today: Callable[[], Any], changed: Call
     if train:
         m.max_abs_grad_diff = _max_diff(grad_a, grad_b)
     loops = max(1, int(_MIN_SAMPLE / max(_timed(today), 1e-6)))  # a sample long enough to rise above the timer's noise
+    model_loops = max(1, int(_MIN_SAMPLE / max(_timed(model), 1e-6))) if model is not None else 0
+    shares = []
     for _ in range(repeats):  # interleaved: the same drifts of the machine hit both
         a = _timed(today, loops)
-        m.ratios.append(_timed(changed, loops) / a)
+        b = _timed(changed, loops)
+        m.ratios.append(b / a)
+        if model is not None:
+            whole = _timed(model, model_loops) / model_loops
+            m.model_ratios.append(max(whole - calls * (a - b) / loops, 1e-9) / whole)
+            shares.append(calls * a / loops / whole)
+    if shares:
+        m.core_share = statistics.median(shares)
 
 
 def _verdict(m: Measured, cand: Candidate) -> str:
@@ -342,7 +375,7 @@ def _verdict(m: Measured, cand: Candidate) -> str:
     if not moved:
         return f"no other path: the call still runs {m.path_after or 'nothing seen'}" + (
             f" ({m.backend_after})" if m.backend_after else "")
-    if max(m.ratios) < 1.0:
+    if max(m.ratios) < 1.0 and (not m.model_ratios or max(m.model_ratios) < 1.0):
         return RECOMMENDED
     return (f"not faster beyond the spread: {min(m.ratios):.2f}-{max(m.ratios):.2f} of today's time "
             f"over {len(m.ratios)} repetitions")  # fmt: skip

@@ -18,6 +18,7 @@ import torch
 __all__ = [
     "MissingCapability",
     "backend_forcing_api",
+    "dynamo_compiled_code_ids",
     "forced_backend",
     "fused_sdp_choice",
     "is_compiling",
@@ -29,6 +30,17 @@ __all__ = [
     "sdpa_refusal_checks",
     "torchscript_builtins",
 ]
+
+
+def dynamo_compiled_code_ids() -> frozenset[int]:
+    """Ids of the code objects whose frames ``torch.compile`` (Dynamo) has compiled in this process; empty when
+    Dynamo is not loaded or keeps no such record (its ``convert_frame.input_codes``)."""
+    convert = sys.modules.get("torch._dynamo.convert_frame")
+    ids = getattr(getattr(convert, "input_codes", None), "seen_ids", None)
+    try:
+        return frozenset(ids or ())
+    except TypeError:  # another shape in another release: no record
+        return frozenset()
 
 
 def sdp_backend_names() -> dict[int, str]:

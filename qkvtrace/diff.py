@@ -10,17 +10,13 @@ from __future__ import annotations
 import difflib
 from typing import Any
 
-from qkvtrace.reportio import REPORT_SCHEMA
+from qkvtrace.reportio import REPORT_SCHEMA, errors_agree
 from qkvtrace.validation import check_document
 
 __all__ = ["DIFF_SCHEMA", "diff_reports", "summary_line"]
 
 DIFF_SCHEMA = "qkvtrace.diff/1"
 
-#: An agreement figure "moved" when it changed by more than this factor
-#: (and by more than ``_AGREEMENT_FLOOR`` in absolute terms), or appeared/vanished.
-_AGREEMENT_FACTOR = 4.0
-_AGREEMENT_FLOOR = 1e-5
 
 
 def _version(report: dict[str, Any]) -> str:
@@ -96,12 +92,8 @@ def _asks_refusals(probes: dict[str, Any]) -> bool:
 
 
 def _agreement_moved(x: float | None, y: float | None) -> bool:
-    if x is None or y is None:
-        return (x is None) != (y is None)
-    if abs(x - y) <= _AGREEMENT_FLOOR:
-        return False
-    lo, hi = sorted((abs(x), abs(y)))
-    return hi > _AGREEMENT_FACTOR * max(lo, _AGREEMENT_FLOOR)
+    """An agreement figure moved when it appeared, vanished, or left :func:`~qkvtrace.reportio.errors_agree`."""
+    return not errors_agree(x, y)
 
 
 def _probes(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, Any]]:

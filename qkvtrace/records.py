@@ -118,16 +118,22 @@ class QKVInfo:
     reason: str | None = None
 
 
+#: The faster SDPA backends in the order qkvtrace asks PyTorch about them (flash first).
+_REFUSAL_ORDER = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION")
+
+
 def kernel_refusal(refusals: Mapping[str, Sequence[str]] | None) -> tuple[str, str] | None:
     """``(backend, reason)``: the best-ranked backend PyTorch refused with a reason of its own, or ``None``.
 
-    ``refusals`` is a call's ``sdpa_refusals`` (in PyTorch's order of
-    preference). PyTorch's lines that only introduce the reasons ("... not
+    ``refusals`` is a call's ``sdpa_refusals``; backends are ranked in the
+    order ``_REFUSAL_ORDER`` gives, never in the mapping's own order (a
+    report read back from JSON has its keys sorted). PyTorch's lines that only introduce the reasons ("... not
     used because:") or abort ("RuntimeError: No available kernel ...") are
     left out; a backend whose only words are such an error (one this device
     does not have) is skipped.
     """
-    for backend, words in (refusals or {}).items():
+    ranked = sorted((refusals or {}).items(), key=lambda kv: (*_REFUSAL_ORDER, kv[0]).index(kv[0]))
+    for backend, words in ranked:
         reasons = [w for w in words if not w.rstrip().endswith(":") and not w.startswith("RuntimeError: No ")]
         if reasons:
             return backend, " ".join(" ".join(w.split()) for w in reasons)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -59,8 +60,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--train", action="store_true")
     parser.add_argument("--input-shape", type=_shape, default=None)
     parser.add_argument("--random-init", action="store_true")
+    parser.add_argument("--cwd", metavar="DIR", default=None,
+                        help="the folder TARGET is relative to (the caller's working directory)")  # fmt: skip
     args = parser.parse_args(argv)
-    trace = collect(args.target, train=args.train, input_shape=args.input_shape, random_init=args.random_init)
+    from qkvtrace.errors import QkvtraceError
+
+    if args.cwd is not None:
+        # qkvtrace is already imported from the copy the caller shipped, so the user's folder can
+        # come first now: `file.py:build` and `module:build` mean what they mean to `qkvtrace trace`
+        os.chdir(args.cwd)
+    try:
+        trace = collect(args.target, train=args.train, input_shape=args.input_shape, random_init=args.random_init)
+    except QkvtraceError as exc:  # a bad TARGET: one line for the caller to show, exit 2 as the CLI does
+        print(" ".join(str(exc).split()), file=sys.stderr)
+        return 2
     json.dump(trace, sys.stdout, sort_keys=True)
     return 0
 

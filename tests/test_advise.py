@@ -11,6 +11,7 @@ import copy
 import json
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -262,3 +263,86 @@ def test_soft_capped_attention_written_by_hand_is_settled_with_the_reason() -> N
     assert not advice.measured
     (settled,) = advice.settled
     assert settled["path"] == "hand_written" and "soft-capp" in settled["why"]
+
+
+def _line_of(fn: Any, text: str) -> str:
+    """``file:line`` of the first line of ``fn``'s source that holds ``text``, read with ``inspect``."""
+    import inspect
+
+    lines, start = inspect.getsourcelines(fn)
+    return f"{inspect.getsourcefile(fn)}:{start + next(i for i, line in enumerate(lines) if text in line)}"
+
+
+class _Slow(nn.Module):
+    """Attention written by hand, then 50 ms of other work: the attention core is a small share of the model's time."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = _HandWritten()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import time
+
+        time.sleep(0.05)
+        return self.attn(x)
+
+
+def test_attention_by_hand_gives_the_whole_model_figure_beside_the_core_and_points_at_its_line(
+    tmp_path: Path,
+) -> None:
+    """Witness: the 50 ms sleep the test model adds (making SDPA of its (2, 4, 32, 16) attention the whole model
+    cannot gain more than a few percent, whatever the core alone gains), and the line of the test model's own source
+    that computes ``softmax @ v``, read with ``inspect``."""
+    with torch.no_grad():
+        advice = advise(_Slow().eval(), torch.randn(2, 32, E), repeats=REPEATS)
+    (row,) = advice.measured
+    assert row.measured_on == "core" and len(row.model_ratios) == REPEATS
+    assert row.core_share is not None and row.core_share < 0.2
+    assert row.model_median is not None and row.model_median > 0.8, (row.median, row.model_median)
+    assert row.where == _line_of(_HandWritten.forward, "@ v")
+    from rich.console import Console
+
+    from qkvtrace.render.advise_render import advise_table
+
+    console = Console(width=200, record=True, color_system=None)
+    console.print(advise_table(advice))
+    text = " ".join(console.export_text().split())
+    assert "attention core alone" in text and f"whole model ≈ {row.model_median:.2f}×" in text
+
+
+def test_training_mha_with_dropout_names_dropout_as_what_forces_math(tmp_path: Path) -> None:
+    """Witness: PyTorch's own warning when the flash kernel is forced here on tensors of the call's shapes with the
+    module's dropout; and that nothing is timed, so the footer must not claim repetitions."""
+    import warnings
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.randn(2, H, 16, E // H)
+    with warnings.catch_warnings(record=True) as caught, sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        warnings.simplefilter("always")
+        with pytest.raises(RuntimeError):
+            torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=0.1)
+    lines = [line for w in caught for line in str(w.message).splitlines() if "dropout" in line]
+    words = [line.split(" (Triggered")[0].strip() for line in lines]  # PyTorch appends where in its C++ it warned
+    assert words, [str(w.message) for w in caught]
+    (tmp_path / "drop.py").write_text(textwrap.dedent(f"""
+        import torch
+        from torch import nn
+
+        class Model(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.attn = nn.MultiheadAttention({E}, {H}, dropout=0.1, batch_first=True)
+
+            def forward(self, x):
+                return self.attn(x, x, x, need_weights=False)[0]
+
+        def build():
+            torch.manual_seed(0)
+            return Model(), torch.randn(2, 16, {E})
+    """))
+    run = _cli("advise", "drop.py:build", "--train", "--repeats", "2", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    text = " ".join(run.stdout.split())
+    assert "SDPA ran MATH" in text and words[0] in text and "dropout=0.1" in text, text
+    assert "repetitions" not in text and "nothing was timed" in text

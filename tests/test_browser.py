@@ -140,3 +140,23 @@ def test_readable_on_a_wide_and_a_narrow_window(browser: Any, page: Path, width:
     size = browser.execute_script("return parseFloat(getComputedStyle(document.querySelector('table.calls')).fontSize)")
     assert size >= 12
     browser.save_screenshot(str(ARTIFACTS / f"trace-page-{width}-wide.png"))
+
+
+def test_the_routes_picture_text_is_readable_at_1280(browser: Any, tmp_path: Path) -> None:
+    """Witness: the browser's layout -- the height Chromium gives the smallest text of the routes picture of the
+    tiny LM (a picture thousands of points wide) on a 1280-px window, and the page's own sideways scroll."""
+    from qkvtrace.demos import demo_tiny_lm
+    from qkvtrace.grads import measure
+
+    model, args = demo_tiny_lm()
+    path = tmp_path / "grads.html"
+    measure(model, args).save_html(path)
+    opened(browser, path, width=1280)
+    smallest = browser.execute_script(
+        "const texts = [...document.querySelectorAll('.picture svg text')];"
+        "return Math.min(...texts.map(t => t.getBoundingClientRect().height));"
+    )
+    assert smallest >= 11, smallest  # a 12-px line box; glyph boxes of 12-px text are about 13-14 px high
+    overflow = browser.execute_script("return document.documentElement.scrollWidth - window.innerWidth")
+    assert overflow <= 0  # the picture scrolls in its own box, not the page
+    browser.save_screenshot(str(ARTIFACTS / "grads-page-1280-wide.png"))

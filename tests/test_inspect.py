@@ -196,7 +196,7 @@ def test_missing_functions_are_recorded_not_fatal() -> None:
 
 
 @needs_layout_engine
-def test_cli_writes_report_and_replaces_it(tmp_path: Path) -> None:
+def test_cli_writes_report_and_a_second_run_keeps_it(tmp_path: Path) -> None:
     """Witness: the files listed in the output folder, the first run's report.json bytes, and ``torch.__version__``."""
     proc = qkv("inspect", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr
@@ -207,7 +207,7 @@ def test_cli_writes_report_and_replaces_it(tmp_path: Path) -> None:
     md = (folder / "report.md").read_text()
     assert "![call graph](callgraph.svg)" in md and "<details>" in md and "What runs when" in md
     proc = qkv("inspect", "--out", str(tmp_path))
-    assert proc.returncode == 0 and "replaced" in proc.stdout
+    assert proc.returncode == 0 and "kept the report there: it says the same" in proc.stdout
     assert (folder / "report.json").read_bytes() == first
     assert sorted(p.name for p in tmp_path.iterdir()) == [folder.name]  # no temp folders left
     assert load_report(folder)["environment"]["torch_version"] == torch.__version__
@@ -308,7 +308,52 @@ def test_interrupted_write_keeps_old_report(tmp_path: Path, report: dict[str, An
     assert sorted(p.name for p in tmp_path.iterdir()) == [folder.name]
 
 
+def test_a_run_that_finds_the_same_keeps_the_report_there(tmp_path: Path, report: dict[str, Any]) -> None:
+    """Witness: the edits made here to the written report.json (another machine's Python and platform,
+    an error 1.5x and then 10x this run's, a path PyTorch did not take) and that file's bytes."""
+    from qkvtrace.cli.inspect_cmd import write_report_dir
+
+    folder = write_report_dir(report, tmp_path).folder
+    there = json.loads((folder / "report.json").read_text(encoding="utf-8"))
+    there["environment"].update(python_version="3.0.0", platform="Other-machine")
+    row = next(r for r in there["probes"]["reference"] if (r["grad_max_abs_err"] or 0) > 1e-4)
+    measured = row["grad_max_abs_err"]
+    row["grad_max_abs_err"] = measured * 1.5  # rounding noise: another run, thread count or CPU
+    (folder / "report.json").write_text(dumps_report(there), encoding="utf-8")
+    noisy = (folder / "report.json").read_bytes()
+
+    written = write_report_dir(report, tmp_path)
+    assert written.kept and (folder / "report.json").read_bytes() == noisy
+
+    for change in ("error 10x", "another path"):
+        there = json.loads(noisy)
+        if change == "error 10x":
+            next(r for r in there["probes"]["reference"] if r["key"] == row["key"] and r["dtype"] == row["dtype"])[
+                "grad_max_abs_err"
+            ] = measured * 10
+        else:
+            there["probes"]["scenarios"][0]["calls"][0]["path"] = "no such path"
+        (folder / "report.json").write_text(dumps_report(there), encoding="utf-8")
+        written = write_report_dir(report, tmp_path)
+        assert not written.kept and written.replaced, change
+        assert (folder / "report.json").read_text(encoding="utf-8") == dumps_report(report), change
+
+
 COMMITTED = ROOT / "reports" / f"torch-{torch.__version__}" / "report.json"
+
+
+@pytest.mark.skipif(not COMMITTED.exists(), reason=f"no committed report for torch {torch.__version__}")
+@pytest.mark.skipif(not (ROOT / ".git").exists(), reason="not a git checkout")
+def test_main_command_leaves_a_fresh_clone_clean(tmp_path: Path) -> None:
+    """Witness: ``git status`` of a fresh clone of this checkout's commit after the README's main command ran in it."""
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", "--no-hardlinks", str(ROOT), str(clone)], check=True, timeout=120)
+    # the installed command, as the README runs it (``python -m`` would import the clone's own package)
+    command = Path(sys.executable).with_name("qkvtrace")
+    proc = subprocess.run([str(command), "inspect"], capture_output=True, text=True, env=ENV, cwd=clone, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    status = subprocess.run(["git", "status", "--porcelain"], cwd=clone, capture_output=True, text=True, check=True)
+    assert status.stdout == "", status.stdout
 
 
 @pytest.mark.skipif(not COMMITTED.exists(), reason=f"no committed report for torch {torch.__version__}")

@@ -27,7 +27,22 @@ def _then(m: Measured) -> str:
 def _speed(m: Measured) -> str:
     if not m.ratios:
         return "–"
-    return f"{m.median:.2f}×\n{min(m.ratios):.2f}–{max(m.ratios):.2f}"
+    spread = f"{m.median:.2f}×\n{min(m.ratios):.2f}–{max(m.ratios):.2f}"
+    if m.measured_on != "core":
+        return spread
+    model = f"\nwhole model ≈ {m.model_median:.2f}× (estimate)" if m.model_median is not None else ""
+    return f"attention core alone:\n{spread}{model}"
+
+
+def _headline(m: Measured) -> str:
+    on = f"on {m.scope or '(root)'}" if m.scope is not None else "on the whole model"
+    moved = f"{m.path} → {m.path_after}"
+    if m.measured_on != "core":
+        return f"fastest measured: {m.change} {on} — {m.median:.2f}× the whole model's time, {moved}"
+    share = f"; that code is {m.core_share:.0%} of its time" if m.core_share is not None else ""
+    model = (f"; the whole model ≈ {m.model_median:.2f}× (estimated from the core's time{share})"
+             if m.model_median is not None else "")  # fmt: skip
+    return f"fastest measured: {m.change} {on} — the attention core alone: {m.median:.2f}× its time{model}, {moved}"
 
 
 def _diff(m: Measured) -> str:
@@ -42,7 +57,8 @@ def advise_table(advice: Advice) -> Group:
     table = Table(title=f"qkvtrace advise {advice.target} — {mode}, torch {advice.torch_version}, {advice.device}",
                   show_lines=True, title_justify="left")  # fmt: skip
     memory = any(m.memory_ratio is not None for m in advice.measured)  # peak memory is measured on CUDA only
-    for name in ("call / module", "today: path (backend), PyTorch's reason", "change", "then", "time (median, range)",
+    for name in ("call / module", "today: path (backend), PyTorch's reason", "change", "then",
+                 "time changed / today (median, range)",
                  *(["memory"] if memory else []), "max |Δout|", "verdict, and what the change gives up"):  # fmt: skip
         table.add_column(name, overflow="fold")
     for m in advice.measured:
@@ -63,16 +79,19 @@ def advise_table(advice: Advice) -> Group:
         Text(f"qkvtrace advise {advice.target}: no attention call has a change to measure", style="bold")]
     best = advice.recommended
     if best:
-        m = best[0]
-        on = f"on {m.scope or '(root)'}" if m.scope is not None else "on the whole model"
-        parts.append(Text(f"fastest measured: {m.change} {on} — {m.median:.2f}× today's time, "
-                          f"{m.path} → {m.path_after}", style="bold green"))  # fmt: skip
+        parts.append(Text(_headline(best[0]), style="bold green"))
     elif advice.measured:
         parts.append(Text("no change was faster in every repetition: none is recommended", style="yellow"))
     for s in advice.settled:
         parts.append(Text(f"#{s['call']} {s['module'] or '(root)'} ({s['path']}): {s['why']}", style="dim"))
     for u in advice.unmeasured:
         parts.append(Text(f"not measured (budget): {u}", style="yellow"))
-    parts.append(Text(f"measured in {advice.seconds:.1f} s, {advice.repeats} interleaved repetitions per change, "
-                      "each on a deep copy (your model and its random state untouched)", style="dim"))  # fmt: skip
+    timed = sum(1 for m in advice.measured if m.ratios)
+    if timed:
+        parts.append(Text(f"measured in {advice.seconds:.1f} s: {timed} change{'s' if timed != 1 else ''} timed, "
+                          f"{advice.repeats} interleaved repetitions each, on deep copies "
+                          "(your model and its random state untouched)", style="dim"))  # fmt: skip
+    else:
+        parts.append(Text(f"nothing was timed: no change to measure ({advice.seconds:.1f} s to find that out, "
+                          "on a deep copy; your model and its random state untouched)", style="dim"))  # fmt: skip
     return Group(*parts)

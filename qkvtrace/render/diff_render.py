@@ -35,6 +35,52 @@ def _short(value: Any) -> str:
     return json.dumps(value) if not isinstance(value, str) else value
 
 
+def _words(value: Any) -> str:
+    if isinstance(value, dict):  # sdpa_refusals: backend -> PyTorch's lines
+        return "; ".join(f"{k}: {_words(v)}" for k, v in value.items()) or "none"
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return " ".join(" ".join(v.split()) for v in value) or "none"
+    return "absent" if value is None else " ".join(str(value).split())
+
+
+def _fields_apart(was: Any, became: Any) -> tuple[list[str], list[str]]:
+    """The fields of two call lists (or dicts, nested) that differ, as ``name: value`` on each side."""
+    if isinstance(was, dict) and isinstance(became, dict):
+        a: list[str] = []
+        b: list[str] = []
+        for k in sorted(was.keys() | became.keys()):
+            x, y = was.get(k), became.get(k)
+            if x == y:
+                continue
+            if isinstance(x, dict) and isinstance(y, dict):  # e.g. sdpa_refusals: only the backends that differ
+                xa, yb = _fields_apart(x, y)
+                a += [f"{k} {t}" for t in xa]
+                b += [f"{k} {t}" for t in yb]
+            else:
+                a.append(f"{k}: {_words(x)}")
+                b.append(f"{k}: {_words(y)}")
+        return a, b
+    if isinstance(was, list) and isinstance(became, list) and len(was) == len(became):
+        a, b = [], []
+        for i, (x, y) in enumerate(zip(was, became, strict=True)):
+            xa, yb = _fields_apart(x, y)
+            label = f"call {i} " if len(was) > 1 else ""
+            a += [label + t for t in xa]
+            b += [label + t for t in yb]
+        return a, b
+    return [_words(was)], [_words(became)]
+
+
+def shown_change(was: Any, became: Any) -> tuple[str, str]:
+    """The was and became cells of a changed row: their short form, and the fields that differ when those read
+    the same (a scenario whose path and backend stayed but whose refusals changed)."""
+    a, b = _short(was), _short(became)
+    if a != b:
+        return a, b
+    fa, fb = _fields_apart(was, became)
+    return f"{a}; {'; '.join(fa)}", f"{b}; {'; '.join(fb)}"
+
+
 def _cell(text: str) -> str:
     return " ".join(text.split()).replace("|", "\\|")
 
@@ -46,9 +92,9 @@ def diff_markdown(diff: dict[str, Any], *, svg_name: str | None = "diff.svg") ->
     lines += ["## Behaviour", ""]
     if p:
         lines += ["| probe | case | was | became |", "|---|---|---|---|"]
-        lines += [
-            f"| {x['kind']} | {_cell(x['key'])} | {_cell(_short(x['was']))} | {_cell(_short(x['became']))} |" for x in p
-        ]
+        for x in p:
+            was, became = shown_change(x["was"], x["became"])
+            lines.append(f"| {x['kind']} | {_cell(x['key'])} | {_cell(was)} | {_cell(became)} |")
         lines.append("")
     else:
         lines += ["Every probe behaved the same.", ""]
@@ -151,7 +197,7 @@ def diff_renderable(diff: dict[str, Any], *, width: int = 200, full: bool = Fals
     parts: list[RenderableType] = [Text(diff["summary"], style="bold")]
     s, c, g, p = diff["sources"], diff["fast_path_conditions"], diff["callgraph"], diff["probes"]["changed"]
     if p:
-        probes: list[list[str | Text]] = [[x["kind"], x["key"], _short(x["was"]), _short(x["became"])] for x in p]
+        probes: list[list[str | Text]] = [[x["kind"], x["key"], *shown_change(x["was"], x["became"])] for x in p]
         cols = [Col("probe"), Col("case"), Col("was", "text"), Col("became", "text")]
         parts.append(Text(""))
         parts.append(records_view("behaviour that changed (measured)", cols, probes, width=width, title_cols=2))

@@ -164,6 +164,30 @@ def _inline_svg(svg: str) -> str:
     return svg.strip()
 
 
+#: the smallest text a picture on the page may show, in CSS pixels
+MIN_TEXT_PX = 12.0
+
+
+def readable_svg(svg: str, min_text_px: float = MIN_TEXT_PX) -> str:
+    """The SVG with a ``min-width`` that keeps its smallest text at ``min_text_px`` or more.
+
+    The page's CSS shrinks a picture to its box (``max-width: 100%``); a wide
+    one (a routes picture is thousands of points wide) then shows its text a
+    few pixels high. ``min-width`` wins over ``max-width``, so the picture
+    stops shrinking there and its box scrolls sideways instead.
+    """
+    head = re.search(r"<svg\b[^>]*>", svg)
+    box = re.search(r'viewBox="[-\d.]+ [-\d.]+ ([\d.]+) [\d.]+"', head.group(0)) if head else None
+    sizes = [float(x) for x in re.findall(r'font-size="([\d.]+)"', svg)]
+    if head is None or box is None or not sizes:
+        return svg
+    # a user unit shows at (shown width / viewBox width) px: the smallest text reaches min_text_px at this width
+    need = float(box.group(1)) * min_text_px / min(sizes)
+    tag = head.group(0)
+    styled = tag.replace("<svg", f'<svg style="min-width: {need:.0f}px"', 1)
+    return svg.replace(tag, styled, 1)
+
+
 def grads_page(result: GradsResult, *, title: str | None = None) -> str:
     """The page of ``qkvtrace grads``: the routes picture, each call's routes and slices, then the trace."""
     return trace_page(result.trace, title=title or f"qkvtrace grads {result.target}", extra=grads_section(result))
@@ -180,7 +204,7 @@ def grads_section(result: GradsResult) -> str:
         drawing = render_svg(grads_dot(result, drawable))
         if drawing.svg is not None:
             parts.append('<h2>How the loss reaches W_Q, W_K, W_V</h2><div class="picture" role="img" '
-                         f'aria-label="gradient routes">{_inline_svg(drawing.svg)}</div>')  # fmt: skip
+                         f'aria-label="gradient routes">{readable_svg(_inline_svg(drawing.svg))}</div>')  # fmt: skip
         else:
             parts.append(f'<p class="note">Routes picture not drawn: {esc(drawing.problem)}</p>')
     rows = []

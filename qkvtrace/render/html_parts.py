@@ -116,6 +116,9 @@ def calls_table(result: TraceResult, *, limit: int | None = None, link: bool = T
     if grads:
         head.append(_th("|dW| q/k/v", "grads"))
     head.append(_th("why not fast", "why"))
+    compiled = bool(result.compiled)
+    if compiled:
+        head.append(_th("compiled code runs", "compiled"))
     rows = []
     calls = result.calls if limit is None else result.calls[:limit]
     for call in calls:
@@ -130,6 +133,8 @@ def calls_table(result: TraceResult, *, limit: int | None = None, link: bool = T
         if grads:
             cells.append(f'<td class="num">{grad_norms_cell(result.gradients, call.module)}</td>')
         cells.append(f'<td class="reason">{esc(why_cell(call).plain)}</td>')
+        if compiled:
+            cells.append('<td class="reason">-</td>')
         rows.append(
             f'<tr data-call="{anchor}" data-index="{call.index}" data-module="{esc(module_name(call.module))}" '
             f'data-path="{esc(call.path)}" data-backend="{esc(call.sdpa_backend or "none")}">{"".join(cells)}</tr>'
@@ -146,6 +151,7 @@ def calls_table(result: TraceResult, *, limit: int | None = None, link: bool = T
         ]
         if grads:
             cells.append('<td class="num">-</td>')
+        cells.append('<td class="reason">-</td>')
         cells.append(f'<td class="reason">{esc(compiled_why_cell(op).plain)}</td>')
         rows.append(
             f'<tr data-call="{anchor}" data-index="{len(result.calls) + op.index}" '

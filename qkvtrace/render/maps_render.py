@@ -153,7 +153,7 @@ def write_map_pictures(result: TraceResult, directory: Path, tokens: list[list[s
 
 
 def terminal_maps(result: TraceResult, tokens: list[list[str]] | None = None,
-                  max_tokens: int = TERMINAL_MAX_TOKENS) -> list[RenderableType]:  # fmt: skip
+                  max_tokens: int = TERMINAL_MAX_TOKENS, width: int = 100) -> list[RenderableType]:  # fmt: skip
     """A compact rendering per call and head (first batch item): one shaded cell per weight.
 
     Each row is one query's distribution over the keys, shaded on its own:
@@ -161,7 +161,9 @@ def terminal_maps(result: TraceResult, tokens: list[list[str]] | None = None,
     printed at the end of the row. (Against the head's largest weight a causal
     map is all ``·``: row 0 holds a single weight of 1.) A fully masked row
     reads ``fully masked``. Maps longer than ``max_tokens`` on a side are
-    named, not drawn.
+    named, not drawn. As many heads go side by side as fit in ``width`` (the
+    console's columns) whole; a map that alone is wider than ``width`` is
+    named with the width it needs, never drawn cut.
     """
     out: list[RenderableType] = []
     for call in result.calls:
@@ -195,10 +197,19 @@ def terminal_maps(result: TraceResult, tokens: list[list[str]] | None = None,
                 else:
                     table.add_row(queries[q][:10], shades, f"{top:.2f}")
             tables.append(table)
+        # one head's width: label, the row of shades (or "fully masked"), the row's max "0.00", 2 spaces
+        # between columns; heads sit 6 spaces apart
+        labels = max((len(q[:10]) for q in queries), default=0)
+        body = max(len(keys), len("fully masked") if call.attention_map_fully_masked.any() else 0)
+        one = max(labels + 2 + body + 2 + 4, len(f"head {max(heads)}  (row max)"))
+        if one > width:
+            out.append(Text(f"attention map of {_title(call)}: {one} columns wide, wider than this terminal's "
+                            f"{width}; widen it (COLUMNS={one}) or write pictures with --maps DIR", style="yellow"))
+            continue
         grid = Table.grid(padding=(0, 3))
         for _ in tables:
             grid.add_column()
-        per_row = max(1, 100 // (17 + len(keys)))
+        per_row = max(1, (width + 6) // (one + 6))
         for start in range(0, len(tables), per_row):
             chunk = tables[start : start + per_row]
             grid.add_row(*chunk, *([""] * (len(tables) - len(chunk))))

@@ -209,6 +209,9 @@ def trace_table(
     cols = [Col("#", justify="right"), Col("module"), Col("path"), Col("backend")]
     cols += [Col(COLUMNS[c], justify="left" if c in ("type", "ops") else "right") for c in extra]
     cols.append(Col("why not fast", "text"))
+    compiled = bool(result.compiled)
+    if compiled:  # what the compiled code runs is not a reason: a column of its own
+        cols.append(Col("compiled code runs", "text"))
     rows: list[list[str | Text]] = []
     for call in result.calls:
         cells: dict[str, str | Text] = {
@@ -218,20 +221,21 @@ def trace_table(
             "ops": "\n".join(call.aten_ops) if call.aten_ops else Text(call.evidence or "-", style="dim"),
         }
         rows.append([Text(f"#{call.index}", style="dim"), call.module or "(root)", _path(call.path),
-                     _backend(call.sdpa_backend), *(cells[c] for c in extra), why_cell(call)])  # fmt: skip
+                     _backend(call.sdpa_backend), *(cells[c] for c in extra), why_cell(call),
+                     *([Text("-", style="dim")] if compiled else [])])  # fmt: skip
     for op in result.compiled:  # what torch.compile made of attention, marked "compiled"
         runs = "\n".join(op.runs) or "-"
         cells = {"type": op.module_type, "weights": "-", "grads": "-", "ops": runs}
         rows.append([Text(f"#c{op.index}", style="dim"), op.module or "(root)",
                      Text(f"compiled {op.entry}", style=_PATH_STYLE.get(op.entry, "")), _backend(op.sdpa_backend),
-                     *(cells[c] for c in extra), compiled_why_cell(op)])  # fmt: skip
+                     *(cells[c] for c in extra), Text("-", style="dim"), compiled_why_cell(op)])  # fmt: skip
     return records_view(title, cols, rows, width=width, title_cols=2)
 
 
 def compiled_why_cell(op: CompiledAttention) -> Text:
-    """For a compiled operation: what compiled it, what it runs, and what the compiler changed."""
-    text = Text(f"{op.compiler} graph {op.graph}: runs ", style="dim")
-    text.append(", ".join(op.runs) or "-")
+    """For a compiled operation: what it runs, which compiler's graph holds it, and what the compiler changed."""
+    text = Text(", ".join(op.runs) or "-")
+    text.append(f"\n(in {op.compiler} graph {op.graph})", style="dim")
     if op.rewritten:
         text.append("\n" + op.rewritten)
     return text

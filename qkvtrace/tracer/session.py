@@ -119,6 +119,8 @@ class Trace:
         self._ended = False
         self._unresolved = False
         self._seen: set[int] = set()
+        #: code objects torch.compile had compiled frames of when the trace opened (their graphs are not in its log)
+        self._compiled_before: frozenset[int] = frozenset()
         self._noted: set[str] = set()
         self._note_lock = threading.Lock()
         #: with ``keep="changes"``: the counts and events of a long run (:mod:`qkvtrace.monitor`)
@@ -314,6 +316,7 @@ class Trace:
         """Hooks that watch the model's own attention-looking modules (none run compiled) for attention written
         by hand."""
         candidates = _hand_written_candidates(self._names.values(), compiled)
+        self._compiled_before = compat.dynamo_compiled_code_ids()
         if candidates and handwritten.watch_refused():
             self.note(handwritten.NOT_WATCHED)
             return
@@ -407,6 +410,14 @@ class Trace:
             if region is not None:
                 where = region[0] or "the model"
                 reason = f"inside {where}, which runs through {region[1]}; the tracer does not see inside it"
+            elif (before := self._compiled_before_trace(name)) is not None:
+                whose = "its" if before == name else f"{before or 'the model'}'s"
+                reason = (
+                    f"made no recorded call: torch.compile compiled {whose} forward"
+                    " before the trace opened, and that compiled code calls none of the functions the tracer "
+                    "wraps, nor are its graphs in the compile log the trace reads; call torch._dynamo.reset() "
+                    "before the trace (or compile inside it) to see them"
+                )
             else:
                 reason = (
                     "made no recorded call: no entry point the tracer wraps ran in it, and no attention written "
@@ -414,6 +425,24 @@ class Trace:
                     "recognised in its forward; or it did not run in the trace"
                 )
             self._result.unobserved.append(Unobserved(module=name, module_type=type(m).__name__, reason=reason))
+        if handwritten.NOT_WATCHED in self._result.warnings:
+            # only worth saying when something stayed silent: every attention-looking module seen (eager or in a
+            # compiled graph) leaves no hand-written attention the watch could have found
+            self._result.warnings.remove(handwritten.NOT_WATCHED)
+            silent = [u.module or "(root)" for u in self._result.unobserved]
+            if silent:
+                self._result.warnings.append(f"{handwritten.NOT_WATCHED}; made no recorded call: {', '.join(silent)}")
+
+    def _compiled_before_trace(self, name: str) -> str | None:
+        """The module (``name`` or one holding it) whose forward torch.compile compiled before the trace opened."""
+        if not self._compiled_before:
+            return None
+        for holder, m in self._names.values():
+            if holder == name or not holder or name.startswith(holder + "."):  # the module or one holding it
+                code = getattr(getattr(type(m), "forward", None), "__code__", None)
+                if code is not None and id(code) in self._compiled_before:
+                    return holder
+        return None
 
 
 def _runs_compiled(m: nn.Module, optimized: tuple[type, ...]) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +27,19 @@ EVIDENCE = "unavailable: attention written by hand runs no attention kernel; inp
 _PIECE_MASKED = "not counted: a piece of the scores was masked before torch.cat joined them (keys are not positions)"
 _ASSEMBLED_MAP = ("not computed: the scores were assembled from pieces with torch.cat, so their key axis is the "
                   "pieces side by side, not key positions")  # fmt: skip
+
+
+#: folders whose frames are not the model's code: PyTorch's and the tracer's own
+_NOT_THE_MODEL = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.path.dirname(__file__)) + os.sep)
+
+
+def _site(frame: Any) -> str | None:
+    """``file:line`` of the innermost frame in the model's own code: the line whose ``@ v`` completes the attention."""
+    while frame is not None:
+        if not frame.f_code.co_filename.startswith(_NOT_THE_MODEL):
+            return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+        frame = frame.f_back
+    return None
 
 
 def record(node: Node, form: tuple[str, ...], v: torch.Tensor, out: torch.Tensor, seen_heads: int | None) -> None:
@@ -78,6 +92,7 @@ def record(node: Node, form: tuple[str, ...], v: torch.Tensor, out: torch.Tensor
             "softcap": cap,
             "softmax_dtype": node.softmax_dtype,
             "form": " → ".join(form),
+            "site": _site(sys._getframe()),
             **({"heads": {"count": heads, "evidence": heads_evidence}} if q.dim() == 3 else {}),
             **({"assembled": {"pieces": node.pieces, "keys": final[-1]}} if node.pieces else {}),
             **modes(owner),
