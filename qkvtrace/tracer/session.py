@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from qkvtrace import compat, lazy, maps, masks, paths
+from qkvtrace.health import Health, HealthRecord
 from qkvtrace.monitor import Event, Monitor
 from qkvtrace.records import (
     AttentionCall,
@@ -86,11 +87,14 @@ class Trace:
         max_records: int = 1000,
         stream_to: str | Path | None = None,
         tensorboard: Any = None,
+        health_every: int | None = None,
     ) -> None:
         if keep not in ("all", "changes"):
             raise ValueError(f"keep must be 'all' or 'changes', got {keep!r}")
         if keep == "all" and (stream_to is not None or tensorboard is not None):
             raise ValueError("stream_to and tensorboard report the changes of a long run: use keep='changes'")
+        if keep == "all" and health_every:
+            raise ValueError("health_every measures every N steps of a long run: use keep='changes' and t.step()")
         if not isinstance(model, nn.Module):
             raise TypeError(f"qkvtrace.trace() needs an nn.Module, got {type(model).__name__}")
         if threads not in ("entering", "all"):
@@ -126,6 +130,8 @@ class Trace:
         if keep == "changes":
             self.monitor = Monitor(max_records=max_records, stream_to=stream_to, tensorboard=tensorboard,
                                    torch_version=str(torch.__version__))  # fmt: skip
+            if health_every:
+                self.monitor.health = Health(health_every)
 
     # -- public face -------------------------------------------------------
 
@@ -201,6 +207,8 @@ class Trace:
             if self.monitor is not None:
                 self.monitor.close()
         finally:
+            if self.monitor is not None and self.monitor.health is not None:
+                self.monitor.health.unhook()  # the gradient hooks go on every exit
             self._ended = True
             try:
                 self._find_unobserved()
@@ -224,6 +232,22 @@ class Trace:
         if self.monitor is None:
             raise RuntimeError("step() marks the steps of a long run: open the trace with keep='changes'")
         return self.monitor.step(number)
+
+    @property
+    def health(self) -> list[HealthRecord]:
+        """With ``health_every=N``: per measured step and module, the heads' max logit and entropies and the
+        Q/K/V slice norms (:mod:`qkvtrace.health`); a step's records appear when ``t.step()`` ends it."""
+        found = self.monitor.health if self.monitor is not None else None
+        return list(found.records) if found is not None else []
+
+    def health_due(self, module: str) -> bool:
+        """This step's health is measured and ``module``'s first call has not been yet."""
+        return self.monitor is not None and self.monitor.health is not None and self.monitor.health.due(module)
+
+    def attach_health(self, call: AttentionCall, projection: Projection | str, source: Any) -> None:
+        """Measure ``call``'s health from ``source`` when it is its module's first call of a measured step."""
+        if self.monitor is not None and self.monitor.health is not None and self.monitor.health.due(call.module):
+            self.monitor.health.take(call, projection, source, self.monitor.step_number)
 
     @property
     def changes(self) -> list[Event]:
@@ -519,6 +543,7 @@ def trace(
     max_records: int = 1000,
     stream_to: str | Path | None = None,
     tensorboard: Any = None,
+    health_every: int | None = None,
 ) -> Trace:
     """Trace every attention call ``model`` makes inside a ``with`` block.
 
@@ -558,6 +583,11 @@ def trace(
     (``qkvtrace summarize FILE``); ``tensorboard``: a ``SummaryWriter`` that
     gets per-step scalars. With ``keep="changes"`` gradients and routes are
     off unless asked for (they grow with every backward pass).
+    ``health_every``: every N-th step (step 0 first; ``None`` or 0: off),
+    the first call of each attention module gives per head its largest
+    pre-softmax logit and its mean and least attention entropy, and per
+    module its Q/K/V slice weight and gradient norms: ``t.health``,
+    ``health`` lines in the stream, TensorBoard scalars (:mod:`qkvtrace.health`).
 
     Traces nest and overlap, in any order and any thread: each records the
     calls of its own model, with its own indices.
@@ -565,4 +595,4 @@ def trace(
     return Trace(model, gradients=gradients, routes=routes, refusals=refusals, threads=threads,
                  attention_maps=attention_maps, max_map_tokens=max_map_tokens, max_map_mb=max_map_mb,
                  heads=heads, batch_index=batch_index, keep=keep, max_records=max_records, stream_to=stream_to,
-                 tensorboard=tensorboard)  # fmt: skip
+                 tensorboard=tensorboard, health_every=health_every)  # fmt: skip
