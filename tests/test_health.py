@@ -182,6 +182,7 @@ def test_causal_sdpa_with_weight_and_gradient_norms() -> None:
             opt.step()
             opt.zero_grad()
             t.step()
+            assert not any(p._post_accumulate_grad_hooks for p in model.parameters())  # removed at each step's end
     assert [r.step for r in t.health] == [0, 3]
     for r, want, wn, gn in zip(t.health, wants, weights, grads, strict=True):
         assert r.path == "sdpa" and r.reason is None
@@ -204,6 +205,42 @@ def test_blocks_of_query_rows_give_the_same_numbers(monkeypatch: pytest.MonkeyPa
         t.step()
         q, k, _ = model.heads(x)
     want = _witness(q, k, 1 / math.sqrt(D), torch.ones(L, L, dtype=torch.bool).tril())
+    for name in ("max_logit", "entropy_mean", "entropy_min"):
+        _close(_heads(t.health[0], name), want[name])
+
+
+class BiasedSDPA(CausalSDPA):
+    """SDPA with a float ``attn_mask``: an ALiBi bias (``-slope_h·|i-j|``) and ``-inf`` above the diagonal."""
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        q, k, v = self.heads(x)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias).transpose(1, 2).reshape(x.shape)
+
+
+@pytest.mark.parametrize("rows", [None, 3], ids=["one-block", "blocks-of-3-rows"])
+def test_an_alibi_bias_is_in_the_logits(rows: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A float ``[H, L, L]`` mask: ALiBi slopes per head plus ``-inf`` above the diagonal; logits include the bias.
+
+    Witness: ``_witness`` on logits the test computes itself, ``scale·q·kᵀ +
+    bias`` from the module's Q and K, in one block and in blocks of 3 query rows.
+    """
+    if rows is not None:
+        monkeypatch.setattr(health_module, "_BLOCK_FLOATS", B * H * L * rows)
+    model = BiasedSDPA()
+    x = torch.randn(B, L, E)
+    slopes = torch.tensor([2.0 ** (-i) for i in range(1, H + 1)])
+    pos = torch.arange(L)
+    distance = (pos[:, None] - pos[None, :]).abs().float()
+    causal = torch.ones(L, L, dtype=torch.bool).tril()
+    bias = (-slopes[:, None, None] * distance).masked_fill(~causal, float("-inf"))  # [H, L, L]
+    with torch.no_grad(), qkvtrace.trace(model, keep="changes", health_every=1) as t:
+        model(x, bias)
+        t.step()
+        q, k, _ = model.heads(x)
+    logits = q.double() @ k.double().transpose(-2, -1) / math.sqrt(D) + bias.double()  # [B, H, L, L]
+    # the witness reads row r's logits back as logits[r] · e_j: "queries" the logits, "keys" the identity
+    eye = torch.eye(L, dtype=torch.float64).expand(B, H, L, L)
+    want = _witness(logits.nan_to_num(neginf=0.0), eye, 1.0, causal)
     for name in ("max_logit", "entropy_mean", "entropy_min"):
         _close(_heads(t.health[0], name), want[name])
 
