@@ -405,3 +405,25 @@ def test_health_needs_a_long_run() -> None:
         qkvtrace.trace(nn.Linear(1, 1), health_every=10)
     with pytest.raises(ValueError, match="health_every"):
         qkvtrace.trace(nn.Linear(1, 1), keep="changes", health_every=-1)
+
+
+def test_a_flex_attention_call_says_what_it_cannot_give() -> None:
+    """A flex_attention call has a health record with no per-head values and the reason why.
+
+    Witness: the flex_attention call built here (its ``score_mod`` and ``block_mask`` are the user's functions).
+    """
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    import warnings
+
+    class Flex(nn.Module):
+        def forward(self, q: torch.Tensor) -> torch.Tensor:
+            return flex.flex_attention(q, q, q)
+
+    model = Flex()
+    with qkvtrace.trace(model, keep="changes", health_every=1) as t, torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # PyTorch warns once per process that flex runs uncompiled
+        model(torch.randn(1, 2, 8, 8))
+        t.step()
+    (r,) = t.health
+    assert r.path == "flex" and r.heads == []
+    assert r.reason is not None and "score_mod" in r.reason
