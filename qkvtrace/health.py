@@ -153,11 +153,17 @@ def measure(inputs: ScoreInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
                 block = upper if block is None else block | upper
             if block is not None:
                 scores.masked_fill_(block, float("-inf"))
-            open_ = ~torch.isneginf(scores)
-            top = torch.maximum(top, scores.amax(dim=(0, 2, 3)))
-            logp = torch.log_softmax(scores, dim=-1)
-            entropy = -(logp.exp() * logp.masked_fill(~open_, 0.0)).sum(-1)  # [B, H, r]; NaN on rows with no key
-            n_open = open_.sum(-1)
+            row_top = scores.amax(dim=-1, keepdim=True)  # [B, H, r, 1]; -inf on a row that sees no key
+            top = torch.maximum(top, row_top.amax(dim=(0, 2, 3)))
+            # entropy = log z - Σ e·(s - m) / z with e = exp(s - m), z = Σ e: each pass in place on the block
+            scores.sub_(torch.nan_to_num(row_top, nan=0.0, neginf=0.0, posinf=0.0))
+            weights = scores.exp()  # 0 where a key is removed
+            if block is not None:
+                scores.masked_fill_(block, 0.0)  # e·(s - m) is 0 there, not 0·-inf
+            z = weights.sum(-1)  # [B, H, r]
+            entropy = z.log() - weights.mul_(scores).sum(-1) / z  # NaN on a row that sees no key
+            rows_here = (b, h, stop - start)
+            n_open = torch.full(rows_here, s, device=device) if block is None else (~block).sum(-1).expand(rows_here)
             some, two = n_open >= 1, n_open >= 2
             total += torch.where(some, entropy, 0.0).sum(dim=(0, 2))
             seen += some.sum(dim=(0, 2))
