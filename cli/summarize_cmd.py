@@ -33,8 +33,11 @@ or the entropy under 1 nat and under half its first value.
 def register(sub: Any) -> None:
     p = sub.add_parser("summarize", help="read back the changes and counts a long run streamed (JSON Lines)",
                        description=_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
-                       epilog="example:\n  qkvtrace summarize run.jsonl")  # fmt: skip
+                       epilog="examples:\n  qkvtrace summarize run.jsonl\n"
+                              "  qkvtrace summarize run.jsonl --html health.html")  # fmt: skip
     p.add_argument("file", metavar="FILE", type=Path, help="the JSON Lines file of stream_to=")
+    p.add_argument("--html", metavar="PAGE", type=Path, default=None,
+                   help="also write a self-contained page of the attention health curves per module")  # fmt: skip
     p.set_defaults(run=run)
 
 
@@ -122,6 +125,13 @@ def run(args: argparse.Namespace, console: Console) -> int:
         ]
         console.print(records_view("per module", cols, table, width=console.width, title_cols=2), crop=False)
     _health(lines, console)
+    if args.html is not None:
+        from qkvtrace.render.health_render import health_page
+        from qkvtrace.render.html_page import save_page
+
+        page = save_page(health_page([x for x in lines if x["kind"] == "health"],
+                                     title=f"qkvtrace attention health: {args.file.name}"), args.html)  # fmt: skip
+        console.print(f"page: {page}", soft_wrap=True, markup=False)
     if note:
         console.print(note, style="yellow")
     return 0

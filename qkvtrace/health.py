@@ -53,6 +53,7 @@ __all__ = [
     "HeadHealth",
     "Health",
     "HealthRecord",
+    "HealthRecords",
     "alert",
     "measure",
 ]
@@ -108,6 +109,15 @@ class HealthRecord:
             "heads": [asdict(h) for h in self.heads],
             "weight_norms": dict(self.weight_norms), "grad_norms": dict(self.grad_norms), "reason": self.reason,
         }  # fmt: skip
+
+
+class HealthRecords(list[HealthRecord]):
+    """``t.health``: the records; a notebook shows them as small per-module curves (:mod:`.render.health_render`)."""
+
+    def _repr_html_(self) -> str:
+        from qkvtrace.render.health_render import health_fragment
+
+        return health_fragment([r.to_dict() for r in self])
 
 
 # -- the one computation ---------------------------------------------------------------------

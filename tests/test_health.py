@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -354,7 +355,8 @@ def test_summarize_alerts_at_the_step_the_witness_crosses_the_threshold(tmp_path
     Witness: the test's max logit and lowest head's mean entropy per step
     (``_witness``) and the documented thresholds (logit over 50 and over
     twice its first value; entropy under 1 nat and under half its first); TensorBoard's own
-    reader for the per-head scalars; the stream's lines checked by ``qkvtrace validate``.
+    reader for the per-head scalars; the stream's lines checked by ``qkvtrace validate``; the HTML page's and
+    the notebook's curves hold the same values, a point per measured step.
     """
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -378,8 +380,10 @@ def test_summarize_alerts_at_the_step_the_witness_crosses_the_threshold(tmp_path
     crossed = next(s for s, v in enumerate(tops) if v > 50 and v > 2 * tops[0])
     lows = [min(w["entropy_mean"]) for w in wants]
     fell = next(s for s, v in enumerate(lows) if v < 1 and v < 0.5 * lows[0])
-    out = subprocess.run([sys.executable, "-m", "qkvtrace", "summarize", str(stream)], capture_output=True, text=True,
-                         env={"COLUMNS": "200", "NO_COLOR": "1", "PATH": "/usr/bin:/bin"})  # fmt: skip
+    page = tmp_path / "health.html"
+    env = {"COLUMNS": "200", "NO_COLOR": "1", "PATH": "/usr/bin:/bin"}
+    command = [sys.executable, "-m", "qkvtrace", "summarize", str(stream), "--html", str(page)]
+    out = subprocess.run(command, capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr
     alert = next(line for line in out.stdout.splitlines() if line.startswith("alert (root)"))
     said = dict(part.strip().split(" ", 1) for part in alert.removeprefix("alert (root):").split(";"))
@@ -389,6 +393,13 @@ def test_summarize_alerts_at_the_step_the_witness_crosses_the_threshold(tmp_path
     assert [ln["step"] for ln in lines if ln["kind"] == "health"] == list(range(9))
     check = subprocess.run([sys.executable, "-m", "qkvtrace", "validate", str(stream)], capture_output=True, text=True)
     assert check.returncode == 0, check.stderr
+    # the page's and the notebook's curves: a point per measured step, its value in its tooltip
+    for text in (page.read_text(), t.health._repr_html_()):
+        points = re.findall(r"<title>max logit at step (\d+): ([-0-9.e+]+)</title>", text)
+        assert [int(step) for step, _ in points] == list(range(9))
+        _close([float(v) for _, v in points], tops, rel=1e-3)
+        low = re.findall(r"<title>entropy \(nats\) at step (\d+): ([-0-9.e+]+)</title>", text)
+        _close([float(v) for _, v in low], lows, rel=1e-3)
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
     for head in range(H):

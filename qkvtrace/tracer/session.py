@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from qkvtrace import compat, lazy, maps, masks, paths
-from qkvtrace.health import Health, HealthRecord
+from qkvtrace.health import Health, HealthRecords
 from qkvtrace.monitor import Event, Monitor
 from qkvtrace.records import (
     AttentionCall,
@@ -234,11 +234,11 @@ class Trace:
         return self.monitor.step(number)
 
     @property
-    def health(self) -> list[HealthRecord]:
+    def health(self) -> HealthRecords:
         """With ``health_every=N``: per measured step and module, the heads' max logit and entropies and the
         Q/K/V slice norms (:mod:`qkvtrace.health`); a step's records appear when ``t.step()`` ends it."""
         found = self.monitor.health if self.monitor is not None else None
-        return list(found.records) if found is not None else []
+        return HealthRecords(found.records if found is not None else [])
 
     def health_due(self, module: str) -> bool:
         """This step's health is measured and ``module``'s first call has not been yet."""
