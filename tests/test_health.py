@@ -438,3 +438,48 @@ def test_a_flex_attention_call_says_what_it_cannot_give() -> None:
     (r,) = t.health
     assert r.path == "flex" and r.heads == []
     assert r.reason is not None and "score_mod" in r.reason
+
+
+def _profiled_host_reads() -> type:
+    """``benchmarks/host_reads.py``'s profiler counter: the one the overhead benchmark prints."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "host_reads.py"
+    spec = importlib.util.spec_from_file_location("qkvtrace_bench_host_reads_health", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.ProfiledHostReads  # type: ignore[no-any-return]
+
+
+def test_a_measured_step_reads_nothing_back_before_t_step() -> None:
+    """A measured step's forward and backward (padding mask, causal SDPA) add no host read; ``t.step()`` reads.
+
+    Witness: ``torch.profiler``'s aten ops (every read to the host goes through ``_local_scalar_dense``,
+    ``nonzero``, ``equal`` or ``is_nonzero``), counted for the untraced step and for the measured one.
+    """
+    counter = _profiled_host_reads()
+    mha = nn.MultiheadAttention(E, H, batch_first=True)
+    causal = CausalSDPA()
+    x = torch.randn(B, L, E)
+    pad = torch.zeros(B, L, dtype=torch.bool)
+    pad[1, -2:] = True
+
+    def step() -> None:
+        mha(x, x, x, key_padding_mask=pad, need_weights=False)[0].sum().backward()
+        causal(x).sum().backward()
+
+    with counter() as plain:
+        step()
+    model = nn.ModuleDict({"mha": mha, "causal": causal})
+    with qkvtrace.trace(model, keep="changes", health_every=2) as t:
+        step()  # step 0: measured, and each call signature seen once
+        t.step()
+        step()
+        t.step()
+        with counter() as traced:
+            step()  # step 2: measured
+        t.step()
+    assert {r.step for r in t.health} == {0, 2} and len(t.health) == 4
+    assert all(h.max_logit is not None for r in t.health for h in r.heads)
+    assert traced.count == plain.count, traced.ops
