@@ -27,8 +27,10 @@ Scores are made a block of query rows at a time, so memory stays
 ``O(T·block)``, never the full ``[T, T]`` map. Nothing is read on the host
 during the step: the numbers stay 0-dim device tensors until ``t.step()``.
 Attention written by hand gives its entropies from the probabilities the
-model computed itself; its logits are not recomputed (``max_logit`` is
-``None``, with the reason).
+model computed itself, and its max logit from logits rebuilt from its Q, K,
+scale, soft-cap and bias -- kept only when their softmax is the model's own
+probabilities (the order the model applied them in is not recorded), else
+``None`` with the reason.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ __all__ = [
     "HealthRecord",
     "HealthRecords",
     "alert",
+    "hand_written_inputs",
     "measure",
 ]
 
@@ -150,6 +153,8 @@ def measure(inputs: ScoreInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
         for start in range(0, length, rows):
             stop = min(length, start + rows)
             scores = torch.matmul(q[:, :, start:stop].float() * inputs.scale, kt)  # [B, H, r, S]
+            if inputs.cap is not None:
+                scores.div_(inputs.cap).tanh_().mul_(inputs.cap)
             block = None
             if inputs.additive is not None:
                 bias = _rows(inputs.additive, start, stop).float()
@@ -217,6 +222,32 @@ def measure_probs(probs: torch.Tensor, blocked: torch.Tensor | None,
         return torch.full((h,), float("nan"), device=p.device), mean, least
 
 
+def _probs_gap(inputs: ScoreInputs, probs: torch.Tensor, heads: int | None) -> torch.Tensor:
+    """Largest difference between the softmax of the rebuilt logits and the model's probabilities (0-dim)."""
+    with torch.no_grad():
+        p = probs.detach().float()
+        if p.dim() == 3 and heads and p.shape[0] % heads == 0:
+            p = p.view(p.shape[0] // heads, heads, *p.shape[1:])
+        scores = torch.matmul(inputs.q.float() * inputs.scale, inputs.k.float().transpose(-2, -1))
+        if inputs.k.shape[1] != inputs.q.shape[1]:
+            return torch.tensor(float("nan"), device=p.device)
+        if inputs.cap is not None:
+            scores = torch.tanh(scores / inputs.cap) * inputs.cap
+        if inputs.additive is not None:
+            scores = scores + inputs.additive.float()
+        if inputs.blocked is not None:
+            scores = scores.masked_fill(inputs.blocked, float("-inf"))
+        return (torch.softmax(scores, dim=-1).nan_to_num(0.0) - p).abs().amax()
+
+
+#: the softmax of rebuilt logits may differ from the model's probabilities by rounding only
+_PROBS_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-9}
+_REBUILT = (
+    "max_logit not computed for attention written by hand: the logits rebuilt from its Q, K, scale, "
+    "soft-cap and bias (in that order) do not give its probabilities (largest difference {gap:.2g})"
+)
+
+
 # -- a trace's health ---------------------------------------------------------------------------
 
 
@@ -230,9 +261,34 @@ class _Pending:
     weight_norms: dict[str, Any]
     grad_norms: dict[str, Any] = field(default_factory=dict)
     reason: str | None = None
+    #: how far a hand-written attention's rebuilt softmax may be from its own probabilities
+    tolerance: float = 1e-2
 
 
-_HAND_WRITTEN_LOGITS = "max_logit not computed for attention written by hand: only its probabilities are read"
+_HAND_WRITTEN_LOGITS = ("max_logit not computed for attention written by hand: its Q and K could not be paired "
+                        "with its heads")  # fmt: skip
+
+
+def hand_written_inputs(q: torch.Tensor, k: torch.Tensor, transposed: bool, heads: int | None, scale: Any,
+                        cap: Any, bias: Any, blocked: Any) -> ScoreInputs | None:  # fmt: skip
+    """The score inputs of attention written by hand (``[B·H, T, d]`` unfolded by ``heads``), or ``None``."""
+
+    def unfold(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            return t
+        if heads and t.shape[0] % heads == 0:
+            return t.view(t.shape[0] // heads, heads, *t.shape[1:])
+        if t.shape[0] == 1:
+            return t.unsqueeze(0)
+        raise ValueError("heads not known")
+
+    try:
+        q4, k4, bias4, blocked4 = map(unfold, (q, k.transpose(-2, -1) if transposed else k, bias, blocked))
+    except ValueError:
+        return None
+    if q4.dim() != 4 or k4.dim() != 4:
+        return None
+    return ScoreInputs(q4.detach(), k4.detach(), bias4, blocked4, False, scale, cap)
 
 
 class Health:
@@ -265,6 +321,8 @@ class Health:
         try:
             values, entry.reason = self._values(call, source)
             entry.values = None if values is None else list(values)  # a list: resolved in place at the step's end
+            if hasattr(source, "probs"):
+                entry.tolerance = _PROBS_TOLERANCE.get(source.probs.dtype, 1e-2)
         except Exception as exc:  # the user's run goes on whatever happens here
             entry.reason = f"not computed: {type(exc).__name__}: {exc}"
         if isinstance(projection, Projection):
@@ -282,9 +340,19 @@ class Health:
             return None, f"not computed: no score inputs for a {call.path!r} call"
         if isinstance(source, str):
             return None, source
-        if hasattr(source, "probs"):  # attention written by hand: the model's own probabilities
+        if hasattr(source, "probs"):  # attention written by hand: entropies from the model's own probabilities
             found = measure_probs(source.probs, source.blocked, source.heads)
-            return (found, _HAND_WRITTEN_LOGITS) if not isinstance(found, str) else (None, found)
+            if isinstance(found, str):
+                return None, found
+            logits: ScoreInputs | None = getattr(source, "logits", None)
+            if logits is None:
+                return found, _HAND_WRITTEN_LOGITS
+            top = measure(logits)
+            if isinstance(top, str):
+                return found, top
+            # the logits are rebuilt from Q, K, scale, soft-cap and bias, whose order the model chose: they count
+            # only if their softmax is the model's own probabilities (checked when the step ends)
+            return (top[0], found[1], found[2], _probs_gap(logits, source.probs, source.heads)), None
         inputs = source.scores()
         if isinstance(inputs, str):
             return None, inputs
@@ -339,12 +407,17 @@ def _number(x: Any) -> float | None:
 
 def _record(p: _Pending) -> HealthRecord:
     heads: list[HeadHealth] = []
+    reason = p.reason
+    if p.values is not None and len(p.values) == 4:  # attention written by hand: rebuilt logits, checked
+        top, mean, least, gap = p.values
+        if not (isinstance(gap, float) and gap <= p.tolerance):
+            top, reason = [None] * len(mean), _REBUILT.format(gap=gap)
+        p.values = [top, mean, least]
     if p.values is not None:
         top, mean, least = p.values
         per_head = zip(top, mean, least, strict=True)
         heads = [HeadHealth(i, _number(a), _number(b), _number(c)) for i, (a, b, c) in enumerate(per_head)]
     grads = {k: _number(p.grad_norms.get(k)) for k in _PARTS}
-    reason = p.reason
     if not p.grad_norms and reason is None:
         reason = "no gradient norms: no backward reached the slices in this step"
     return HealthRecord(p.step, p.module, p.call, p.path, heads, {k: _number(v) for k, v in p.weight_norms.items()},

@@ -134,7 +134,9 @@ class ScoreInputs:
     additive: torch.Tensor | None
     blocked: torch.Tensor | None
     causal: bool
-    scale: float
+    scale: Any
+    #: a soft-cap ``c``: scores become ``c·tanh(scale·q·kᵀ / c)`` before the additive mask (attention written by hand)
+    cap: Any = None
 
 
 # -- the one computation ---------------------------------------------------------

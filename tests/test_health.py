@@ -249,9 +249,9 @@ def test_an_alibi_bias_is_in_the_logits(rows: int | None, monkeypatch: pytest.Mo
 def test_fused_encoder_layer_and_hand_written_attention() -> None:
     """The fused encoder layer (eval, no_grad) and attention written by hand give the witness's numbers.
 
-    Hand-written attention gives its entropies from its own probabilities and
-    no max logit, saying why. Witness: ``_witness`` on Q and K from the
-    layer's ``in_proj_weight`` and from the hand-written module's ``qkv``.
+    Hand-written attention gives its entropies from its own probabilities.
+    Witness: ``_witness`` on Q and K from the layer's ``in_proj_weight`` and
+    from the hand-written module's ``qkv``.
     """
     layer = nn.TransformerEncoderLayer(E, H, 32, dropout=0.0, batch_first=True).eval()
     hand = HandWritten()
@@ -275,8 +275,7 @@ def test_fused_encoder_layer_and_hand_written_attention() -> None:
         _close(_heads(r, name), want[name])
     (rh,) = th.health
     assert rh.path == "hand_written"
-    assert _heads(rh, "max_logit") == [None] * H and "max_logit not computed" in (rh.reason or "")
-    for name in ("entropy_mean", "entropy_min"):
+    for name in ("max_logit", "entropy_mean", "entropy_min"):
         _close(_heads(rh, name), want_hand[name])
 
 
@@ -483,3 +482,66 @@ def test_a_measured_step_reads_nothing_back_before_t_step() -> None:
     assert {r.step for r in t.health} == {0, 2} and len(t.health) == 4
     assert all(h.max_logit is not None for r in t.health for h in r.heads)
     assert traced.count == plain.count, traced.ops
+
+
+class FoldedSoftcap(nn.Module):
+    """Attention written by hand on ``[B·H, T, d]``: ALiBi bias and soft-cap (in ``order``), a causal ``where``."""
+
+    def __init__(self, bias: torch.Tensor, order: str) -> None:
+        super().__init__()
+        self.num_heads = H
+        self.order = order
+        self.qkv = nn.Linear(E, 3 * E)
+        self.register_buffer("alibi", bias)  # [B·H, L, L]
+
+    def heads(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return [t.reshape(B, L, H, D).transpose(1, 2).reshape(B * H, L, D) for t in self.qkv(x).chunk(3, dim=-1)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.heads(x)
+        if self.order == "bias_then_cap":
+            s = torch.baddbmm(self.alibi, q, k.transpose(1, 2), alpha=1 / math.sqrt(D))
+            s = torch.tanh(s / 5.0) * 5.0
+        else:
+            s = torch.bmm(q, k.transpose(1, 2)) / math.sqrt(D)
+            s = torch.tanh(s / 5.0) * 5.0 + self.alibi
+        s = torch.where(torch.ones(L, L, dtype=torch.bool).tril(), s, torch.finfo(s.dtype).min)
+        return torch.bmm(torch.softmax(s, dim=-1), v)
+
+
+@pytest.mark.parametrize("order", ["cap_then_bias", "bias_then_cap"])
+def test_hand_written_folded_heads_with_softcap_and_alibi(order: str) -> None:
+    """``[B·H, T, d]`` attention with a soft-cap and an ALiBi bias, causal: the logits are rebuilt from Q, K,
+    scale, soft-cap then bias, and kept only where their softmax is the model's own probabilities.
+
+    Witness: the test's own float64 logits from the module's ``qkv`` (the
+    module's formula, written here), read by ``_witness`` as rows against the
+    identity. With the bias added before the cap the rebuilt logits are not
+    the model's: ``max_logit`` is ``None`` and says why; the entropies (from
+    the model's probabilities) still equal the witness's.
+    """
+    slopes = torch.tensor([2.0 ** (-i) for i in range(1, H + 1)])
+    pos = torch.arange(L)
+    alibi = (-slopes[:, None, None] * (pos[:, None] - pos[None, :]).abs()).repeat(B, 1, 1)  # [B·H, L, L]
+    model = FoldedSoftcap(alibi, order)
+    x = torch.randn(B, L, E) * 3
+    with torch.no_grad(), qkvtrace.trace(model, keep="changes", health_every=1) as t:
+        model(x)
+        t.step()
+        q, k, _ = model.heads(x)
+    scores = q.double() @ k.double().transpose(1, 2) / math.sqrt(D)
+    if order == "bias_then_cap":
+        logits = torch.tanh((scores + alibi.double()) / 5.0) * 5.0
+    else:
+        logits = torch.tanh(scores / 5.0) * 5.0 + alibi.double()
+    eye = torch.eye(L, dtype=torch.float64).expand(B, H, L, L)
+    want = _witness(logits.view(B, H, L, L), eye, 1.0, torch.ones(L, L, dtype=torch.bool).tril())
+    (r,) = t.health
+    assert r.path == "hand_written"
+    for name in ("entropy_mean", "entropy_min"):
+        _close(_heads(r, name), want[name])
+    if order == "cap_then_bias":
+        _close(_heads(r, "max_logit"), want["max_logit"])
+    else:
+        assert _heads(r, "max_logit") == [None] * H
+        assert r.reason is not None and "do not give its probabilities" in r.reason
