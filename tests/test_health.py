@@ -545,3 +545,41 @@ def test_hand_written_folded_heads_with_softcap_and_alibi(order: str) -> None:
     else:
         assert _heads(r, "max_logit") == [None] * H
         assert r.reason is not None and "do not give its probabilities" in r.reason
+
+
+class GroupedSDPA(nn.Module):
+    """Grouped-query attention: 4 query heads share 2 key/value heads (``enable_gqa=True``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(E, E, bias=False)
+        self.kv = nn.Linear(E, E, bias=False)  # 2 heads of K, 2 of V
+
+    def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q = self.q(x).reshape(B, L, H, D).transpose(1, 2)
+        k, v = (t.reshape(B, L, H // 2, D).transpose(1, 2) for t in self.kv(x).chunk(2, dim=-1))
+        return q, k, v
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.heads(x)
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+
+def test_grouped_query_attention_pairs_each_query_head_with_its_key_head() -> None:
+    """``enable_gqa=True``: query head h is scored against key head ``h // 2``.
+
+    Witness: ``_witness`` on the module's Q and its K repeated per group by the test (``repeat_interleave``).
+    """
+    if "enable_gqa" not in str(getattr(F.scaled_dot_product_attention, "__doc__", "")):
+        pytest.skip("this PyTorch's SDPA has no enable_gqa")
+    model = GroupedSDPA()
+    x = torch.randn(B, L, E)
+    with torch.no_grad(), qkvtrace.trace(model, keep="changes", health_every=1) as t:
+        model(x)
+        t.step()
+        q, k, _ = model.heads(x)
+    want = _witness(q, k.repeat_interleave(2, dim=1), 1 / math.sqrt(D), None)
+    (r,) = t.health
+    assert len(r.heads) == H
+    for name in ("max_logit", "entropy_mean", "entropy_min"):
+        _close(_heads(r, name), want[name])
