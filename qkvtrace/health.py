@@ -284,7 +284,7 @@ def hand_written_inputs(q: torch.Tensor, k: torch.Tensor, transposed: bool, head
 
     try:
         q4, k4, bias4, blocked4 = map(unfold, (q, k.transpose(-2, -1) if transposed else k, bias, blocked))
-    except ValueError:
+    except (ValueError, RuntimeError):  # heads not known, or a layout that does not unfold: no max logit
         return None
     if q4.dim() != 4 or k4.dim() != 4:
         return None
