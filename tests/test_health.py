@@ -583,3 +583,25 @@ def test_grouped_query_attention_pairs_each_query_head_with_its_key_head() -> No
     assert len(r.heads) == H
     for name in ("max_logit", "entropy_mean", "entropy_min"):
         _close(_heads(r, name), want[name])
+
+
+def test_a_long_sequence_is_measured_without_its_whole_map() -> None:
+    """T = 4096, causal SDPA: no allocation during the measured call and ``t.step()`` is as large as the
+    ``[T, T]`` float32 map (64 MB); the values are still there.
+
+    Witness: ``torch.profiler``'s memory events (``profile_memory=True``), and the map's size computed here.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    t_len = 4096
+    model = CausalSDPA()
+    x = torch.randn(1, t_len, E)
+    with torch.no_grad(), qkvtrace.trace(model, keep="changes", health_every=1) as t:
+        model(x)
+        t.step()
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            model(x)
+            t.step()
+    biggest = max(e.cpu_memory_usage for e in prof.events())
+    assert biggest < t_len * t_len * 4, f"{biggest / 2**20:.0f} MB in one allocation"
+    assert len(t.health) == 2 and all(h.max_logit is not None for h in t.health[-1].heads)
