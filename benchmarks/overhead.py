@@ -12,6 +12,9 @@ W1  ``nn.TransformerEncoder`` of six ``TransformerEncoderLayer(d_model=256,
     each call's Q, K, V (hooks on its backward kernel).
 W1s The same step traced with ``routes=False`` (slice gradients only): the
     difference to W1 is what the routes cost.
+W1h Ten of W1's steps as a long run (``keep="changes"``, ``t.step()`` after
+    each) with ``health_every=10``: one step in ten measures each layer's
+    max logit, entropies and slice norms (:mod:`qkvtrace.health`).
 W2  The same model (a copy with the same weights) in ``eval()`` under
     ``torch.inference_mode()``: one forward, on PyTorch's fused encoder path.
 W3  1000 calls of ``nn.MultiheadAttention(64, 8)`` (default training mode,
@@ -82,6 +85,7 @@ Method
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gc
 import os
@@ -135,6 +139,10 @@ class Workload:
     keep: str = "all"
     #: ask PyTorch why it refused the kernels it ranks above the one it chose
     refusals: bool = True
+    #: measure attention health every N steps (``health_every``, long runs only)
+    health_every: int | None = None
+    #: the trace open on this workload now (a long run's unit of work marks its steps on it)
+    current: qkvtrace.Trace | None = None
 
 
 def make_encoder(seed: int) -> nn.TransformerEncoder:
@@ -230,6 +238,24 @@ def gpt2_eager_workload() -> Workload | None:
     return Workload("W6", "GPT-2 eager forward (hand-written)", model, run, target=1.10, gradients=False)
 
 
+def health_workload(model: nn.TransformerEncoder, x: torch.Tensor, steps: int = 10) -> Workload:
+    """W1's training step ``steps`` times, a long run marking each step (``t.step()``), health every 10."""
+    base = train_step_workload(model, x)
+    w = replace(base, key="W1h", title=f"{steps} encoder train steps, health every 10", target=1.05,
+                gradients=False, routes=False, keep="changes", health_every=10)  # fmt: skip
+
+    def run() -> Outputs:
+        outs: Outputs = []
+        for _ in range(steps):
+            outs += base.run()
+            if w.current is not None:
+                w.current.step()
+        return outs
+
+    w.run = run
+    return w
+
+
 def build_workloads() -> list[Workload]:
     train_model = make_encoder(seed=0)
     infer_model = copy.deepcopy(train_model)
@@ -238,6 +264,7 @@ def build_workloads() -> list[Workload]:
     return [
         train_step_workload(train_model, x),
         train_step_workload(train_model, x, routes=False),
+        health_workload(train_model, x),
         inference_workload(infer_model, x),
         compiled_train_workload(copy.deepcopy(train_model), x),
         small_mha_workload(),
@@ -272,9 +299,16 @@ class TracedSample:
     map_bytes_per_call: float = 0.0
 
 
-def open_trace(w: Workload) -> qkvtrace.Trace:
-    return qkv_trace(w.model, gradients=w.gradients, routes=w.routes, attention_maps=w.maps, keep=w.keep,
-                     refusals=w.refusals)  # fmt: skip
+@contextlib.contextmanager
+def open_trace(w: Workload) -> Iterator[qkvtrace.Trace]:
+    """A trace of ``w`` as the workload asks, open while the block runs (``w.current`` while it is)."""
+    with qkv_trace(w.model, gradients=w.gradients, routes=w.routes, attention_maps=w.maps, keep=w.keep,
+                   refusals=w.refusals, health_every=w.health_every) as t:  # fmt: skip
+        w.current = t
+        try:
+            yield t
+        finally:
+            w.current = None
 
 
 def calls_seen(t: qkvtrace.Trace) -> int:
@@ -286,10 +320,9 @@ def calls_seen(t: qkvtrace.Trace) -> int:
 
 
 def time_traced(w: Workload) -> TracedSample:
-    t = open_trace(w)
     gc.collect()
     t0 = time.perf_counter()
-    with t:
+    with open_trace(w) as t:
         t1 = time.perf_counter()
         w.run()  # untimed: the first call of each signature is profiled here
         t2 = time.perf_counter()

@@ -9,6 +9,7 @@ from typing import Any
 
 from rich.console import Console
 
+from qkvtrace.health import ENTROPY_ALERT, ENTROPY_DROP, LOGIT_ALERT, LOGIT_GROWTH, alert, series_of
 from qkvtrace.render.terminal import Col, records_view
 from qkvtrace.streams import read_stream
 
@@ -22,14 +23,21 @@ which kernels the run's calls used, every change (the step and call where a
 module's path, backend, PyTorch's reason, dtype, masks or training mode
 differed from its previous call, with PyTorch's reason), and, when the run
 ended, per module each combination with its calls and first and last step.
+With health_every=N, per module its largest pre-softmax logit and its
+lowest head's mean attention entropy, first -> last, and an alert at the
+first step where the max logit went over 50 and over twice its first value,
+or the entropy under 1 nat and under half its first value.
 """
 
 
 def register(sub: Any) -> None:
     p = sub.add_parser("summarize", help="read back the changes and counts a long run streamed (JSON Lines)",
                        description=_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
-                       epilog="example:\n  qkvtrace summarize run.jsonl")  # fmt: skip
+                       epilog="examples:\n  qkvtrace summarize run.jsonl\n"
+                              "  qkvtrace summarize run.jsonl --html health.html")  # fmt: skip
     p.add_argument("file", metavar="FILE", type=Path, help="the JSON Lines file of stream_to=")
+    p.add_argument("--html", metavar="PAGE", type=Path, default=None,
+                   help="also write a self-contained page of the attention health curves per module")  # fmt: skip
     p.set_defaults(run=run)
 
 
@@ -116,6 +124,49 @@ def run(args: argparse.Namespace, console: Console) -> int:
             Col("last step", justify="right"),
         ]
         console.print(records_view("per module", cols, table, width=console.width, title_cols=2), crop=False)
+    _health(lines, console)
+    if args.html is not None:
+        from qkvtrace.render.health_render import health_page
+        from qkvtrace.render.html_page import save_page
+
+        page = save_page(health_page([x for x in lines if x["kind"] == "health"],
+                                     title=f"qkvtrace attention health: {args.file.name}"), args.html)  # fmt: skip
+        console.print(f"page: {page}", soft_wrap=True, markup=False)
     if note:
         console.print(note, style="yellow")
     return 0
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3g}"
+
+
+def _health(lines: list[dict[str, Any]], console: Console) -> None:
+    """Per module: max logit and lowest head's mean entropy, first → last, and the first alert."""
+    found = [x for x in lines if x["kind"] == "health"]
+    if not found:
+        return
+    rows: list[list[Any]] = []
+    alerts: list[str] = []
+    for module, series in series_of(found).items():
+        (s0, x0, y0), (s1, x1, y1) = series[0], series[-1]
+        rows.append([module or "(root)", f"{s0} → {s1}", f"{_fmt(x0)} → {_fmt(x1)}", f"{_fmt(y0)} → {_fmt(y1)}"])
+        said = alert(series)
+        if said is not None:
+            alerts.append(f"alert {module or '(root)'}: {said}")
+    cols = [
+        Col("module"),
+        Col("steps", justify="right"),
+        Col("max logit (any head)", justify="right"),
+        Col("entropy, nats (lowest head's mean)", justify="right"),
+    ]
+    title = f"attention health, {len({x['step'] for x in found})} measured step(s)"
+    console.print(records_view(title, cols, rows, width=console.width, title_cols=1), crop=False)
+    for line in alerts:
+        console.print(line, style="bold red", soft_wrap=True, markup=False)
+    if not alerts:
+        console.print(
+            f"no alert: no max logit over {LOGIT_ALERT:g} and {LOGIT_GROWTH:g}x its first value, no "
+            f"entropy under {ENTROPY_ALERT:g} nat and {ENTROPY_DROP:g}x its first value",
+            soft_wrap=True,
+        )

@@ -38,12 +38,25 @@ def register(sub: Any) -> None:
 
 
 def run_validate(args: argparse.Namespace, console: Console) -> int:
+    from qkvtrace.monitor import STREAM_SCHEMA
+    from qkvtrace.streams import read_stream
     from qkvtrace.validation import load_json
 
     bad = 0
     for path in args.files:
         if path.is_dir() and (path / "report.json").is_file():
             path = path / "report.json"
+        if path.suffix == ".jsonl" and path.is_file():  # a long run's stream: every line checked
+            try:
+                lines, _ = read_stream(path)
+            except QkvtraceError as exc:
+                if args.debug:
+                    raise
+                bad += 1
+                print(f"qkvtrace validate: error: {exc}", file=sys.stderr)
+                continue
+            console.print(f"{path}: ok ({len(lines)} lines, {STREAM_SCHEMA})", markup=False, soft_wrap=True)
+            continue
         try:
             data = load_json(path, args.schema)
         except QkvtraceError as exc:

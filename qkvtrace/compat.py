@@ -23,6 +23,7 @@ __all__ = [
     "fused_sdp_choice",
     "is_compiling",
     "is_jit_tracing",
+    "post_accumulate_grad_hooks",
     "raw_sdpa",
     "sdp_backend_name",
     "sdp_backend_names",
@@ -268,3 +269,8 @@ def has_gradient_edge() -> bool:
     """Whether ``torch.autograd.grad`` takes a ``GradientEdge`` (a graph edge) as an input."""
     edge = getattr(torch.autograd.graph, "GradientEdge", None)
     return edge is not None and "GradientEdge" in (inspect.getdoc(torch.autograd.grad) or "")
+
+
+def post_accumulate_grad_hooks() -> bool:
+    """Whether a parameter takes a hook run after its ``.grad`` is accumulated."""
+    return hasattr(torch.Tensor, "register_post_accumulate_grad_hook")

@@ -51,6 +51,7 @@ __all__ = [
     "MapOptions",
     "MapResult",
     "SDPASource",
+    "ScoreInputs",
     "function_source",
     "map_bytes",
     "mha_source",
@@ -121,6 +122,21 @@ class MapResult:
     reason: str | None = None
     #: What the map shows that is not exactly what the kernel used (dropout, precision, padding).
     notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ScoreInputs:
+    """What a call's pre-softmax scores are made from: ``scale·q·kᵀ + additive``, ``blocked`` and the causal
+    triangle removed (``q`` ``[B, H, L, d]``, ``k`` ``[B, H_k, S, d]``, masks broadcastable to ``[B, H, L, S]``)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    additive: torch.Tensor | None
+    blocked: torch.Tensor | None
+    causal: bool
+    scale: Any
+    #: a soft-cap ``c``: scores become ``c·tanh(scale·q·kᵀ / c)`` before the additive mask (attention written by hand)
+    cap: Any = None
 
 
 # -- the one computation ---------------------------------------------------------
@@ -242,8 +258,13 @@ def from_weights(weights: torch.Tensor, blocked: torch.Tensor | None, budget: Ma
             rows = rows.expand(b, h, length)
             full = rows[batch][:, heads].cpu()
     notes = _float_note(weights.dtype) + _dropout_note(dropout_p)
-    return MapResult(weights=w, fully_masked=full, heads=heads, batch=batch, notes=[
-        "the weights the model's own softmax computed", *notes])
+    return MapResult(
+        weights=w,
+        fully_masked=full,
+        heads=heads,
+        batch=batch,
+        notes=["the weights the model's own softmax computed", *notes],
+    )
 
 
 def _size(n: int) -> str:
@@ -296,27 +317,36 @@ class SDPASource:
     override_mask: bool = False
 
     def compute(self, budget: MapBudget, name: str) -> MapResult:
+        found = self.scores()
+        if isinstance(found, str):
+            return MapResult(reason=found)
+        with torch.no_grad():
+            result = _weights(found.q, found.k, found.additive, found.blocked, found.causal, found.scale, budget, name)
+        result.notes += _float_note(self.q.dtype) + _dropout_note(self.dropout_p)
+        return result
+
+    def scores(self) -> ScoreInputs | str:
+        """What the call's scores are made from (detached), or why they cannot be made."""
         q, k, mask = self.q, self.k, self.mask
         if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor):
-            return MapResult(reason="query or key is not a tensor")
+            return "query or key is not a tensor"
         if q.is_nested or k.is_nested:
-            return MapResult(reason="not computed: nested-tensor query or key (ragged lengths)")
+            return "not computed: nested-tensor query or key (ragged lengths)"
         if q.dim() != k.dim() or q.dim() < 2 or q.dim() > 4:
-            return MapResult(reason=f"not computed: query of {q.dim()} dims (maps are made for 2 to 4: [B, H, T, d])")
+            return f"not computed: query of {q.dim()} dims (maps are made for 2 to 4: [B, H, T, d])"
         q4, k4 = q.detach(), k.detach()
         while q4.dim() < 4:
             q4, k4 = q4.unsqueeze(0), k4.unsqueeze(0)
         if q4.shape[0] != k4.shape[0] or (k4.shape[1] != q4.shape[1] and not self.enable_gqa):
-            return MapResult(reason=f"query {list(q.shape)} and key {list(k.shape)} do not pair without enable_gqa")
+            return f"query {list(q.shape)} and key {list(k.shape)} do not pair without enable_gqa"
         additive = blocked = None
         if self.override_mask:
             materialize = getattr(mask, "_materialize", None)
             if not callable(materialize):
-                what = type(mask).__name__
-                return MapResult(reason=f"not computed: attn_mask is a {what} that cannot be materialised")
+                return f"not computed: attn_mask is a {type(mask).__name__} that cannot be materialised"
             attend = materialize(q.device)
             if not isinstance(attend, torch.Tensor) or attend.dtype != torch.bool:
-                return MapResult(reason=f"not computed: {type(mask).__name__} did not materialise as a boolean mask")
+                return f"not computed: {type(mask).__name__} did not materialise as a boolean mask"
             blocked = ~attend.as_subclass(torch.Tensor)
         elif isinstance(mask, torch.Tensor):
             mask = mask.detach()
@@ -325,10 +355,7 @@ class SDPASource:
             else:
                 additive = mask
         scale = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
-        with torch.no_grad():
-            result = _weights(q4, k4, additive, blocked, self.is_causal, scale, budget, name)
-        result.notes += _float_note(q.dtype) + _dropout_note(self.dropout_p)
-        return result
+        return ScoreInputs(q4, k4, additive, blocked, self.is_causal, scale)
 
 
 # -- MultiheadAttention ------------------------------------------------------------------
@@ -373,6 +400,24 @@ class MHASource:
         return result
 
     def _compute(self, query: torch.Tensor, key: torch.Tensor, budget: MapBudget, name: str) -> MapResult:
+        found = self._scores(query, key)
+        if isinstance(found, str):
+            return MapResult(reason=found)
+        return _weights(found.q, found.k, found.additive, found.blocked, found.causal, found.scale, budget, name)
+
+    def scores(self) -> ScoreInputs | str:
+        """What the call's scores are made from (Q and K projected again, detached), or why they cannot be made."""
+        query, key = self.query, self.key
+        if not isinstance(query, torch.Tensor) or not isinstance(key, torch.Tensor):
+            return "query or key is not a tensor"
+        if query.is_nested or key.is_nested:
+            return "not computed: nested-tensor query or key (ragged lengths)"
+        if not isinstance(self.q_weight, torch.Tensor) or not isinstance(self.k_weight, torch.Tensor):
+            return "the Q or K projection weight is not known for this call"
+        with torch.no_grad():
+            return self._scores(query.detach(), key.detach())
+
+    def _scores(self, query: torch.Tensor, key: torch.Tensor) -> ScoreInputs | str:
         h = self.num_heads
         if query.dim() == 2:  # unbatched (L, E)
             query, key = query.unsqueeze(0), key.unsqueeze(0)
@@ -380,7 +425,7 @@ class MHASource:
             query, key = query.transpose(0, 1), key.transpose(0, 1)
         b, length, e = query.shape
         if e % h:
-            return MapResult(reason=f"embed_dim {e} is not divisible by num_heads {h}")
+            return f"embed_dim {e} is not divisible by num_heads {h}"
         d = e // h
         q = F.linear(query, self.q_weight.detach(), _det(self.q_bias))
         k = F.linear(key, self.k_weight.detach(), _det(self.k_bias))
@@ -404,7 +449,7 @@ class MHASource:
         if kpm is not None:
             kpm = kpm.reshape(b, 1, 1, s)
             additive = kpm if additive is None else additive + kpm
-        return _weights(q4, k4, additive, None, self.causal, math.sqrt(1.0 / d), budget, name)  # as PyTorch scales q
+        return ScoreInputs(q4, k4, additive, None, self.causal, math.sqrt(1.0 / d))  # as PyTorch scales q
 
 
 def _det(t: Any) -> torch.Tensor | None:
@@ -482,29 +527,7 @@ class LayerSource:
                 x = torch.nested.to_padded_tensor(x, 0.0)
                 notes.append("nested input: positions past each sequence's length are padding PyTorch "
                              "removed; their rows and columns are 0 (listed in fully_masked)")  # fmt: skip
-            e = x.shape[-1]
-            if self.norm_first:
-                x = F.layer_norm(x, (e,), _det(self.norm_weight), _det(self.norm_bias), self.eps)
-            w, bias = self.qkv_weight.detach(), _det(self.qkv_bias)
-            kpm = attn = None
-            mask = self.mask
-            if isinstance(mask, torch.Tensor):
-                mask = mask.detach()
-                if mask.dtype == torch.bool:  # MultiheadAttention's convention: True = blocked
-                    mask = torch.zeros(mask.shape, device=mask.device).masked_fill(mask, float("-inf"))
-                if self.mask_type == 1:
-                    kpm = mask
-                else:
-                    attn = mask
-            if lengths is not None:
-                ends = torch.tensor(lengths, device=x.device)[:, None]
-                pad = torch.arange(x.shape[1], device=x.device)[None, :] >= ends
-                extra = torch.zeros(pad.shape, device=x.device).masked_fill(pad, float("-inf"))
-                kpm = extra if kpm is None else kpm + extra
-            source = MHASource(
-                x, x, True, self.num_heads, w[:e], w[e : 2 * e],
-                None if bias is None else bias[:e], None if bias is None else bias[e : 2 * e], kpm, attn,
-            )  # fmt: skip
+            x, source = self._as_mha(x, lengths)
             result = source._compute(x, x, budget, name)
             if lengths is not None and result.weights is not None and result.fully_masked is not None:
                 rows = torch.arange(x.shape[1])[None, :] >= torch.tensor(lengths)[:, None]  # [B, L] padding rows
@@ -513,3 +536,41 @@ class LayerSource:
                 result.fully_masked = result.fully_masked | rows
         result.notes += _float_note(src.dtype) + notes
         return result
+
+    def scores(self) -> ScoreInputs | str:
+        """What the call's scores are made from (Q and K projected again from ``src``), or why they cannot be made."""
+        src = self.src
+        if not isinstance(src, torch.Tensor):
+            return "src is not a tensor"
+        if src.is_nested:
+            return "not computed: nested input (each sequence has its own length)"
+        with torch.no_grad():
+            x, source = self._as_mha(src.detach(), None)
+            return source._scores(x, x)
+
+    def _as_mha(self, x: torch.Tensor, lengths: list[int] | None) -> tuple[torch.Tensor, MHASource]:
+        """``x`` after the layer's first norm (when ``norm_first``), and the MHA call the builtin makes of it."""
+        e = x.shape[-1]
+        if self.norm_first:
+            x = F.layer_norm(x, (e,), _det(self.norm_weight), _det(self.norm_bias), self.eps)
+        w, bias = self.qkv_weight.detach(), _det(self.qkv_bias)
+        kpm = attn = None
+        mask = self.mask
+        if isinstance(mask, torch.Tensor):
+            mask = mask.detach()
+            if mask.dtype == torch.bool:  # MultiheadAttention's convention: True = blocked
+                mask = torch.zeros(mask.shape, device=mask.device).masked_fill(mask, float("-inf"))
+            if self.mask_type == 1:
+                kpm = mask
+            else:
+                attn = mask
+        if lengths is not None:
+            ends = torch.tensor(lengths, device=x.device)[:, None]
+            pad = torch.arange(x.shape[1], device=x.device)[None, :] >= ends
+            extra = torch.zeros(pad.shape, device=x.device).masked_fill(pad, float("-inf"))
+            kpm = extra if kpm is None else kpm + extra
+        source = MHASource(
+            x, x, True, self.num_heads, w[:e], w[e : 2 * e],
+            None if bias is None else bias[:e], None if bias is None else bias[e : 2 * e], kpm, attn,
+        )  # fmt: skip
+        return x, source

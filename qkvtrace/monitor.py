@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from qkvtrace import lazy
+from qkvtrace.health import Health, HealthRecord
 from qkvtrace.records import AttentionCall
 
 __all__ = ["STREAM_SCHEMA", "Event", "Monitor", "combination"]
@@ -116,6 +117,8 @@ class Monitor:
         self._step_backends: Counter[str] = Counter()
         self._step_changes = 0
         self._writer = tensorboard
+        #: with ``health_every``: the attention health measured every N steps (:mod:`qkvtrace.health`)
+        self.health: Health | None = None
         self._stream = None
         #: the file streamed to (under torch.distributed, this rank's: see :func:`qkvtrace.streams.rank_stream_path`)
         self.stream_path: Path | None = None
@@ -183,6 +186,8 @@ class Monitor:
         """End the current step (writing its events) and start the next one (``number``, or the next)."""
         self._flush_step()
         self.step_number = self.step_number + 1 if number is None else int(number)
+        if self.health is not None:
+            self.health.arm(self.step_number)
         return self.step_number
 
     def _flush_step(self) -> None:
@@ -195,6 +200,8 @@ class Monitor:
             self._write({"kind": event.kind, "step": event.step, "module": event.module, "call": event.call,
                          "was": event.was, "became": event.became,
                          "record": asdict(event.record) if event.record is not None else None})  # fmt: skip
+        if self.health is not None:
+            self._write_health(self.health.end_step())
         total = sum(self._step_backends.values())
         if self._writer is not None and total:
             for backend, n in sorted(self._step_backends.items()):
@@ -207,6 +214,23 @@ class Monitor:
                          "changes": self._step_changes})  # fmt: skip
         self._step_backends.clear()
         self._step_changes = 0
+
+    def _write_health(self, records: list[HealthRecord]) -> None:
+        """A ``health`` line per module measured in the step, and its TensorBoard scalars."""
+        for r in records:
+            self._write({"kind": "health", **r.to_dict()})
+            if self._writer is None:
+                continue
+            tag = f"qkvtrace/health/{r.module or '(root)'}"
+            for h in r.heads:
+                for name in ("max_logit", "entropy_mean", "entropy_min"):
+                    value = getattr(h, name)
+                    if value is not None:
+                        self._writer.add_scalar(f"{tag}/{name}/head{h.head}", value, r.step)
+            for kind, norms in (("weight_norm", r.weight_norms), ("grad_norm", r.grad_norms)):
+                for part, value in norms.items():
+                    if value is not None:
+                        self._writer.add_scalar(f"{tag}/{kind}/{part}", value, r.step)
 
     def _nan_total(self) -> float:
         resolved = self._resolved_counts()

@@ -131,8 +131,8 @@ def frame_of(code: types.CodeType, frame: types.FrameType | None, depth: int = 1
 
 
 def wants_maps(targets: list[Target]) -> bool:
-    """Some trace that records the call asked for attention maps."""
-    return any(t.maps is not None for t, _, _ in targets)
+    """Some trace that records the call asked for attention maps, or measures its module's health now."""
+    return any(t.maps is not None or t.health_due(name) for t, name, _ in targets)
 
 
 def wants_backward(targets: list[Target]) -> bool:
@@ -167,6 +167,7 @@ def deliver(
         if core.deferred is not None:
             core.deferred.records.append(record)
         trace.attach_map(record, maps)
+        trace.attach_health(record, projection, maps)
         if isinstance(projection, Projection) and projection.holder is not owner:
             holder = trace.name_of(projection.holder)
             record.qkv = dataclasses.replace(record.qkv, holder=holder)

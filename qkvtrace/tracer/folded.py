@@ -88,6 +88,8 @@ class ProbsSource:
     #: the heads folded into ``[B*H, T, T]`` probabilities (to unfold them), and where that number comes from
     heads: int | None
     heads_evidence: str | None = None
+    #: the scores' inputs (Q, K, scale, soft-cap, bias), for the max logit of attention health
+    logits: Any = None
 
     def compute(self, budget: maps.MapBudget, name: str) -> maps.MapResult:
         p, blocked = self.probs.detach(), self.blocked

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import re
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -22,6 +21,7 @@ import torch
 from torch import nn
 
 from qkvtrace import compat, lazy, maps, masks, paths
+from qkvtrace.health import Health, HealthRecords
 from qkvtrace.monitor import Event, Monitor
 from qkvtrace.records import (
     AttentionCall,
@@ -33,7 +33,8 @@ from qkvtrace.records import (
     Unobserved,
     squared_shares,
 )
-from qkvtrace.slices import NormCache, Projection, guess_projection
+from qkvtrace.slices import NormCache, Projection
+from qkvtrace.tracer import candidates as found_candidates
 from qkvtrace.tracer import compiled as compiled_log
 from qkvtrace.tracer import registry
 from qkvtrace.tracer.gradients import GradientRecorder
@@ -48,8 +49,6 @@ Threads = Literal["entering", "all"]
 
 #: attributes through which a wrapper holds the user's model (``torch.compile``'s
 #: ``_orig_mod``, FSDP's and activation checkpointing's wrapped modules); names skip them
-_WRAPPER_PARTS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
-_ATTENTION_NAME = re.compile(r"attn|attention", re.IGNORECASE)
 
 
 class Trace:
@@ -86,11 +85,14 @@ class Trace:
         max_records: int = 1000,
         stream_to: str | Path | None = None,
         tensorboard: Any = None,
+        health_every: int | None = None,
     ) -> None:
         if keep not in ("all", "changes"):
             raise ValueError(f"keep must be 'all' or 'changes', got {keep!r}")
         if keep == "all" and (stream_to is not None or tensorboard is not None):
             raise ValueError("stream_to and tensorboard report the changes of a long run: use keep='changes'")
+        if keep == "all" and health_every:
+            raise ValueError("health_every measures every N steps of a long run: use keep='changes' and t.step()")
         if not isinstance(model, nn.Module):
             raise TypeError(f"qkvtrace.trace() needs an nn.Module, got {type(model).__name__}")
         if threads not in ("entering", "all"):
@@ -128,6 +130,8 @@ class Trace:
         if keep == "changes":
             self.monitor = Monitor(max_records=max_records, stream_to=stream_to, tensorboard=tensorboard,
                                    torch_version=str(torch.__version__))  # fmt: skip
+            if health_every:
+                self.monitor.health = Health(health_every)
 
     # -- public face -------------------------------------------------------
 
@@ -161,7 +165,7 @@ class Trace:
             raise RuntimeError("this trace has ended; make a new qkvtrace.trace(model)")
         masks.sdpa_bool_true_means()  # measured once, before anything is wrapped
         model = self._model
-        for name, m in _user_names(model):
+        for name, m in found_candidates.user_names(model):
             if id(m) not in self._names:
                 self._names[id(m)] = (name, m)
                 self._by_name[name] = m
@@ -178,7 +182,7 @@ class Trace:
             inst.stand_aside_in(model)
             stack.callback(self._grads.close)
             self._grads.gather = self._fsdp1_gather() if self.record_gradients else None
-            compiled = _inside_compiled(model)  # not observed there: no hooks that would cost a compiled step
+            compiled = found_candidates.inside_compiled(model)  # not observed: no hooks to cost a compiled step
             if self.record_gradients:  # MultiheadAttention modules are known up front; others when they call SDPA
                 for _, m in self._names.values():
                     if isinstance(m, nn.MultiheadAttention) and id(m) not in compiled:
@@ -203,6 +207,8 @@ class Trace:
             if self.monitor is not None:
                 self.monitor.close()
         finally:
+            if self.monitor is not None and self.monitor.health is not None:
+                self.monitor.health.unhook()  # the gradient hooks go on every exit
             self._ended = True
             try:
                 self._find_unobserved()
@@ -226,6 +232,22 @@ class Trace:
         if self.monitor is None:
             raise RuntimeError("step() marks the steps of a long run: open the trace with keep='changes'")
         return self.monitor.step(number)
+
+    @property
+    def health(self) -> HealthRecords:
+        """With ``health_every=N``: per measured step and module, the heads' max logit and entropies and the
+        Q/K/V slice norms (:mod:`qkvtrace.health`); a step's records appear when ``t.step()`` ends it."""
+        found = self.monitor.health if self.monitor is not None else None
+        return HealthRecords(found.records if found is not None else [])
+
+    def health_due(self, module: str) -> bool:
+        """This step's health is measured and ``module``'s first call has not been yet."""
+        return self.monitor is not None and self.monitor.health is not None and self.monitor.health.due(module)
+
+    def attach_health(self, call: AttentionCall, projection: Projection | str, source: Any) -> None:
+        """Measure ``call``'s health from ``source`` when it is its module's first call of a measured step."""
+        if self.monitor is not None and self.monitor.health is not None and self.monitor.health.due(call.module):
+            self.monitor.health.take(call, projection, source, self.monitor.step_number)
 
     @property
     def changes(self) -> list[Event]:
@@ -315,7 +337,7 @@ class Trace:
     def _watch_hand_written(self, compiled: set[int], stack: contextlib.ExitStack) -> None:
         """Hooks that watch the model's own attention-looking modules (none run compiled) for attention written
         by hand."""
-        candidates = _hand_written_candidates(self._names.values(), compiled)
+        candidates = found_candidates.hand_written_candidates(self._names.values(), compiled)
         self._compiled_before = compat.dynamo_compiled_code_ids()
         if candidates and handwritten.watch_refused():
             self.note(handwritten.NOT_WATCHED)
@@ -369,14 +391,14 @@ class Trace:
         scripted_types = compat.scripted_module_types()
         regions: list[tuple[str, str]] = []
         for name, m in self._names.values():
-            if _runs_compiled(m, compiled_types):
+            if found_candidates.runs_compiled(m, compiled_types):
                 regions.append((name, "torch.compile"))
             elif scripted_types and isinstance(m, scripted_types):
                 regions.append((name, "TorchScript"))
         compiled_modules = {c.module for c in self._result.compiled}
         for name, kind in regions:
-            inside = sum(1 for c in self._result.calls if _within(c.module, name))
-            made = sum(1 for c in self._result.compiled if _within(c.module, name))
+            inside = sum(1 for c in self._result.calls if found_candidates.within(c.module, name))
+            made = sum(1 for c in self._result.compiled if found_candidates.within(c.module, name))
             if made:
                 self._result.warnings.append(
                     f"{name or '(root)'} runs through {kind}: {made} attention operation(s) of graphs compiled while "
@@ -402,11 +424,11 @@ class Trace:
             )
         seen_names = [self._names[i][0] for i in self._seen if i in self._names] + sorted(compiled_modules)
         for name, m in sorted(self._names.values(), key=lambda e: e[0]):
-            if not _looks_like_attention(name, m):
+            if not found_candidates.looks_like_attention(name, m):
                 continue
-            if any(_related(name, s) for s in seen_names):
+            if any(found_candidates.related(name, s) for s in seen_names):
                 continue
-            region = next((r for r in regions if _within(name, r[0])), None)
+            region = next((r for r in regions if found_candidates.within(name, r[0])), None)
             if region is not None:
                 where = region[0] or "the model"
                 reason = f"inside {where}, which runs through {region[1]}; the tracer does not see inside it"
@@ -445,83 +467,12 @@ class Trace:
         return None
 
 
-def _runs_compiled(m: nn.Module, optimized: tuple[type, ...]) -> bool:
-    """``m`` runs through ``torch.compile``: an ``OptimizedModule``, or compiled in place (``module.compile()``)."""
-    return (bool(optimized) and isinstance(m, optimized)) or getattr(m, "_compiled_call_impl", None) is not None
-
-
-def _inside_compiled(model: nn.Module) -> set[int]:
-    """Ids of the modules that run inside ``torch.compile``."""
-    optimized = compat.compiled_module_types()
-    inside: set[int] = set()
-    for m in model.modules():
-        if _runs_compiled(m, optimized):
-            inside.update(id(sub) for sub in m.modules())
-    return inside
-
-
-def _user_names(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """``model``'s modules, named as in the model the user wrapped.
-
-    Parts that only a wrapper adds are dropped: ``torch.compile``'s ``_orig_mod``,
-    FSDP's ``_fsdp_wrapped_module`` and the ``module`` of ``DistributedDataParallel``
-    (``module.encoder.layers.0`` is ``encoder.layers.0``, as in the unwrapped model).
-    """
-    ddp = compat.data_parallel_types()
-    wrapped: set[str] = set()
-    for name, m in model.named_modules():
-        if ddp and isinstance(m, ddp):
-            wrapped.add(f"{name}.module" if name else "module")
-        parts = name.split(".") if name else []
-        kept = [p for i, p in enumerate(parts) if p not in _WRAPPER_PARTS and ".".join(parts[: i + 1]) not in wrapped]
-        yield ".".join(kept), m
-
-
 def _shares(parts: list[Any], norm: str, share: str) -> None:
     """Set each part's share of the parts' squared norms (once every norm is a number)."""
     present = [p for p in parts if p is not None and isinstance(getattr(p, norm), float)]
     for p, value in zip(present, squared_shares([getattr(p, norm) for p in present]), strict=True):
         if getattr(p, share) is None:
             setattr(p, share, value)
-
-
-def _within(name: str, region: str) -> bool:
-    """Module ``name`` is the module ``region`` or inside it (``""``, the root, holds every module)."""
-    return not region or f"{name}.".startswith(f"{region}.")
-
-
-def _related(a: str, b: str) -> bool:
-    """``a`` and ``b`` are the same module, or one contains the other."""
-    return a == b or not a or not b or a.startswith(b + ".") or b.startswith(a + ".")
-
-
-def _named_for_attention(name: str, module: nn.Module) -> bool:
-    """``attn``/``attention`` in the module's own name or its class name."""
-    return bool(_ATTENTION_NAME.search(name.rpartition(".")[2]) or _ATTENTION_NAME.search(type(module).__name__))
-
-
-def _looks_like_attention(name: str, module: nn.Module) -> bool:
-    if isinstance(module, nn.MultiheadAttention):
-        return True
-    children = list(module.children())
-    if not children:
-        return False  # a leaf (a projection, a dropout, a norm) is not an attention module
-    return _named_for_attention(name, module) or isinstance(guess_projection(module), Projection)
-
-
-def _hand_written_candidates(named: Iterable[tuple[str, nn.Module]], compiled: set[int]) -> list[nn.Module]:
-    """The modules watched for attention written by hand: the model's own modules that look like attention
-    (leaves named for it too, as ``Attend``), none on or inside PyTorch's attention modules (an active mode
-    refuses their fast paths), none scripted or compiled."""
-    named = [(n, m) for n, m in named if id(m) not in compiled]
-    torch_attention = [n for n, m in named if isinstance(m, handwritten.TORCH_ATTENTION)]
-    scripted = compat.scripted_module_types()
-    return [
-        m for name, m in named
-        if not type(m).__module__.startswith("torch.") and not (scripted and isinstance(m, scripted))
-        and not any(_related(name, t) for t in torch_attention)
-        and (_looks_like_attention(name, m) or _named_for_attention(name, m))
-    ]  # fmt: skip
 
 
 def _calibrate(model: nn.Module) -> None:
@@ -548,6 +499,7 @@ def trace(
     max_records: int = 1000,
     stream_to: str | Path | None = None,
     tensorboard: Any = None,
+    health_every: int | None = None,
 ) -> Trace:
     """Trace every attention call ``model`` makes inside a ``with`` block.
 
@@ -587,6 +539,11 @@ def trace(
     (``qkvtrace summarize FILE``); ``tensorboard``: a ``SummaryWriter`` that
     gets per-step scalars. With ``keep="changes"`` gradients and routes are
     off unless asked for (they grow with every backward pass).
+    ``health_every``: every N-th step (step 0 first; ``None`` or 0: off),
+    the first call of each attention module gives per head its largest
+    pre-softmax logit and its mean and least attention entropy, and per
+    module its Q/K/V slice weight and gradient norms: ``t.health``,
+    ``health`` lines in the stream, TensorBoard scalars (:mod:`qkvtrace.health`).
 
     Traces nest and overlap, in any order and any thread: each records the
     calls of its own model, with its own indices.
@@ -594,4 +551,4 @@ def trace(
     return Trace(model, gradients=gradients, routes=routes, refusals=refusals, threads=threads,
                  attention_maps=attention_maps, max_map_tokens=max_map_tokens, max_map_mb=max_map_mb,
                  heads=heads, batch_index=batch_index, keep=keep, max_records=max_records, stream_to=stream_to,
-                 tensorboard=tensorboard)  # fmt: skip
+                 tensorboard=tensorboard, health_every=health_every)  # fmt: skip

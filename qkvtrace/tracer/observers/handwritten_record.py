@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from qkvtrace import patterns
+from qkvtrace.health import hand_written_inputs
 from qkvtrace.records import AttentionCall
 from qkvtrace.tracer import folded, registry, routes
 from qkvtrace.tracer.build import Target, deliver, modes, nan_count, qkv_info, shape, wants_backward, wants_maps
@@ -104,8 +105,8 @@ def record(node: Node, form: tuple[str, ...], v: torch.Tensor, out: torch.Tensor
     )
     # routes need one Q, K, V: scores assembled from pieces have a K and a V per piece (rows and norms: the first's)
     core = routes.sdpa_core(out, q, k, v, heads=heads) if wants_backward(targets) and not node.pieces else None
-    source: Any = folded.ProbsSource(probs, blocked, node.dropout_p, heads, heads_evidence) if wants_maps(targets) \
-        else None  # fmt: skip
+    source: Any = folded.ProbsSource(probs, blocked, node.dropout_p, heads, heads_evidence, hand_written_inputs(
+        q, k, node.transposed, heads, scale, cap, bias, blocked)) if wants_maps(targets) else None  # fmt: skip
     if source is not None and node.pieces:
         source = _ASSEMBLED_MAP
     deliver(call, targets, owner, projection, core, source)

@@ -1,0 +1,93 @@
+"""Which modules of a traced model look like attention, run compiled, or are watched for attention by hand.
+
+Names are the user's own: the parts only a wrapper adds (``torch.compile``'s
+``_orig_mod``, FSDP's and DDP's wrapped modules) are dropped.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+
+from torch import nn
+
+from qkvtrace import compat
+from qkvtrace.slices import Projection, guess_projection
+from qkvtrace.tracer.observers import handwritten
+
+__all__ = ["hand_written_candidates", "inside_compiled", "looks_like_attention", "named_for_attention", "related",
+           "runs_compiled", "user_names", "within"]
+
+_WRAPPER_PARTS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
+_ATTENTION_NAME = re.compile(r"attn|attention", re.IGNORECASE)
+
+
+def runs_compiled(m: nn.Module, optimized: tuple[type, ...]) -> bool:
+    """``m`` runs through ``torch.compile``: an ``OptimizedModule``, or compiled in place (``module.compile()``)."""
+    return (bool(optimized) and isinstance(m, optimized)) or getattr(m, "_compiled_call_impl", None) is not None
+
+
+def inside_compiled(model: nn.Module) -> set[int]:
+    """Ids of the modules that run inside ``torch.compile``."""
+    optimized = compat.compiled_module_types()
+    inside: set[int] = set()
+    for m in model.modules():
+        if runs_compiled(m, optimized):
+            inside.update(id(sub) for sub in m.modules())
+    return inside
+
+
+def user_names(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """``model``'s modules, named as in the model the user wrapped.
+
+    Parts that only a wrapper adds are dropped: ``torch.compile``'s ``_orig_mod``,
+    FSDP's ``_fsdp_wrapped_module`` and the ``module`` of ``DistributedDataParallel``
+    (``module.encoder.layers.0`` is ``encoder.layers.0``, as in the unwrapped model).
+    """
+    ddp = compat.data_parallel_types()
+    wrapped: set[str] = set()
+    for name, m in model.named_modules():
+        if ddp and isinstance(m, ddp):
+            wrapped.add(f"{name}.module" if name else "module")
+        parts = name.split(".") if name else []
+        kept = [p for i, p in enumerate(parts) if p not in _WRAPPER_PARTS and ".".join(parts[: i + 1]) not in wrapped]
+        yield ".".join(kept), m
+
+
+def within(name: str, region: str) -> bool:
+    """Module ``name`` is the module ``region`` or inside it (``""``, the root, holds every module)."""
+    return not region or f"{name}.".startswith(f"{region}.")
+
+
+def related(a: str, b: str) -> bool:
+    """``a`` and ``b`` are the same module, or one contains the other."""
+    return a == b or not a or not b or a.startswith(b + ".") or b.startswith(a + ".")
+
+
+def named_for_attention(name: str, module: nn.Module) -> bool:
+    """``attn``/``attention`` in the module's own name or its class name."""
+    return bool(_ATTENTION_NAME.search(name.rpartition(".")[2]) or _ATTENTION_NAME.search(type(module).__name__))
+
+
+def looks_like_attention(name: str, module: nn.Module) -> bool:
+    if isinstance(module, nn.MultiheadAttention):
+        return True
+    children = list(module.children())
+    if not children:
+        return False  # a leaf (a projection, a dropout, a norm) is not an attention module
+    return named_for_attention(name, module) or isinstance(guess_projection(module), Projection)
+
+
+def hand_written_candidates(named: Iterable[tuple[str, nn.Module]], compiled: set[int]) -> list[nn.Module]:
+    """The modules watched for attention written by hand: the model's own modules that look like attention
+    (leaves named for it too, as ``Attend``), none on or inside PyTorch's attention modules (an active mode
+    refuses their fast paths), none scripted or compiled."""
+    named = [(n, m) for n, m in named if id(m) not in compiled]
+    torch_attention = [n for n, m in named if isinstance(m, handwritten.TORCH_ATTENTION)]
+    scripted = compat.scripted_module_types()
+    return [
+        m for name, m in named
+        if not type(m).__module__.startswith("torch.") and not (scripted and isinstance(m, scripted))
+        and not any(related(name, t) for t in torch_attention)
+        and (looks_like_attention(name, m) or named_for_attention(name, m))
+    ]  # fmt: skip
