@@ -251,3 +251,94 @@ def test_compare_a_target_across_two_environments(tmp_path: Path) -> None:
     }
     assert backends == {(names[on], names[off])}
     assert sorted(p.name.split(".")[1] for p in (tmp_path / "out" / "traces").glob("*.json")) == ["a", "b"]
+
+
+def _norm_change_traces(tmp_path: Path, factor: float) -> tuple[Path, Path, float, float]:
+    """Two traces of one MHA whose W_Q rows are scaled by ``factor`` in between: the files, and |W_Q| before and
+    after, computed here from the weights."""
+    mha = nn.MultiheadAttention(16, 4, batch_first=True).eval()
+    x = torch.randn(2, 5, 16)
+
+    def run() -> Any:
+        with torch.no_grad():
+            return mha(x, x, x, need_weights=False)
+
+    before = float(mha.in_proj_weight[:16].detach().double().norm())
+    a = _trace(mha, run)
+    with torch.no_grad():
+        mha.in_proj_weight[:16] *= factor
+    after = float(mha.in_proj_weight[:16].detach().double().norm())
+    b = _trace(mha, run)
+    pa, pb = tmp_path / "a.json", tmp_path / "b.json"
+    pa.write_text(json.dumps(a))
+    pb.write_text(json.dumps(b))
+    return pa, pb, before, after
+
+
+def test_rtol_at_its_boundary(tmp_path: Path) -> None:
+    """``--rtol`` just below the relative change of |W_Q| reports it (exit 1); just above, nothing (exit 0).
+
+    Witness: the relative change |after - before| / max(before, after) of the norms of W_Q's rows, computed here
+    in float64 from the weights the test scaled by 1.01 (K and V untouched).
+    """
+    pa, pb, before, after = _norm_change_traces(tmp_path, 1.01)
+    relative = abs(after - before) / max(before, after)
+    below = _cli(str(pa), str(pb), "--rtol", repr(relative * 0.999), "--json", str(tmp_path / "below.json"))
+    above = _cli(str(pa), str(pb), "--rtol", repr(relative * 1.001), "--json", str(tmp_path / "above.json"))
+    assert (below.returncode, above.returncode) == (1, 0), (below.stdout, above.stdout)
+    fields = [c["field"] for call in json.loads((tmp_path / "below.json").read_text())["changed"]
+              for c in call["changes"]]  # fmt: skip
+    assert fields == ["qkv.q.weight_norm"]
+    assert json.loads((tmp_path / "above.json").read_text())["changed"] == []
+    assert _cli(str(pa), str(pb), "--rtol", "-0.1").returncode == 2
+
+
+def test_gradient_norm_changes_are_reported_per_slice() -> None:
+    """The loss of B is 3x A's (a fixed random weighting of the outputs): every slice's gradient norm triples, and
+    the diff says so with the norms.
+
+    Witness: the norms of the rows of ``in_proj_weight.grad`` and ``in_proj_bias.grad``, computed here after each
+    backward pass (rows [0,E), [E,2E), [2E,3E): nn.MultiheadAttention's own layout).
+    """
+    mha = nn.MultiheadAttention(16, 4, batch_first=True)
+    x, r = torch.randn(2, 5, 16), torch.randn(2, 5, 16)  # a loss that depends on where each query attends
+    traces, want = [], []
+    for scale in (1.0, 3.0):
+        mha.zero_grad(set_to_none=True)
+        with qkvtrace.trace(mha) as t:
+            ((mha(x, x, x, need_weights=False)[0] * r).sum() * scale).backward()
+        traces.append(t.to_dict())
+        w, b = mha.in_proj_weight.grad, mha.in_proj_bias.grad
+        assert w is not None and b is not None
+        want.append({p: (float(w[i * 16:(i + 1) * 16].norm()), float(b[i * 16:(i + 1) * 16].norm()))
+                     for i, p in enumerate("qkv")})  # fmt: skip
+    d = diff_traces(*traces)
+    got = _changes(d)
+    for p in "qkv":
+        for j, key in enumerate(("grad_norm", "bias_grad_norm")):
+            if (p, key) == ("k", "bias_grad_norm"):  # 0 up to rounding: a bias shared by every key moves no score
+                continue
+            was, became = got[f"gradients.{p}.{key}"]
+            assert (was, became) == (pytest.approx(want[0][p][j], rel=1e-5), pytest.approx(want[1][p][j], rel=1e-5))
+            assert became == pytest.approx(3 * was, rel=1e-5)
+    assert not any(f.startswith(("qkv.", "path", "sdpa")) for f in got)  # the weights and kernels did not change
+    assert diff_traces(*traces, rtol=3.0)["changed"] == []  # a tripling is a relative change of 2/3 < 3
+
+
+def test_compare_train_traces_a_training_step_in_each_environment(tmp_path: Path) -> None:
+    """``qkvtrace compare demo:tiny-lm --train`` with the same interpreter twice: each trace is of a training step
+    (training mode, grad on, gradients recorded), and nothing differs (exit 0).
+
+    Witness: the traces compare wrote, read here: a backward pass ran (gradient records exist, one per attention
+    module) and every call says training and grad enabled.
+    """
+    out = tmp_path / "out"
+    run = subprocess.run([sys.executable, "-m", "qkvtrace", "compare", "demo:tiny-lm", "--train", "--python",
+                          sys.executable, "--python", sys.executable, "--out", str(out)],
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    traces = [json.loads(p.read_text()) for p in sorted((out / "traces").glob("*.json"))]
+    assert len(traces) == 2
+    for t in traces:
+        assert t["calls"] and all(c["inputs"]["training"] and c["inputs"]["grad_enabled"] for c in t["calls"])
+        assert {g["module"] for g in t["gradients"]} == {c["module"] for c in t["calls"]}
