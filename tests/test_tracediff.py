@@ -342,3 +342,106 @@ def test_compare_train_traces_a_training_step_in_each_environment(tmp_path: Path
     for t in traces:
         assert t["calls"] and all(c["inputs"]["training"] and c["inputs"]["grad_enabled"] for c in t["calls"])
         assert {g["module"] for g in t["gradients"]} == {c["module"] for c in t["calls"]}
+
+
+def test_every_compared_fact_on_traces_written_by_hand() -> None:
+    """Two trace documents written here, differing in one known way per fact; the whole diff, written by hand.
+
+    Witness: the documents and the rules of docs/compare.md applied by hand: calls matched by module and order
+    among its calls (not by list order); the facts PyTorch decides compared exactly (a fact one side does not
+    record is not a change; refusals only when both sides ran SDPA; a mask by its kind and dtype only); norms
+    within ``rtol`` relative (None against a number moves, NaN against NaN does not); gradients from each module's
+    last backward pass, for its first call; the appeared and vanished calls; the one-line summary.
+    """
+    nan = float("nan")
+    a = {"schema": "qkvtrace.trace/1", "torch_version": "1.0", "calls": [
+        {"index": 1, "module": "b", "path": "sdpa", "sdpa_backend": "MATH", "sdpa_refusals": {"W": "w"}},
+        {"index": 0, "module": "a", "path": "fallback", "sdpa_backend": "FLASH_ATTENTION",
+         "why_not_fast_path": "training is enabled", "sdpa_refusals": {"X": "r"}, "aten_ops": ["k1"],
+         "backward_kernel": "bk", "error": None,
+         "inputs": {"dtype": "float32", "training": True, "need_weights": False, "only_here": 1,
+                    "attn_mask": {"kind": "bool", "dtype": "torch.bool", "other": 1}},
+         "output": {"nan_count": 0, "fully_masked_rows": 0},
+         "qkv": {"layout": "packed", "q": {"weight_norm": 1.0, "bias_norm": None, "activation_norm": nan},
+                 "k": {"weight_norm": 2.0}, "v": {"weight_norm": 3.0}}},
+        {"index": 2, "module": "a", "path": "fallback"},
+        {"index": 3, "module": "gone", "path": "fast", "sdpa_backend": None},
+    ], "gradients": [
+        {"module": "a", "backward_index": 1, "q": {"grad_norm": 5.0, "bias_grad_norm": 1.0}},
+        {"module": "a", "backward_index": 0, "q": {"grad_norm": 100.0, "bias_grad_norm": 100.0}},
+    ]}
+    b = {"schema": "qkvtrace.trace/2", "torch_version": "2.0", "calls": [
+        {"index": 2, "module": "new", "path": "sdpa", "sdpa_backend": "MATH"},
+        {"index": 0, "module": "a", "path": "fast", "sdpa_backend": "MATH", "why_not_fast_path": None,
+         "sdpa_refusals": {"Y": "s"}, "aten_ops": ["k2"], "backward_kernel": "bk", "error": None,
+         "inputs": {"dtype": "float16", "training": True, "need_weights": True,
+                    "attn_mask": {"kind": "bool", "dtype": "torch.bool", "other": 2}},
+         "output": {"nan_count": 3, "fully_masked_rows": 0},
+         "qkv": {"layout": "packed", "q": {"weight_norm": 1.00005, "bias_norm": 0.5, "activation_norm": nan},
+                 "k": {"weight_norm": 2.1}, "v": {"weight_norm": 3.0}}},
+        {"index": 1, "module": "b", "path": "sdpa", "sdpa_backend": None, "sdpa_refusals": {"Z": "z"}},
+    ], "gradients": [{"module": "a", "backward_index": 0, "q": {"grad_norm": 5.0, "bias_grad_norm": 2.0}}]}
+
+    def ch(field: str, label: str, was: Any, became: Any, kind: str = "exact") -> dict[str, Any]:
+        return {"field": field, "label": label, "was": was, "became": became, "kind": kind}
+
+    d = diff_traces(a, b)
+    assert d["schema"] == "qkvtrace.tracediff/1" and d["rtol"] == 1e-4
+    assert (d["a"], d["b"]) == ({"torch_version": "1.0", "calls": 4}, {"torch_version": "2.0", "calls": 3})
+    assert d["changed"] == [
+        {"module": "a", "occurrence": 0, "index_a": 0, "index_b": 0, "changes": [
+            ch("path", "path", "fallback", "fast"),
+            ch("sdpa_backend", "SDPA backend", "FLASH_ATTENTION", "MATH"),
+            ch("why_not_fast_path", "why not fast", "training is enabled", None),
+            ch("sdpa_refusals", "why not a faster kernel", {"X": "r"}, {"Y": "s"}),
+            ch("aten_ops", "aten kernels", ["k1"], ["k2"]),
+            ch("inputs.dtype", "dtype", "float32", "float16"),
+            ch("inputs.need_weights", "need weights", False, True),
+            ch("output.nan_count", "nan count", 0, 3),
+            ch("qkv.q.bias_norm", "|Q| bias", None, 0.5, "norm"),
+            ch("qkv.k.weight_norm", "|K| weight", 2.0, 2.1, "norm"),
+            ch("gradients.q.bias_grad_norm", "|dQ| bias_grad", 1.0, 2.0, "norm"),
+        ]},
+        {"module": "b", "occurrence": 0, "index_a": 1, "index_b": 1, "changes": [
+            ch("sdpa_backend", "SDPA backend", "MATH", None),
+        ]},
+    ]  # fmt: skip
+    assert d["vanished"] == [
+        {"module": "a", "occurrence": 1, "index": 2, "path": "fallback", "sdpa_backend": None},
+        {"module": "gone", "occurrence": 0, "index": 3, "path": "fast", "sdpa_backend": None},
+    ]
+    assert d["appeared"] == [{"module": "new", "occurrence": 0, "index": 2, "path": "sdpa", "sdpa_backend": "MATH"}]
+    assert d["summary"] == (
+        "torch 1.0 (4 calls) → 2.0 (3 calls): SDPA backend changed in 2 calls; aten kernels changed in 1 call; "
+        "dtype changed in 1 call; nan count changed in 1 call; need weights changed in 1 call; path changed in "
+        "1 call; why not a faster kernel changed in 1 call; why not fast changed in 1 call; |K| weight changed in "
+        "1 call; |Q| bias changed in 1 call; |dQ| bias_grad changed in 1 call; 1 call(s) appeared; "
+        "2 call(s) vanished"
+    )
+    # a wider rtol keeps the 5 % norm change of K but not the 0.005 % one of Q; NaN against a number moves
+    wide = diff_traces(a, b, rtol=0.04)
+    assert [c["field"] for c in wide["changed"][0]["changes"] if c["kind"] == "norm"] == [
+        "qkv.q.bias_norm", "qkv.k.weight_norm", "gradients.q.bias_grad_norm"]  # fmt: skip
+    b["calls"][1]["qkv"]["q"]["activation_norm"] = 1.0
+    fields = [c["field"] for c in diff_traces(a, b)["changed"][0]["changes"]]
+    assert "qkv.q.activation_norm" in fields and "qkv.q.weight_norm" not in fields
+    same = diff_traces(a, a)
+    assert (same["changed"], same["appeared"], same["vanished"]) == ([], [], [])
+    assert same["summary"] == "torch 1.0 (4 calls) → 1.0 (4 calls): no change in what ran"
+    one = {"schema": "qkvtrace.trace/1", "torch_version": "x", "calls": [{"index": 0, "module": "m"}]}
+    assert diff_traces(one, one)["summary"] == "torch x (1 call) → x (1 call): no change in what ran"
+
+
+@pytest.mark.parametrize("side", ["A", "B"])
+def test_a_document_that_is_not_a_trace_is_refused_with_its_name(side: str) -> None:
+    """Witness: a report-schema document written here, given as trace A or as trace B."""
+    from qkvtrace.errors import SchemaError
+    from qkvtrace.tracediff import is_trace
+
+    trace = {"schema": "qkvtrace.trace/1", "calls": []}
+    other = {"schema": "qkvtrace.report/1"}
+    args = (other, trace) if side == "A" else (trace, other)
+    with pytest.raises(SchemaError) as raised:
+        diff_traces(*args)
+    assert str(raised.value) == f"trace {side}: expected a qkvtrace.trace file, got 'qkvtrace.report/1'"
+    assert is_trace(trace) and not is_trace(other) and not is_trace([trace]) and not is_trace({})
