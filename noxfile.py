@@ -70,7 +70,7 @@ def tests(session: nox.Session, torch_version: str) -> None:
 #: time (mutmut) and runs only these against each mutant. The 20,000-call long run is left out of
 #: test_monitor.py's: 90 s a mutant would make the run days long (its other tests cover the same functions).
 MUTANT_OWNERS: dict[str, list[str]] = {
-    "masks": ["tests/test_hand_written.py"],
+    "masks": ["tests/test_records.py", "tests/test_hand_written.py"],
     "refusals": ["tests/test_refusals.py"],
     "tracediff": ["tests/test_tracediff.py"],
     "monitor": ["tests/test_monitor.py", "--deselect",
