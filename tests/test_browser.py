@@ -112,7 +112,8 @@ def test_filtering_by_path_backend_and_module(browser: Any, page: Path) -> None:
     assert visible_modules(browser) == ["mha", "mha"]
     browser.find_element(By.ID, "filter-module").clear()
     backend = Select(browser.find_element(By.ID, "filter-backend"))
-    cells = {c.text for c in browser.find_elements(By.CSS_SELECTOR, "table.calls tbody tr td:nth-child(4)")}
+    cells = {c.get_attribute("textContent").strip()  # every row's, shown or filtered out
+             for c in browser.find_elements(By.CSS_SELECTOR, "table.calls tbody tr td:nth-child(4)")}  # fmt: skip
     # the filter offers "all" and exactly the backends in the table's column, each an SDPBackend name (or none)
     assert cells and cells <= {*torch.nn.attention.SDPBackend.__members__, "none"}, cells
     assert sorted(o.get_attribute("value") for o in backend.options) == sorted({"", *cells})
