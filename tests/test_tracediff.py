@@ -354,8 +354,9 @@ def test_every_compared_fact_on_traces_written_by_hand() -> None:
     last backward pass, for its first call; the appeared and vanished calls; the one-line summary.
     """
     nan = float("nan")
-    a = {"schema": "qkvtrace.trace/1", "torch_version": "1.0", "calls": [
-        {"index": 1, "module": "b", "path": "sdpa", "sdpa_backend": "MATH", "sdpa_refusals": {"W": "w"}},
+    a = {"schema": "qkvtrace.trace/1", "torch_version": "1.0", "calls": [  # listed out of order on purpose
+        {"index": 1, "module": "B", "path": "sdpa", "sdpa_backend": "MATH", "sdpa_refusals": {"W": "w"}},
+        {"index": 2, "module": "a", "path": "fallback"},
         {"index": 0, "module": "a", "path": "fallback", "sdpa_backend": "FLASH_ATTENTION",
          "why_not_fast_path": "training is enabled", "sdpa_refusals": {"X": "r"}, "aten_ops": ["k1"],
          "backward_kernel": "bk", "error": None,
@@ -364,13 +365,14 @@ def test_every_compared_fact_on_traces_written_by_hand() -> None:
          "output": {"nan_count": 0, "fully_masked_rows": 0},
          "qkv": {"layout": "packed", "q": {"weight_norm": 1.0, "bias_norm": None, "activation_norm": nan},
                  "k": {"weight_norm": 2.0}, "v": {"weight_norm": 3.0}}},
-        {"index": 2, "module": "a", "path": "fallback"},
-        {"index": 3, "module": "gone", "path": "fast", "sdpa_backend": None},
+        {"index": 4, "module": "a", "path": "fallback"},
+        {"index": 3, "module": "0gone", "path": "fast", "sdpa_backend": None},
     ], "gradients": [
         {"module": "a", "backward_index": 1, "q": {"grad_norm": 5.0, "bias_grad_norm": 1.0}},
         {"module": "a", "backward_index": 0, "q": {"grad_norm": 100.0, "bias_grad_norm": 100.0}},
     ]}
     b = {"schema": "qkvtrace.trace/2", "torch_version": "2.0", "calls": [
+        {"index": 3, "module": "0new", "path": "sdpa", "sdpa_backend": None},
         {"index": 2, "module": "new", "path": "sdpa", "sdpa_backend": "MATH"},
         {"index": 0, "module": "a", "path": "fast", "sdpa_backend": "MATH", "why_not_fast_path": None,
          "sdpa_refusals": {"Y": "s"}, "aten_ops": ["k2"], "backward_kernel": "bk", "error": None,
@@ -379,15 +381,16 @@ def test_every_compared_fact_on_traces_written_by_hand() -> None:
          "output": {"nan_count": 3, "fully_masked_rows": 0},
          "qkv": {"layout": "packed", "q": {"weight_norm": 1.00005, "bias_norm": 0.5, "activation_norm": nan},
                  "k": {"weight_norm": 2.1}, "v": {"weight_norm": 3.0}}},
-        {"index": 1, "module": "b", "path": "sdpa", "sdpa_backend": None, "sdpa_refusals": {"Z": "z"}},
-    ], "gradients": [{"module": "a", "backward_index": 0, "q": {"grad_norm": 5.0, "bias_grad_norm": 2.0}}]}
+        {"index": 1, "module": "B", "path": "sdpa", "sdpa_backend": None, "sdpa_refusals": {"Z": "z"}},
+    ], "gradients": [{"module": "a", "backward_index": 0, "q": {"grad_norm": 5.0, "bias_grad_norm": 2.0}},
+                     {"module": "B", "backward_index": 0, "v": {"grad_norm": 7.0}}]}  # B: a gradient on one side
 
     def ch(field: str, label: str, was: Any, became: Any, kind: str = "exact") -> dict[str, Any]:
         return {"field": field, "label": label, "was": was, "became": became, "kind": kind}
 
     d = diff_traces(a, b)
     assert d["schema"] == "qkvtrace.tracediff/1" and d["rtol"] == 1e-4
-    assert (d["a"], d["b"]) == ({"torch_version": "1.0", "calls": 4}, {"torch_version": "2.0", "calls": 3})
+    assert (d["a"], d["b"]) == ({"torch_version": "1.0", "calls": 5}, {"torch_version": "2.0", "calls": 4})
     assert d["changed"] == [
         {"module": "a", "occurrence": 0, "index_a": 0, "index_b": 0, "changes": [
             ch("path", "path", "fallback", "fast"),
@@ -402,32 +405,37 @@ def test_every_compared_fact_on_traces_written_by_hand() -> None:
             ch("qkv.k.weight_norm", "|K| weight", 2.0, 2.1, "norm"),
             ch("gradients.q.bias_grad_norm", "|dQ| bias_grad", 1.0, 2.0, "norm"),
         ]},
-        {"module": "b", "occurrence": 0, "index_a": 1, "index_b": 1, "changes": [
+        {"module": "B", "occurrence": 0, "index_a": 1, "index_b": 1, "changes": [
             ch("sdpa_backend", "SDPA backend", "MATH", None),
+            ch("gradients.v.grad_norm", "|dV| grad", None, 7.0, "norm"),
         ]},
     ]  # fmt: skip
-    assert d["vanished"] == [
+    assert d["vanished"] == [  # in the order of the calls, not of their names
         {"module": "a", "occurrence": 1, "index": 2, "path": "fallback", "sdpa_backend": None},
-        {"module": "gone", "occurrence": 0, "index": 3, "path": "fast", "sdpa_backend": None},
+        {"module": "0gone", "occurrence": 0, "index": 3, "path": "fast", "sdpa_backend": None},
+        {"module": "a", "occurrence": 2, "index": 4, "path": "fallback", "sdpa_backend": None},
     ]
-    assert d["appeared"] == [{"module": "new", "occurrence": 0, "index": 2, "path": "sdpa", "sdpa_backend": "MATH"}]
+    assert d["appeared"] == [
+        {"module": "new", "occurrence": 0, "index": 2, "path": "sdpa", "sdpa_backend": "MATH"},
+        {"module": "0new", "occurrence": 0, "index": 3, "path": "sdpa", "sdpa_backend": None},
+    ]
     assert d["summary"] == (
-        "torch 1.0 (4 calls) → 2.0 (3 calls): SDPA backend changed in 2 calls; aten kernels changed in 1 call; "
+        "torch 1.0 (5 calls) → 2.0 (4 calls): SDPA backend changed in 2 calls; aten kernels changed in 1 call; "
         "dtype changed in 1 call; nan count changed in 1 call; need weights changed in 1 call; path changed in "
         "1 call; why not a faster kernel changed in 1 call; why not fast changed in 1 call; |K| weight changed in "
-        "1 call; |Q| bias changed in 1 call; |dQ| bias_grad changed in 1 call; 1 call(s) appeared; "
-        "2 call(s) vanished"
+        "1 call; |Q| bias changed in 1 call; |dQ| bias_grad changed in 1 call; |dV| grad changed in 1 call; "
+        "2 call(s) appeared; 3 call(s) vanished"
     )
     # a wider rtol keeps the 5 % norm change of K but not the 0.005 % one of Q; NaN against a number moves
     wide = diff_traces(a, b, rtol=0.04)
     assert [c["field"] for c in wide["changed"][0]["changes"] if c["kind"] == "norm"] == [
         "qkv.q.bias_norm", "qkv.k.weight_norm", "gradients.q.bias_grad_norm"]  # fmt: skip
-    b["calls"][1]["qkv"]["q"]["activation_norm"] = 1.0
+    b["calls"][2]["qkv"]["q"]["activation_norm"] = 1.0
     fields = [c["field"] for c in diff_traces(a, b)["changed"][0]["changes"]]
     assert "qkv.q.activation_norm" in fields and "qkv.q.weight_norm" not in fields
     same = diff_traces(a, a)
     assert (same["changed"], same["appeared"], same["vanished"]) == ([], [], [])
-    assert same["summary"] == "torch 1.0 (4 calls) → 1.0 (4 calls): no change in what ran"
+    assert same["summary"] == "torch 1.0 (5 calls) → 1.0 (5 calls): no change in what ran"
     one = {"schema": "qkvtrace.trace/1", "torch_version": "x", "calls": [{"index": 0, "module": "m"}]}
     assert diff_traces(one, one)["summary"] == "torch x (1 call) → x (1 call): no change in what ran"
 
