@@ -341,24 +341,26 @@ def test_files_written_get_the_permissions_open_would_give(tmp_path: Path) -> No
 
 
 def test_fully_masked_rows_of_a_per_head_mask_counted_by_hand() -> None:
-    """A 3-D (B·H, L, S) mask, which blocks every key of query 2 in batch item 1, head 0 only: one row of one head.
+    """A 3-D (B·H, L, S) mask of a cross-attention call (L=3 queries, S=5 keys) which blocks every key of query 2 in
+    batch item 1, head 0 only: one row of one head; the same call with no mask: none.
 
     Witness: the mask built here, counted by hand per (batch item, head, query), and the NaN the untraced call
     puts in that row of the head's weights.
     """
     mha = _mha().train()
-    x = torch.randn(B, L, E)
-    per_head = torch.zeros(B * H, L, L, dtype=torch.bool)
+    q, kv = torch.randn(B, 3, E), torch.randn(B, 5, E)
+    per_head = torch.zeros(B * H, 3, 5, dtype=torch.bool)
     per_head[1 * H + 0, 2] = True  # PyTorch's (B·H) order: batch item 1, head 0, query 2
-    per_head[0 * H + 1, 1, :2] = True  # a row only half blocked, elsewhere
+    per_head[0 * H + 1, 1, :4] = True  # a row blocked but for one key, elsewhere
     with torch.no_grad():
-        _, weights = mha(x, x, x, attn_mask=per_head, need_weights=True, average_attn_weights=False)
+        _, weights = mha(q, kv, kv, attn_mask=per_head, need_weights=True, average_attn_weights=False)
     assert bool(weights[1, 0, 2].isnan().all()) and not bool(weights[0, 1, 1].isnan().any())  # the premise
-    by_hand = int(per_head.reshape(B, H, L, L).all(dim=-1).sum())
+    by_hand = int(per_head.reshape(B, H, 3, 5).all(dim=-1).sum())
     assert by_hand == 1
     with qkvtrace.trace(mha) as t:
-        mha(x, x, x, attn_mask=per_head, need_weights=False)
-    assert _only_call(t)["output"]["fully_masked_rows"] == by_hand
+        mha(q, kv, kv, attn_mask=per_head, need_weights=False)
+        mha(q, kv, kv, need_weights=False)
+    assert [c["output"]["fully_masked_rows"] for c in t.to_dict()["calls"]] == [by_hand, 0]
 
 
 @pytest.mark.parametrize("length", [8, 9], ids=["64-entries", "81-entries"])
