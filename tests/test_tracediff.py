@@ -377,10 +377,10 @@ def test_every_compared_fact_on_traces_written_by_hand() -> None:
         {"index": 0, "module": "a", "path": "fast", "sdpa_backend": "MATH", "why_not_fast_path": None,
          "sdpa_refusals": {"Y": "s"}, "aten_ops": ["k2"], "backward_kernel": "bk", "error": None,
          "inputs": {"dtype": "float16", "training": True, "need_weights": True,
-                    "attn_mask": {"kind": "bool", "dtype": "torch.bool", "other": 2}},
+                    "attn_mask": {"kind": "float", "dtype": "torch.float32", "other": 2}},
          "output": {"nan_count": 3, "fully_masked_rows": 0},
-         "qkv": {"layout": "packed", "q": {"weight_norm": 1.00005, "bias_norm": 0.5, "activation_norm": nan},
-                 "k": {"weight_norm": 2.1}, "v": {"weight_norm": 3.0}}},
+         "qkv": {"layout": "separate", "q": {"weight_norm": 1.00005, "bias_norm": 0.5, "activation_norm": nan},
+                 "k": {"weight_norm": 2.1}, "v": {"weight_norm": 4.0}}},
         {"index": 1, "module": "B", "path": "sdpa", "sdpa_backend": None, "sdpa_refusals": {"Z": "z"}},
     ], "gradients": [{"module": "a", "backward_index": 0, "q": {"grad_norm": 5.0, "bias_grad_norm": 2.0}},
                      {"module": "B", "backward_index": 0, "v": {"grad_norm": 7.0}}]}  # B: a gradient on one side
@@ -400,9 +400,13 @@ def test_every_compared_fact_on_traces_written_by_hand() -> None:
             ch("aten_ops", "aten kernels", ["k1"], ["k2"]),
             ch("inputs.dtype", "dtype", "float32", "float16"),
             ch("inputs.need_weights", "need weights", False, True),
+            ch("inputs.attn_mask", "attn mask", {"kind": "bool", "dtype": "torch.bool"},
+               {"kind": "float", "dtype": "torch.float32"}),
             ch("output.nan_count", "nan count", 0, 3),
+            ch("qkv.layout", "Q/K/V layout", "packed", "separate"),
             ch("qkv.q.bias_norm", "|Q| bias", None, 0.5, "norm"),
             ch("qkv.k.weight_norm", "|K| weight", 2.0, 2.1, "norm"),
+            ch("qkv.v.weight_norm", "|V| weight", 3.0, 4.0, "norm"),
             ch("gradients.q.bias_grad_norm", "|dQ| bias_grad", 1.0, 2.0, "norm"),
         ]},
         {"module": "B", "occurrence": 0, "index_a": 1, "index_b": 1, "changes": [
@@ -420,16 +424,20 @@ def test_every_compared_fact_on_traces_written_by_hand() -> None:
         {"module": "0new", "occurrence": 0, "index": 3, "path": "sdpa", "sdpa_backend": None},
     ]
     assert d["summary"] == (
-        "torch 1.0 (5 calls) → 2.0 (4 calls): SDPA backend changed in 2 calls; aten kernels changed in 1 call; "
+        "torch 1.0 (5 calls) → 2.0 (4 calls): Q/K/V layout changed in 1 call; SDPA backend changed in 2 calls; "
+        "aten kernels changed in 1 call; attn mask changed in 1 call; "
         "dtype changed in 1 call; nan count changed in 1 call; need weights changed in 1 call; path changed in "
         "1 call; why not a faster kernel changed in 1 call; why not fast changed in 1 call; |K| weight changed in "
-        "1 call; |Q| bias changed in 1 call; |dQ| bias_grad changed in 1 call; |dV| grad changed in 1 call; "
-        "2 call(s) appeared; 3 call(s) vanished"
+        "1 call; |Q| bias changed in 1 call; |V| weight changed in 1 call; |dQ| bias_grad changed in 1 call; "
+        "|dV| grad changed in 1 call; 2 call(s) appeared; 3 call(s) vanished"
     )
     # a wider rtol keeps the 5 % norm change of K but not the 0.005 % one of Q; NaN against a number moves
     wide = diff_traces(a, b, rtol=0.04)
     assert [c["field"] for c in wide["changed"][0]["changes"] if c["kind"] == "norm"] == [
-        "qkv.q.bias_norm", "qkv.k.weight_norm", "gradients.q.bias_grad_norm"]  # fmt: skip
+        "qkv.q.bias_norm", "qkv.k.weight_norm", "qkv.v.weight_norm", "gradients.q.bias_grad_norm"]  # fmt: skip
+    # B's gradient record seen from the other side: a gradient on A's side only is a change too
+    swapped = {c["field"]: (c["was"], c["became"]) for c in diff_traces(b, a)["changed"][1]["changes"]}
+    assert swapped["gradients.v.grad_norm"] == (7.0, None)
     b["calls"][2]["qkv"]["q"]["activation_norm"] = 1.0
     fields = [c["field"] for c in diff_traces(a, b)["changed"][0]["changes"]]
     assert "qkv.q.activation_norm" in fields and "qkv.q.weight_norm" not in fields
@@ -453,3 +461,20 @@ def test_a_document_that_is_not_a_trace_is_refused_with_its_name(side: str) -> N
         diff_traces(*args)
     assert str(raised.value) == f"trace {side}: expected a qkvtrace.trace file, got 'qkvtrace.report/1'"
     assert is_trace(trace) and not is_trace(other) and not is_trace([trace]) and not is_trace({})
+
+
+@pytest.mark.parametrize(("was", "became"), [(1.0, 2.0), (2.0, 1.0), (1e-6, 2e-6)])
+def test_a_norm_moves_only_beyond_rtol_of_the_larger_value(was: float, became: float) -> None:
+    """|a - b| > rtol · max(|a|, |b|): at rtol = 0.5 the halving or doubling sits exactly on the boundary (not a
+    change), at 0.4 it is one -- for values near 1 and near 0, either way round.
+
+    Witness: the rule docs/compare.md states, applied here to exactly representable values.
+    """
+
+    def doc(norm: float) -> dict[str, Any]:
+        return {"schema": "qkvtrace.trace/1", "torch_version": "x", "gradients": [],
+                "calls": [{"index": 0, "module": "m", "qkv": {"q": {"weight_norm": norm}}}]}  # fmt: skip
+
+    assert diff_traces(doc(was), doc(became), rtol=0.5)["changed"] == []
+    [call] = diff_traces(doc(was), doc(became), rtol=0.4)["changed"]
+    assert [(c["field"], c["was"], c["became"]) for c in call["changes"]] == [("qkv.q.weight_norm", was, became)]
