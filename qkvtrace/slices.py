@@ -249,22 +249,29 @@ class NormCache:
     """Norms of parameter slices, recomputed only when the parameter changed.
 
     A parameter's ``_version`` counter moves on every in-place update (an
-    optimizer step), so equal versions mean equal values.
+    optimizer step), so equal versions mean equal values. One entry per
+    (parameter, rows, dim) holds the version it was computed at and is
+    replaced when the version moves, so a training loop that steps an
+    optimizer thousands of times holds as many entries as after its first
+    step (tests/test_monitor.py counts the tensors left alive).
     """
 
     def __init__(self) -> None:
-        self._cache: dict[tuple[int, int, Rows, int], torch.Tensor] = {}
-        self._qkv: dict[tuple[int, int, tuple[tuple[int, int], ...]], QKVInfo] = {}
+        #: (id of the parameter, rows, dim) -> (the version the norm was computed at, the norm)
+        self._cache: dict[tuple[int, Rows, int], tuple[int, torch.Tensor]] = {}
+        #: (id of the holder, id of the spec, ids of its parameters) -> (their versions then, the record)
+        self._qkv: dict[tuple[int, int, tuple[int, ...]], tuple[tuple[int, ...], QKVInfo]] = {}
         #: by module and spec: a module whose calls use other projections (re-wired, two calls) has each
         self._params: dict[tuple[int, int], list[str]] = {}
 
     def norm(self, param: torch.Tensor, rows: Rows, dim: int = 0) -> torch.Tensor:
-        key = (id(param), version_of(param), rows, dim)
-        value = self._cache.get(key)
-        if value is None:
-            with torch.no_grad():
-                value = _norm(_rows(param, rows, dim))
-            self._cache[key] = value
+        key, version = (id(param), rows, dim), version_of(param)
+        held = self._cache.get(key)
+        if held is not None and held[0] == version:
+            return held[1]
+        with torch.no_grad():
+            value = _norm(_rows(param, rows, dim))
+        self._cache[key] = (version, value)
         return value
 
     def qkv(self, projection: Projection | str) -> QKVInfo:
@@ -278,16 +285,18 @@ class NormCache:
                 {n for _, ps in spec.parts() for p in ps.pieces() for n in (p.param, p.bias_param) if n is not None}
             )
         # looked up on every call: FSDP swaps the tensors behind these names between sharded and whole
-        key = (id(module), id(spec), tuple((id(p), version_of(p)) for p in (param_of(module, n) for n in names)))
-        cached = self._qkv.get(key)
-        if cached is not None:
-            return cached
+        params = [param_of(module, n) for n in names]
+        key = (id(module), id(spec), tuple(id(p) for p in params))
+        versions = tuple(version_of(p) for p in params)
+        held = self._qkv.get(key)
+        if held is not None and held[0] == versions:
+            return held[1]
         infos = {part: self._slice(module, ps) for part, ps in spec.parts()}
         info = QKVInfo(spec.layout, infos["q"], infos["k"], infos["v"])
         if len(self._qkv) >= _MAX_CACHED:  # tensors swapped on every forward (FSDP) would grow it without end
             self._qkv.clear()
             self._cache.clear()
-        self._qkv[key] = info
+        self._qkv[key] = (versions, info)
         return info
 
     def _slice(self, module: nn.Module, ps: PartSpec) -> SliceInfo:

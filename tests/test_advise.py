@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +70,8 @@ def test_need_weights_false_moves_a_training_call_onto_sdpa() -> None:
     assert row.max_abs_diff == pytest.approx(want, abs=1e-6)
     assert row.max_abs_grad_diff is not None and len(row.ratios) == REPEATS
     assert "weights" in row.gives_up and not row.verdict.startswith("changes results")
+    # the call moved and its results agree, so the timing decides, by the rule docs/advise.md states
+    assert (row.verdict == RECOMMENDED) is (max(row.ratios) < 1.0), (row.verdict, row.ratios)
 
 
 def test_batch_first_alone_does_not_help_and_is_not_recommended() -> None:
@@ -346,3 +349,60 @@ def test_training_mha_with_dropout_names_dropout_as_what_forces_math(tmp_path: P
     text = " ".join(run.stdout.split())
     assert "SDPA ran MATH" in text and words[0] in text and "dropout=0.1" in text, text
     assert "repetitions" not in text and "nothing was timed" in text
+class _Paced(nn.MultiheadAttention):
+    """A MultiheadAttention whose calls take as long as the test says: ``TODAY`` seconds with the weights asked for
+    (as called), and per call of this copy without them (the change) the next of ``changed`` (the last repeats)."""
+
+    TODAY = 0.03
+
+    def __init__(self, changed: list[float]) -> None:
+        super().__init__(E, H, batch_first=True)
+        self.changed, self.calls = changed, 0
+
+    def forward(self, query: Any, key: Any, value: Any, key_padding_mask: Any = None, need_weights: bool = True,
+                attn_mask: Any = None, average_attn_weights: bool = True, is_causal: bool = False) -> Any:  # fmt: skip
+        out = super().forward(query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights,
+                              is_causal)  # fmt: skip
+        if need_weights:
+            time.sleep(self.TODAY)
+        else:
+            time.sleep(self.changed[min(self.calls, len(self.changed) - 1)])
+            self.calls += 1
+        return out
+
+
+#: changed-call durations: a copy's first two calls are its trace and the output comparison, then one call a
+#: repetition (TODAY is longer than advise's 0.05 s sample, so one loop a repetition)
+PACES = {
+    "faster in every repetition": ([0.002] * 2 + [0.002] * 5, True),
+    "faster in all but the last": ([0.002] * 2 + [0.002] * 4 + [0.09], False),
+    "slower in all but the first": ([0.002] * 2 + [0.002] + [0.09] * 4, False),
+}
+
+
+@pytest.mark.parametrize("pace", sorted(PACES))
+def test_recommended_only_when_faster_in_every_repetition(pace: str) -> None:
+    """The verdict on a change that moves the call (need_weights=False: onto SDPA) and keeps its results, timed by
+    the test: recommended only when every repetition was faster.
+
+    Witness: the sleeps written here (today 30 ms a call; the change 2 ms, or 90 ms in the repetitions the pace
+    names), and the rule computed here from them; the ratios advise recorded must show the same pattern.
+    """
+    durations, faster_every_time = PACES[pace]
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = _Paced(durations)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.attn(x, x, x)[0]
+
+    advice = advise(Model(), torch.randn(2, 8, E), train=True, repeats=5)
+    row = _by_change(advice, "need_weights=False")
+    assert (row.path, row.backend) == ("fallback", None) and row.backend_after is not None  # the call moved
+    assert row.max_abs_diff is not None and row.max_abs_diff < 1e-4  # and its results agree
+    slow = [d > _Paced.TODAY for d in durations[2:]]
+    assert [r > 1 for r in row.ratios] == slow, row.ratios  # the premise: the sleeps set each repetition's side
+    assert (row.verdict == RECOMMENDED) is faster_every_time, row.verdict
+    assert (row in advice.recommended) is faster_every_time

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from _html_model import build
 
 import qkvtrace
@@ -100,7 +101,8 @@ def test_sorting_by_a_column(browser: Any, page: Path) -> None:
 
 
 def test_filtering_by_path_backend_and_module(browser: Any, page: Path) -> None:
-    """Witness: the model built for the test: ``attend`` is the only SDPA caller, ``mha`` the only MHA."""
+    """Witness: the model built for the test: ``attend`` is the only SDPA caller, ``mha`` the only MHA; the
+    backend filter's options against the backend cells the browser shows and PyTorch's ``SDPBackend`` names."""
     opened(browser, page)
     Select(browser.find_element(By.ID, "filter-path")).select_by_value("sdpa")
     assert visible_modules(browser) == ["attend", "attend"]
@@ -110,7 +112,11 @@ def test_filtering_by_path_backend_and_module(browser: Any, page: Path) -> None:
     assert visible_modules(browser) == ["mha", "mha"]
     browser.find_element(By.ID, "filter-module").clear()
     backend = Select(browser.find_element(By.ID, "filter-backend"))
-    assert {o.get_attribute("value") for o in backend.options} >= {""}
+    cells = {c.get_attribute("textContent").strip()  # every row's, shown or filtered out
+             for c in browser.find_elements(By.CSS_SELECTOR, "table.calls tbody tr td:nth-child(4)")}  # fmt: skip
+    # the filter offers "all" and exactly the backends in the table's column, each an SDPBackend name (or none)
+    assert cells and cells <= {*torch.nn.attention.SDPBackend.__members__, "none"}, cells
+    assert sorted(o.get_attribute("value") for o in backend.options) == sorted({"", *cells})
     for option in [o.get_attribute("value") for o in backend.options if o.get_attribute("value")]:
         backend.select_by_value(option)
         rows = [r for r in browser.find_elements(By.CSS_SELECTOR, "table.calls tbody tr") if r.is_displayed()]

@@ -313,18 +313,38 @@ def test_compiled_records_reach_the_json_and_the_cli(tmp_path: Any) -> None:
     assert bad.returncode == 2 and "not a torch.compile backend" in bad.stderr
 
 
-def test_a_graph_break_is_said() -> None:
-    """Witness: torch._dynamo.explain on the same eval encoder (untraced) counts its graph breaks; the trace says
-    one happened wherever explain counts one."""
-    layer = nn.TransformerEncoderLayer(E, H, dim_feedforward=32, dropout=0.0, batch_first=True)
-    enc = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False).eval()
+class _Broken(nn.Module):
+    """Two attention calls with a graph break the model asks for between them (``torch._dynamo.graph_break``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.MultiheadAttention(E, H, batch_first=True), nn.MultiheadAttention(E, H, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.a(x, x, x, need_weights=False)[0]
+        torch._dynamo.graph_break()
+        return self.b(x, x, x, need_weights=False)[0]
+
+
+@pytest.mark.parametrize("model", ["encoder", "broken"])
+def test_a_graph_break_is_said(model: str) -> None:
+    """Witness: torch._dynamo.explain on the same model (untraced) counts its graph breaks: one in the model that
+    asks for it (checked: explain must count it), none in the eval encoder on this PyTorch; the trace says one
+    happened exactly where explain counts one."""
+    if model == "broken":
+        module: nn.Module = _Broken().eval()
+    else:
+        layer = nn.TransformerEncoderLayer(E, H, dim_feedforward=32, dropout=0.0, batch_first=True)
+        module = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False).eval()
     x = torch.randn(B, T, E)
     torch._dynamo.reset()
     with torch.no_grad():
-        breaks = torch._dynamo.explain(enc)(x).graph_break_count
+        breaks = torch._dynamo.explain(module)(x).graph_break_count
+    if model == "broken":
+        assert breaks >= 1  # the premise: the break the model asks for is one Dynamo makes
     torch._dynamo.reset()
-    with qkvtrace.trace(enc) as t, torch.no_grad():
-        torch.compile(enc, backend="eager")(x)
+    with qkvtrace.trace(module) as t, torch.no_grad():
+        torch.compile(module, backend="eager")(x)
     torch._dynamo.reset()
     said = [w for w in t.result.warnings if "broke a graph" in w]
     assert bool(said) == bool(breaks), (breaks, t.result.warnings)

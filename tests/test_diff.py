@@ -218,3 +218,68 @@ def test_compare_refuses_bad_interpreters(tmp_path: Path, kind: str) -> None:
     proc = qkv("compare", "--python", str(exe), "--python", sys.executable, "--out", str(tmp_path / "o"), env=env)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert needle in proc.stderr and "Traceback" not in proc.stderr
+
+
+def _live(name: str) -> object | None:
+    """The object a report's dotted name names in the installed PyTorch, or None where it has none."""
+    import importlib
+
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj: object = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for part in parts[i:]:
+            obj = getattr(obj, part, None)
+            if obj is None:
+                return None
+        return obj
+    return None
+
+
+def test_this_pytorch_against_a_stored_older_version(tmp_path: Path) -> None:
+    """Two real PyTorch versions: the committed report of the installed torch (written by it: `qkvtrace inspect`,
+    which CI runs before the tests) against the committed report of torch 2.4.1, through the real CLI.
+
+    Witness: the installed PyTorch itself -- ``inspect.getsource`` of each Python function both reports name,
+    compared here with the text 2.4.1's report holds (changed exactly where they differ), the functions the
+    installed torch has and 2.4.1's report lacks (added), and what SDPA returns here for a fully-masked row
+    (its math kernel forced), against what 2.4.1's report says it returned there.
+    """
+    import inspect
+
+    import torch
+    import torch.nn.functional as F
+
+    mine = REPORTS / f"torch-{torch.__version__}"
+    if not (mine / "report.json").exists():
+        pytest.skip(f"no committed report of torch {torch.__version__} (`qkvtrace inspect` writes it)")
+    old, new = load_report(REPORTS / OLD), load_report(mine)
+    live = {}
+    for s in new["sources"]:
+        obj = _live(s["name"])
+        if s["kind"] == "python" and obj is not None:
+            live[s["name"]] = inspect.getsource(inspect.unwrap(obj))  # type: ignore[arg-type]
+    assert live and all(live[s["name"]] == s["text"] for s in new["sources"] if s["name"] in live)  # written here
+    proc = qkv("diff", str(REPORTS / OLD), str(mine), "--json", str(tmp_path / "d.json"))
+    assert proc.returncode == 0, proc.stderr
+    d = json.loads((tmp_path / "d.json").read_text())
+    assert (d["a"], d["b"]) == (old["environment"]["torch_version"], torch.__version__)
+    was = texts(old)
+    assert set(d["sources"]["changed"]) & live.keys() == {n for n, t in live.items() if n in was and was[n] != t}
+    assert set(d["sources"]["added"]) & live.keys() == live.keys() - was.keys()
+    q = torch.zeros(1, 1, 3, 8)
+    attend = torch.ones(3, 3, dtype=torch.bool)
+    attend[0] = False  # query 0 may attend to no key
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        row = F.scaled_dot_product_attention(q, q, q, attn_mask=attend)[0, 0, 0]
+    here = "nan" if bool(row.isnan().all()) else "zero" if bool((row == 0).all()) else "other"
+    key = "F.scaled_dot_product_attention (bool mask) / MATH"
+    [there] = [r["result"] for r in old["probes"]["fully_masked_rows"]
+               if f"{r['api']} / {r['backend']}" == key]  # fmt: skip
+    said = [(c["was"] or {}).get("result") for c in d["probes"]["changed"]
+            if c["kind"] == "fully_masked_rows" and c["key"] == key]  # fmt: skip
+    became = [(c["became"] or {}).get("result") for c in d["probes"]["changed"]
+              if c["kind"] == "fully_masked_rows" and c["key"] == key]  # fmt: skip
+    assert (said, became) == (([there], [here]) if there != here else ([], []))

@@ -178,8 +178,8 @@ def run(model: nn.Module, x: torch.Tensor, train: bool) -> tuple[torch.Tensor, d
 @pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
 @pytest.mark.parametrize("form", list(FORMS))
 def test_each_form_is_recorded_with_what_it_was_written_with(form: str, train: bool) -> None:
-    """Witnesses: the module's own probabilities, rows by construction, the constants each form was written with,
-    and the untraced run (outputs and gradients bit for bit)."""
+    """Witnesses: the module's own probabilities, rows by construction, the constants and shapes each form was
+    written with, and the untraced run (outputs and gradients bit for bit)."""
     _, scale, cap, pattern, bias = FORMS[form]
     model, x = build(form)
     want_out, want_grads = run(model, x, train)
@@ -192,8 +192,9 @@ def test_each_form_is_recorded_with_what_it_was_written_with(form: str, train: b
     assert [(c.path, c.module, c.module_type) for c in t.calls] == [("hand_written", "attn", "SelfAttention")]
     assert t.result.unobserved == []
     c = t.calls[0]
-    assert c.inputs["query_shape"] == c.inputs["key_shape"] == c.inputs["value_shape"] == [B, H, T, D] or form in (
-        "bmm", "baddbmm_alibi")  # fmt: skip
+    # the shapes the form's first product got: (B·H, T, D) where it reshaped for bmm, else (B, H, T, D)
+    shape = [B * H, T, D] if form in ("bmm", "baddbmm_alibi") else [B, H, T, D]
+    assert [c.inputs[f"{p}_shape"] for p in ("query", "key", "value")] == [shape] * 3
     assert c.inputs["scale"] == pytest.approx(scale, rel=1e-6)
     assert c.inputs["softcap"] == (None if cap is None else pytest.approx(cap))
     assert (c.inputs["attn_mask"] or {}).get("pattern") == pattern

@@ -325,3 +325,88 @@ def test_every_entry_point_traced_equals_untraced_large(
 ) -> None:
     """Witness: the untraced call; a larger random draw over all three spaces."""
     assert_same_outcome(*case, unrelated=unrelated)
+
+
+# -- with the trace's options, backward, and attention written by hand ----------------------------
+
+
+class HandWritten(nn.Module):
+    """Attention written by hand, as eager models do: packed projection, ``softmax(q kᵀ · scale + mask) v``."""
+
+    def __init__(self, d: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        self.qkv, self.heads, self.drop = nn.Linear(d, 3 * d), heads, nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor, blocked: torch.Tensor | None) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in self.qkv(x).split(d, dim=2))  # (B, H, T, D)
+        scores = (q @ k.transpose(-2, -1)) / (d // self.heads) ** 0.5
+        if blocked is not None:
+            scores = scores.masked_fill(blocked, float("-inf"))
+        return (self.drop(scores.softmax(dim=-1)) @ v).transpose(1, 2).reshape(b, t, d)
+
+
+@st.composite
+def hand_written_cases(draw: Any) -> tuple[nn.Module, Callable[[], Any]]:
+    b, t, heads = draw(st.integers(1, 2)), draw(st.integers(1, 5)), draw(st.sampled_from([1, 2]))
+    model = HandWritten(8, heads, draw(st.sampled_from([0.0, 0.3])))
+    model.train(draw(st.booleans()))
+    k = draw(st.integers(1, 10_000))  # inputs spread over [-1, 1] differently for each k
+    x = torch.sin(torch.arange(b * t * 8, dtype=torch.float32) * (0.618 * k)).view(b, t, 8)
+    blocked = None
+    if draw(st.booleans()):
+        blocked = torch.ones(t, t, dtype=torch.bool).triu(1) if draw(st.booleans()) else _mask(draw, "bool", (t, t))
+    grad = GRAD_MODES[draw(st.sampled_from(sorted(GRAD_MODES)))]
+
+    def call() -> Any:
+        with grad():
+            return model(x, blocked)
+
+    return model, call
+
+
+def _with_backward(model: nn.Module, call: Callable[[], Any]) -> Callable[[], Any]:
+    """The call, then a backward pass of a fixed weighting of its outputs: the outputs and every parameter's
+    .grad (None where none reached it)."""
+
+    def run() -> Any:
+        for p in model.parameters():
+            p.grad = None
+        out = call()
+        leaves = [t for t in _flat(out) if isinstance(t, torch.Tensor) and t.requires_grad and not t.is_nested]
+        if leaves:
+            loss = sum((t.float() * torch.linspace(-1, 1, t.numel()).view(t.shape)).nansum() for t in leaves)
+            loss.backward()  # type: ignore[union-attr]
+        return out, [p.grad for p in model.parameters()]
+
+    return run
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])  # fmt: skip
+@given(st.one_of(mha_cases(), encoder_cases(), hand_written_cases()), st.booleans(),
+       st.sampled_from(["all", "changes"]))  # fmt: skip
+def test_traced_with_maps_long_run_and_backward_equals_untraced(
+    case: tuple[nn.Module, Callable[[], Any]], maps: bool, keep: str
+) -> None:
+    """Witness: the untraced call and its backward pass (outcome, outputs, every parameter's gradient, random
+    state) against the same inside a trace with ``attention_maps`` and ``keep="changes"`` drawn; MHA, encoder
+    layers and attention written by hand."""
+    model, call = case
+    run = _with_backward(model, call)
+    plain = _outcome(run)
+    with qkvtrace.trace(model, attention_maps=maps, keep=keep):
+        traced = _outcome(run)
+    assert plain[0] == traced[0], f"untraced {plain[0]} {plain[1]!r}; traced {traced[0]} {traced[1]!r}"
+    if plain[0] == "raised":
+        assert plain[1] == traced[1]
+    else:
+        a, b = list(_flat(plain[1])), list(_flat(traced[1]))
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            if isinstance(x, torch.Tensor):
+                assert isinstance(y, torch.Tensor)
+                torch.testing.assert_close(_dense(y), _dense(x), rtol=0, atol=0, equal_nan=True)
+            else:
+                assert x == y
+    assert torch.equal(plain[2], traced[2]), "the random state after the call differs"

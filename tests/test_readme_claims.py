@@ -1,15 +1,30 @@
-"""Claims docs/probe.md makes about PyTorch's behaviour, measured here without qkvtrace.
+"""Claims the README and docs make, each with the test of the default run that witnesses it.
 
-docs/probe.md says what a query row whose keys are all masked returns, naming
-the PyTorch version each statement was measured on. Each statement is listed
-below with its version; the tests check that docs/probe.md still says it, that
-the committed report of that version says the same, and — when the installed
-PyTorch is that version — that it is what the installed PyTorch does now.
+``WITNESSED`` lists every sentence of the README and docs that names a number
+or a guarantee about what qkvtrace does ("bit for bit", "never recompiled",
+"under 2 MB", "faster in every repetition", "in its own words", ...) beside the
+tests that witness it; a test here checks that the page still says it and that
+each witness is collected by the default run (the README's test command, which
+leaves ``-m slow`` out). A sentence reworded, or a witness moved under
+``-m slow`` or removed, fails here until the list is brought up to date.
+Figures of the benchmarks (ratios, milliseconds, dated test counts) are
+measurements of one run, said with their date and command, not claims a test
+can hold; they are not listed.
+
+docs/probe.md also says what a query row whose keys are all masked returns,
+naming the PyTorch version each statement was measured on. Each statement is
+listed below with its version; the tests check that docs/probe.md still says
+it, that the committed report of that version says the same, and — when the
+installed PyTorch is that version — that it is what the installed PyTorch does
+now.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -126,3 +141,64 @@ def test_the_committed_report_of_this_version_matches_this_pytorch() -> None:
     measured = measure()
     assert measured["mha_fast_path_ran"]
     assert {fact: _from_report(report, fact) for fact in REPORT_ROWS} == {fact: measured[fact] for fact in REPORT_ROWS}
+
+
+#: (page, sentence as it stands there, the tests of the default run that witness it)
+WITNESSED: list[tuple[str, str, list[str]]] = [
+    ("README.md", "It recommends a change only when the call moved, the results agree and it was faster in every "
+     "repetition.", ["tests/test_advise.py::test_recommended_only_when_faster_in_every_repetition"]),
+    ("docs/advise.md", "the changed copy was faster **in every repetition**",
+     ["tests/test_advise.py::test_recommended_only_when_faster_in_every_repetition"]),
+    ("README.md", "20,000 calls of a module that changes twice, with backward and an SGD step after each training "
+     "step, hold under 2 MB, measured with `tracemalloc` in the tests, and hundreds of optimizer steps leave no "
+     "more live tensor storages than they found",
+     ["tests/test_monitor.py::test_a_long_run_reports_exactly_the_steps_where_attention_changed"]),
+    ("docs/long-runs.md", "20,000 calls of a module that changes twice, with backward and an SGD step (momentum) "
+     "after each training step, hold under 2 MB",
+     ["tests/test_monitor.py::test_a_long_run_reports_exactly_the_steps_where_attention_changed"]),
+    ("README.md", "Tracing changes nothing that runs — outputs bit for bit, path, kernel, random state",
+     ["tests/test_property_invisible.py::test_multihead_attention_traced_equals_untraced",
+      "tests/test_property_invisible.py::test_sdpa_traced_equals_untraced",
+      "tests/test_property_invisible.py::test_encoder_traced_equals_untraced",
+      "tests/test_witness.py::test_untraced_traced_untraced_run_the_same_kernels"]),
+    ("README.md", "A `torch.compile`d model is never recompiled by a trace",
+     ["tests/test_compiled.py::test_compiled_before_the_trace_is_not_recompiled_inside_it[eager-encoder-train]",
+      "tests/test_compiled.py::test_compiled_before_the_trace_is_not_recompiled_inside_it[aot_eager-encoder-train]",
+      "tests/test_compiled.py::test_compiled_before_the_trace_is_not_recompiled_inside_it[inductor-encoder-eval]",
+      "tests/test_compiled.py::test_compiled_inside_the_trace_is_reused_after_it[aot_eager]"]),
+    ("docs/trace.md", "and with `inductor` for an eval encoder",
+     ["tests/test_compiled.py::test_compiled_before_the_trace_is_not_recompiled_inside_it[inductor-encoder-eval]"]),
+    ("README.md", "why PyTorch did not pick a faster SDPA kernel, in its own words",
+     ["tests/test_refusals.py::test_cpu_refusal_is_pytorchs_own_warning",
+      "tests/test_refusals.py::test_multihead_attention_in_training_says_dropout"]),
+    ("README.md", "which code path ran and PyTorch's own reason why",
+     ["tests/test_witness.py::test_why_not_fast_path_is_pytorchs_own"]),
+    ("docs/compare.md", "and the gradient norms of the module's last backward pass) within `--rtol` (default "
+     "`1e-4`, relative)", ["tests/test_tracediff.py::test_rtol_at_its_boundary",
+                           "tests/test_tracediff.py::test_gradient_norm_changes_are_reported_per_slice"]),
+    ("docs/compare.md", "The default test run diffs two real PyTorch versions through the CLI",
+     ["tests/test_diff.py::test_this_pytorch_against_a_stored_older_version"]),
+    ("docs/compare.md", "and `compare --train` with two interpreters",
+     ["tests/test_tracediff.py::test_compare_train_traces_a_training_step_in_each_environment"]),
+    ("docs/overhead.md", "Traced and untraced outputs (and, for W1, every `.grad`) are bit-identical",
+     ["tests/test_overhead_benchmark.py::test_identity_check_says_equal_only_when_the_outputs_are"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("page", "sentence"), sorted({(p, s) for p, s, _ in WITNESSED}))
+def test_each_listed_claim_is_still_on_its_page(page: str, sentence: str) -> None:
+    """Witness: the page's text, whitespace folded."""
+    assert _flat(sentence) in _flat((ROOT / page).read_text()), f"{page} no longer says it: update WITNESSED"
+
+
+def test_each_claims_witnesses_run_in_the_default_run() -> None:
+    """Witness: pytest's own collection of the witnesses with the default options (``-m 'not slow'`` from
+    pyproject.toml), in a fresh interpreter: each witness must be collected, so none is slow or missing."""
+    nodes = sorted({n for _, _, witnesses in WITNESSED for n in witnesses})
+    run = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *nodes],
+                         capture_output=True, text=True, cwd=ROOT, timeout=600,
+                         env={**os.environ, "PYTHONWARNINGS": "ignore"})  # fmt: skip
+    collected = {line.split("[")[0] for line in run.stdout.splitlines() if "::" in line}
+    collected |= {line for line in run.stdout.splitlines() if "::" in line}
+    missing = [n for n in nodes if n not in collected]
+    assert not missing, f"not in the default run: {missing}\n{run.stdout[-2000:]}{run.stderr[-2000:]}"

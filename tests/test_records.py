@@ -339,3 +339,60 @@ def test_files_written_get_the_permissions_open_would_give(tmp_path: Path) -> No
         assert stat.S_IMODE(path.stat().st_mode) == expected, path
     (tmp_path / "t.json").chmod(0o640)
     assert stat.S_IMODE(result.save(tmp_path / "t.json").stat().st_mode) == 0o640
+
+
+def test_fully_masked_rows_of_a_per_head_mask_counted_by_hand() -> None:
+    """A 3-D (B·H, L, S) mask of a cross-attention call (L=3 queries, S=5 keys) which blocks every key of query 2 in
+    batch item 1, head 0 only: one row of one head; the same call with no mask: none.
+
+    Witness: the mask built here, counted by hand per (batch item, head, query), and the NaN the untraced call
+    puts in that row of the head's weights.
+    """
+    mha = _mha().train()
+    q, kv = torch.randn(B, 3, E), torch.randn(B, 5, E)
+    per_head = torch.zeros(B * H, 3, 5, dtype=torch.bool)
+    per_head[1 * H + 0, 2] = True  # PyTorch's (B·H) order: batch item 1, head 0, query 2
+    per_head[0 * H + 1, 1, :4] = True  # a row blocked but for one key, elsewhere
+    with torch.no_grad():
+        _, weights = mha(q, kv, kv, attn_mask=per_head, need_weights=True, average_attn_weights=False)
+    assert bool(weights[1, 0, 2].isnan().all()) and not bool(weights[0, 1, 1].isnan().any())  # the premise
+    by_hand = int(per_head.reshape(B, H, 3, 5).all(dim=-1).sum())
+    assert by_hand == 1
+    with qkvtrace.trace(mha) as t:
+        mha(q, kv, kv, attn_mask=per_head, need_weights=False)
+        mha(q, kv, kv, need_weights=False)
+    assert [c["output"]["fully_masked_rows"] for c in t.to_dict()["calls"]] == [by_hand, 0]
+
+
+@pytest.mark.parametrize("length", [8, 9], ids=["64-entries", "81-entries"])
+def test_blocked_positions_are_listed_up_to_64_entries(length: int) -> None:
+    """An (L, L) boolean mask of 64 entries has its blocked positions listed; of 81, only counted (the limit the
+    record's documentation gives), and a float mask has no 'True means'.
+
+    Witness: the masks built here and their positions, listed here.
+    """
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(E, H, batch_first=True).eval()
+    x = torch.randn(1, length, E)
+    attn_mask = torch.ones(length, length, dtype=torch.bool).triu(1)
+    with torch.no_grad(), qkvtrace.trace(mha) as t:
+        mha(x, x, x, attn_mask=attn_mask, need_weights=False)
+        mha(x, x, x, attn_mask=torch.zeros(length, length).masked_fill(attn_mask, float("-inf")), need_weights=False)
+    bool_info, float_info = (c["inputs"]["attn_mask"] for c in t.to_dict()["calls"])
+    listed = _positions(attn_mask) if length * length <= 64 else None
+    assert (bool_info["blocked_positions"], float_info["blocked_positions"]) == (listed, listed)
+    assert (bool_info["true_means"], float_info["true_means"]) == ("ignore", None)
+    assert bool_info["blocked"] == float_info["blocked"] == int(attn_mask.sum())
+
+
+def test_a_one_entry_boolean_mask_still_says_what_true_means() -> None:
+    """A (1, 1) boolean mask (one query, one key, not blocked): True means what it means for any other size.
+
+    Witness: MHA's docstring (True = not allowed to attend), checked in the test above, on a mask of one entry.
+    """
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(E, H, batch_first=True).eval()
+    x = torch.randn(1, 1, E)
+    with torch.no_grad(), qkvtrace.trace(mha) as t:
+        mha(x, x, x, attn_mask=torch.zeros(1, 1, dtype=torch.bool), need_weights=False)
+    assert _only_call(t)["inputs"]["attn_mask"]["true_means"] == "ignore"

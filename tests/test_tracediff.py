@@ -302,3 +302,230 @@ def test_compare_a_target_across_two_environments(tmp_path: Path) -> None:
     }
     assert backends == {(names[on], names[off])}
     assert sorted(p.name.split(".")[1] for p in (tmp_path / "out" / "traces").glob("*.json")) == ["a", "b"]
+
+
+def _norm_change_traces(tmp_path: Path, factor: float) -> tuple[Path, Path, float, float]:
+    """Two traces of one MHA whose W_Q rows are scaled by ``factor`` in between: the files, and |W_Q| before and
+    after, computed here from the weights."""
+    mha = nn.MultiheadAttention(16, 4, batch_first=True).eval()
+    x = torch.randn(2, 5, 16)
+
+    def run() -> Any:
+        with torch.no_grad():
+            return mha(x, x, x, need_weights=False)
+
+    before = float(mha.in_proj_weight[:16].detach().double().norm())
+    a = _trace(mha, run)
+    with torch.no_grad():
+        mha.in_proj_weight[:16] *= factor
+    after = float(mha.in_proj_weight[:16].detach().double().norm())
+    b = _trace(mha, run)
+    pa, pb = tmp_path / "a.json", tmp_path / "b.json"
+    pa.write_text(json.dumps(a))
+    pb.write_text(json.dumps(b))
+    return pa, pb, before, after
+
+
+def test_rtol_at_its_boundary(tmp_path: Path) -> None:
+    """``--rtol`` just below the relative change of |W_Q| reports it (exit 1); just above, nothing (exit 0).
+
+    Witness: the relative change |after - before| / max(before, after) of the norms of W_Q's rows, computed here
+    in float64 from the weights the test scaled by 1.01 (K and V untouched).
+    """
+    pa, pb, before, after = _norm_change_traces(tmp_path, 1.01)
+    relative = abs(after - before) / max(before, after)
+    below = _cli(str(pa), str(pb), "--rtol", repr(relative * 0.999), "--json", str(tmp_path / "below.json"))
+    above = _cli(str(pa), str(pb), "--rtol", repr(relative * 1.001), "--json", str(tmp_path / "above.json"))
+    assert (below.returncode, above.returncode) == (1, 0), (below.stdout, above.stdout)
+    fields = [c["field"] for call in json.loads((tmp_path / "below.json").read_text())["changed"]
+              for c in call["changes"]]  # fmt: skip
+    assert fields == ["qkv.q.weight_norm"]
+    assert json.loads((tmp_path / "above.json").read_text())["changed"] == []
+    assert _cli(str(pa), str(pb), "--rtol", "-0.1").returncode == 2
+
+
+def test_gradient_norm_changes_are_reported_per_slice() -> None:
+    """The loss of B is 3x A's (a fixed random weighting of the outputs): every slice's gradient norm triples, and
+    the diff says so with the norms.
+
+    Witness: the norms of the rows of ``in_proj_weight.grad`` and ``in_proj_bias.grad``, computed here after each
+    backward pass (rows [0,E), [E,2E), [2E,3E): nn.MultiheadAttention's own layout).
+    """
+    mha = nn.MultiheadAttention(16, 4, batch_first=True)
+    x, r = torch.randn(2, 5, 16), torch.randn(2, 5, 16)  # a loss that depends on where each query attends
+    traces, want = [], []
+    for scale in (1.0, 3.0):
+        mha.zero_grad(set_to_none=True)
+        with qkvtrace.trace(mha) as t:
+            ((mha(x, x, x, need_weights=False)[0] * r).sum() * scale).backward()
+        traces.append(t.to_dict())
+        w, b = mha.in_proj_weight.grad, mha.in_proj_bias.grad
+        assert w is not None and b is not None
+        want.append({p: (float(w[i * 16:(i + 1) * 16].norm()), float(b[i * 16:(i + 1) * 16].norm()))
+                     for i, p in enumerate("qkv")})  # fmt: skip
+    d = diff_traces(*traces)
+    got = _changes(d)
+    for p in "qkv":
+        for j, key in enumerate(("grad_norm", "bias_grad_norm")):
+            if (p, key) == ("k", "bias_grad_norm"):  # 0 up to rounding: a bias shared by every key moves no score
+                continue
+            was, became = got[f"gradients.{p}.{key}"]
+            assert (was, became) == (pytest.approx(want[0][p][j], rel=1e-5), pytest.approx(want[1][p][j], rel=1e-5))
+            assert became == pytest.approx(3 * was, rel=1e-5)
+    assert not any(f.startswith(("qkv.", "path", "sdpa")) for f in got)  # the weights and kernels did not change
+    assert diff_traces(*traces, rtol=3.0)["changed"] == []  # a tripling is a relative change of 2/3 < 3
+
+
+def test_compare_train_traces_a_training_step_in_each_environment(tmp_path: Path) -> None:
+    """``qkvtrace compare demo:tiny-lm --train`` with the same interpreter twice: each trace is of a training step
+    (training mode, grad on, gradients recorded), and nothing differs (exit 0).
+
+    Witness: the traces compare wrote, read here: a backward pass ran (gradient records exist, one per attention
+    module) and every call says training and grad enabled.
+    """
+    out = tmp_path / "out"
+    run = subprocess.run([sys.executable, "-m", "qkvtrace", "compare", "demo:tiny-lm", "--train", "--python",
+                          sys.executable, "--python", sys.executable, "--out", str(out)],
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    traces = [json.loads(p.read_text()) for p in sorted((out / "traces").glob("*.json"))]
+    assert len(traces) == 2
+    for t in traces:
+        assert t["calls"] and all(c["inputs"]["training"] and c["inputs"]["grad_enabled"] for c in t["calls"])
+        assert {g["module"] for g in t["gradients"]} == {c["module"] for c in t["calls"]}
+
+
+def test_every_compared_fact_on_traces_written_by_hand() -> None:
+    """Two trace documents written here, differing in one known way per fact; the whole diff, written by hand.
+
+    Witness: the documents and the rules of docs/compare.md applied by hand: calls matched by module and order
+    among its calls (not by list order); the facts PyTorch decides compared exactly (a fact one side does not
+    record is not a change; refusals only when both sides ran SDPA; a mask by its kind and dtype only); norms
+    within ``rtol`` relative (None against a number moves, NaN against NaN does not); gradients from each module's
+    last backward pass, for its first call; the appeared and vanished calls; the one-line summary.
+    """
+    nan = float("nan")
+    a = {"schema": "qkvtrace.trace/1", "torch_version": "1.0", "calls": [  # listed out of order on purpose
+        {"index": 1, "module": "B", "path": "sdpa", "sdpa_backend": "MATH", "sdpa_refusals": {"W": "w"}},
+        {"index": 2, "module": "a", "path": "fallback"},
+        {"index": 0, "module": "a", "path": "fallback", "sdpa_backend": "FLASH_ATTENTION",
+         "why_not_fast_path": "training is enabled", "sdpa_refusals": {"X": "r"}, "aten_ops": ["k1"],
+         "backward_kernel": "bk", "error": None,
+         "inputs": {"dtype": "float32", "training": True, "need_weights": False, "only_here": 1,
+                    "attn_mask": {"kind": "bool", "dtype": "torch.bool", "other": 1}},
+         "output": {"nan_count": 0, "fully_masked_rows": 0},
+         "qkv": {"layout": "packed", "q": {"weight_norm": 1.0, "bias_norm": None, "activation_norm": nan},
+                 "k": {"weight_norm": 2.0}, "v": {"weight_norm": 3.0}}},
+        {"index": 4, "module": "a", "path": "fallback"},
+        {"index": 3, "module": "0gone", "path": "fast", "sdpa_backend": None},
+    ], "gradients": [
+        {"module": "a", "backward_index": 1, "q": {"grad_norm": 5.0, "bias_grad_norm": 1.0}},
+        {"module": "a", "backward_index": 0, "q": {"grad_norm": 100.0, "bias_grad_norm": 100.0}},
+    ]}
+    b = {"schema": "qkvtrace.trace/2", "torch_version": "2.0", "calls": [
+        {"index": 3, "module": "0new", "path": "sdpa", "sdpa_backend": None},
+        {"index": 2, "module": "new", "path": "sdpa", "sdpa_backend": "MATH"},
+        {"index": 0, "module": "a", "path": "fast", "sdpa_backend": "MATH", "why_not_fast_path": None,
+         "sdpa_refusals": {"Y": "s"}, "aten_ops": ["k2"], "backward_kernel": "bk", "error": None,
+         "inputs": {"dtype": "float16", "training": True, "need_weights": True,
+                    "attn_mask": {"kind": "float", "dtype": "torch.float32", "other": 2}},
+         "output": {"nan_count": 3, "fully_masked_rows": 0},
+         "qkv": {"layout": "separate", "q": {"weight_norm": 1.00005, "bias_norm": 0.5, "activation_norm": nan},
+                 "k": {"weight_norm": 2.1}, "v": {"weight_norm": 4.0}}},
+        {"index": 1, "module": "B", "path": "sdpa", "sdpa_backend": None, "sdpa_refusals": {"Z": "z"}},
+    ], "gradients": [{"module": "a", "backward_index": 0, "q": {"grad_norm": 5.0, "bias_grad_norm": 2.0}},
+                     {"module": "B", "backward_index": 0, "v": {"grad_norm": 7.0}}]}  # B: a gradient on one side
+
+    def ch(field: str, label: str, was: Any, became: Any, kind: str = "exact") -> dict[str, Any]:
+        return {"field": field, "label": label, "was": was, "became": became, "kind": kind}
+
+    d = diff_traces(a, b)
+    assert d["schema"] == "qkvtrace.tracediff/1" and d["rtol"] == 1e-4
+    assert (d["a"], d["b"]) == ({"torch_version": "1.0", "calls": 5}, {"torch_version": "2.0", "calls": 4})
+    assert d["changed"] == [
+        {"module": "a", "occurrence": 0, "index_a": 0, "index_b": 0, "changes": [
+            ch("path", "path", "fallback", "fast"),
+            ch("sdpa_backend", "SDPA backend", "FLASH_ATTENTION", "MATH"),
+            ch("why_not_fast_path", "why not fast", "training is enabled", None),
+            ch("sdpa_refusals", "why not a faster kernel", {"X": "r"}, {"Y": "s"}),
+            ch("aten_ops", "aten kernels", ["k1"], ["k2"]),
+            ch("inputs.dtype", "dtype", "float32", "float16"),
+            ch("inputs.need_weights", "need weights", False, True),
+            ch("inputs.attn_mask", "attn mask", {"kind": "bool", "dtype": "torch.bool"},
+               {"kind": "float", "dtype": "torch.float32"}),
+            ch("output.nan_count", "nan count", 0, 3),
+            ch("qkv.layout", "Q/K/V layout", "packed", "separate"),
+            ch("qkv.q.bias_norm", "|Q| bias", None, 0.5, "norm"),
+            ch("qkv.k.weight_norm", "|K| weight", 2.0, 2.1, "norm"),
+            ch("qkv.v.weight_norm", "|V| weight", 3.0, 4.0, "norm"),
+            ch("gradients.q.bias_grad_norm", "|dQ| bias_grad", 1.0, 2.0, "norm"),
+        ]},
+        {"module": "B", "occurrence": 0, "index_a": 1, "index_b": 1, "changes": [
+            ch("sdpa_backend", "SDPA backend", "MATH", None),
+            ch("gradients.v.grad_norm", "|dV| grad", None, 7.0, "norm"),
+        ]},
+    ]  # fmt: skip
+    assert d["vanished"] == [  # in the order of the calls, not of their names
+        {"module": "a", "occurrence": 1, "index": 2, "path": "fallback", "sdpa_backend": None},
+        {"module": "0gone", "occurrence": 0, "index": 3, "path": "fast", "sdpa_backend": None},
+        {"module": "a", "occurrence": 2, "index": 4, "path": "fallback", "sdpa_backend": None},
+    ]
+    assert d["appeared"] == [
+        {"module": "new", "occurrence": 0, "index": 2, "path": "sdpa", "sdpa_backend": "MATH"},
+        {"module": "0new", "occurrence": 0, "index": 3, "path": "sdpa", "sdpa_backend": None},
+    ]
+    assert d["summary"] == (
+        "torch 1.0 (5 calls) → 2.0 (4 calls): Q/K/V layout changed in 1 call; SDPA backend changed in 2 calls; "
+        "aten kernels changed in 1 call; attn mask changed in 1 call; "
+        "dtype changed in 1 call; nan count changed in 1 call; need weights changed in 1 call; path changed in "
+        "1 call; why not a faster kernel changed in 1 call; why not fast changed in 1 call; |K| weight changed in "
+        "1 call; |Q| bias changed in 1 call; |V| weight changed in 1 call; |dQ| bias_grad changed in 1 call; "
+        "|dV| grad changed in 1 call; 2 call(s) appeared; 3 call(s) vanished"
+    )
+    # a wider rtol keeps the 5 % norm change of K but not the 0.005 % one of Q; NaN against a number moves
+    wide = diff_traces(a, b, rtol=0.04)
+    assert [c["field"] for c in wide["changed"][0]["changes"] if c["kind"] == "norm"] == [
+        "qkv.q.bias_norm", "qkv.k.weight_norm", "qkv.v.weight_norm", "gradients.q.bias_grad_norm"]  # fmt: skip
+    # B's gradient record seen from the other side: a gradient on A's side only is a change too
+    swapped = {c["field"]: (c["was"], c["became"]) for c in diff_traces(b, a)["changed"][1]["changes"]}
+    assert swapped["gradients.v.grad_norm"] == (7.0, None)
+    b["calls"][2]["qkv"]["q"]["activation_norm"] = 1.0
+    fields = [c["field"] for c in diff_traces(a, b)["changed"][0]["changes"]]
+    assert "qkv.q.activation_norm" in fields and "qkv.q.weight_norm" not in fields
+    same = diff_traces(a, a)
+    assert (same["changed"], same["appeared"], same["vanished"]) == ([], [], [])
+    assert same["summary"] == "torch 1.0 (5 calls) → 1.0 (5 calls): no change in what ran"
+    one = {"schema": "qkvtrace.trace/1", "torch_version": "x", "calls": [{"index": 0, "module": "m"}]}
+    assert diff_traces(one, one)["summary"] == "torch x (1 call) → x (1 call): no change in what ran"
+
+
+@pytest.mark.parametrize("side", ["A", "B"])
+def test_a_document_that_is_not_a_trace_is_refused_with_its_name(side: str) -> None:
+    """Witness: a report-schema document written here, given as trace A or as trace B."""
+    from qkvtrace.errors import SchemaError
+    from qkvtrace.tracediff import is_trace
+
+    trace = {"schema": "qkvtrace.trace/1", "calls": []}
+    other = {"schema": "qkvtrace.report/1"}
+    args = (other, trace) if side == "A" else (trace, other)
+    with pytest.raises(SchemaError) as raised:
+        diff_traces(*args)
+    assert str(raised.value) == f"trace {side}: expected a qkvtrace.trace file, got 'qkvtrace.report/1'"
+    assert is_trace(trace) and not is_trace(other) and not is_trace([trace]) and not is_trace({})
+
+
+@pytest.mark.parametrize(("was", "became"), [(1.0, 2.0), (2.0, 1.0), (1e-6, 2e-6)])
+def test_a_norm_moves_only_beyond_rtol_of_the_larger_value(was: float, became: float) -> None:
+    """|a - b| > rtol · max(|a|, |b|): at rtol = 0.5 the halving or doubling sits exactly on the boundary (not a
+    change), at 0.4 it is one -- for values near 1 and near 0, either way round.
+
+    Witness: the rule docs/compare.md states, applied here to exactly representable values.
+    """
+
+    def doc(norm: float) -> dict[str, Any]:
+        return {"schema": "qkvtrace.trace/1", "torch_version": "x", "gradients": [],
+                "calls": [{"index": 0, "module": "m", "qkv": {"q": {"weight_norm": norm}}}]}  # fmt: skip
+
+    assert diff_traces(doc(was), doc(became), rtol=0.5)["changed"] == []
+    [call] = diff_traces(doc(was), doc(became), rtol=0.4)["changed"]
+    assert [(c["field"], c["was"], c["became"]) for c in call["changes"]] == [("qkv.q.weight_norm", was, became)]
