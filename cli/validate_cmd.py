@@ -46,24 +46,17 @@ def run_validate(args: argparse.Namespace, console: Console) -> int:
     for path in args.files:
         if path.is_dir() and (path / "report.json").is_file():
             path = path / "report.json"
-        if path.suffix == ".jsonl" and path.is_file():  # a long run's stream: every line checked
-            try:
-                lines, _ = read_stream(path)
-            except QkvtraceError as exc:
-                if args.debug:
-                    raise
-                bad += 1
-                print(f"qkvtrace validate: error: {exc}", file=sys.stderr)
-                continue
-            console.print(f"{path}: ok ({len(lines)} lines, {STREAM_SCHEMA})", markup=False, soft_wrap=True)
-            continue
         try:
-            data = load_json(path, args.schema)
+            if path.suffix == ".jsonl" and path.is_file():  # a long run's stream: every line checked
+                lines, _ = read_stream(path)
+                said = f"{len(lines)} lines, {STREAM_SCHEMA}"
+            else:
+                said = load_json(path, args.schema)["schema"]
         except QkvtraceError as exc:
             if args.debug:
                 raise
             bad += 1
             print(f"qkvtrace validate: error: {exc}", file=sys.stderr)
             continue
-        console.print(f"{path}: ok ({data['schema']})", markup=False, soft_wrap=True)
+        console.print(f"{path}: ok ({said})", markup=False, soft_wrap=True)
     return 2 if bad else 0

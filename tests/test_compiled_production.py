@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 from _witness import learn_kernel_backends
+from test_compiled import Counting
 from torch import nn
 
 import qkvtrace
@@ -29,18 +30,6 @@ from qkvtrace.demos import demo_tiny_lm
 needs_compiler = pytest.mark.skipif(
     not any(shutil.which(c) for c in ("g++", "c++", "clang++")), reason="inductor needs a C++ compiler on the CPU"
 )
-
-
-class Counting:
-    """A backend that counts the graphs Dynamo compiles, then compiles them with PyTorch's ``name`` backend."""
-
-    def __init__(self, name: str) -> None:
-        self.graphs = 0
-        self.inner = torch._dynamo.lookup_backend(name)
-
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-        self.graphs += 1
-        return self.inner(gm, example_inputs)
 
 
 def _run(compiled: nn.Module, tokens: torch.Tensor, train: bool) -> torch.Tensor:
