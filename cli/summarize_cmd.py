@@ -9,7 +9,7 @@ from typing import Any
 
 from rich.console import Console
 
-from qkvtrace.health import ENTROPY_ALERT, ENTROPY_DROP, LOGIT_ALERT, LOGIT_GROWTH, alert, series_of
+from qkvtrace.health_alerts import ENTROPY_ALERT, ENTROPY_DROP, LOGIT_ALERT, LOGIT_GROWTH, alert, series_of
 from qkvtrace.render.terminal import Col, records_view
 from qkvtrace.streams import read_stream
 

@@ -229,7 +229,10 @@ def signature(module: nn.Module, qkv: Sequence[Any]) -> Hashable:
         offset = t.storage_offset() if base is None else t.storage_offset() % max(width, 1)
         out.append((t.dim(), t.dtype, t.shape[-1] if t.dim() else None, base is None, width,
                     tuple(st for st in t.stride() if st < width), offset, tuple(chain)))  # fmt: skip
-        bases.append(int(t.data_ptr() - t.storage_offset() * t.element_size()))  # where its storage starts
+        try:
+            bases.append(int(t.data_ptr() - t.storage_offset() * t.element_size()))  # where its storage starts
+        except RuntimeError:  # a fake tensor (a compiler or export tracing): no storage to compare
+            bases.append(None)
     q, k, v = bases
     out.append((q == k, k == v, q == v))
     return tuple(out)

@@ -35,7 +35,14 @@ def _attention_ops(module: nn.Module, x: torch.Tensor, **kwargs: object) -> list
 def _live_storages() -> int:
     """How many distinct tensor storages the Python objects alive now hold (tracemalloc does not see them)."""
     gc.collect()
-    return len({o.untyped_storage().data_ptr() for o in gc.get_objects() if isinstance(o, torch.Tensor)})
+    found = set()
+    for o in gc.get_objects():
+        if isinstance(o, torch.Tensor):
+            try:
+                found.add(o.untyped_storage().data_ptr())
+            except RuntimeError:  # a fake tensor an earlier compiled test left alive holds no storage
+                continue
+    return len(found)
 
 
 def test_a_long_run_reports_exactly_the_steps_where_attention_changed(tmp_path: Path) -> None:

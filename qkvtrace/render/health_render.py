@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from qkvtrace.health import alert, series_of
+from qkvtrace.health_alerts import alert, series_of
 from qkvtrace.render.html_parts import esc, fragment
 
 __all__ = ["curve_svg", "health_html", "health_page"]
