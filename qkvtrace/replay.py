@@ -62,7 +62,7 @@ class _Stop(BaseException):
 class _Capture:
     """One replay in progress on this thread."""
 
-    __slots__ = ("copies", "exact", "holders", "layout", "real", "result", "target")
+    __slots__ = ("copies", "holders", "layout", "real", "result", "target")
 
     def __init__(self, target: nn.Module, holders: list[nn.Module], real: Sequence[torch.Tensor],
                  layout: Hashable) -> None:  # fmt: skip
@@ -71,8 +71,6 @@ class _Capture:
         self.real = real
         self.layout = layout
         self.result: Projection | str | None = None
-        #: whether ``result`` is from a call whose Q, K, V equal the real call's
-        self.exact = False
         self.copies: set[int] = set()
 
 
@@ -81,23 +79,21 @@ def active() -> bool:
     return getattr(_local, "capture", None) is not None
 
 
-def offer(module: nn.Module | None, qkv: Sequence[Any]) -> None:
-    """A kernel call made during a replay, by ``module`` (``None``: look on the stack) with ``qkv``.
+def offer(qkv: Sequence[Any]) -> None:
+    """A kernel call made during a replay with ``qkv``, by the innermost copied module on the stack.
 
     The call the replay was run for ends the replay; any other returns and runs as written.
     """
     cap: _Capture | None = getattr(_local, "capture", None)
     if cap is None:
         return
-    if module is None:
-        module = _owner_on_stack(sys._getframe(1), cap)
+    module = _owner_on_stack(sys._getframe(1), cap)
     if module is not cap.target or len(qkv) != 3 or not all(isinstance(t, torch.Tensor) for t in qkv):
         return
     from qkvtrace import dataflow
 
     if all(_equal(a, b) for a, b in zip(qkv, cap.real, strict=True)):
         cap.result = dataflow.derive_projection(qkv, cap.holders, EVIDENCE)
-        cap.exact = True
         raise _Stop
     if cap.result is None and _layout(qkv) == cap.layout:  # kept unless a later call is the same exactly
         cap.result = dataflow.derive_projection(qkv, cap.holders, EVIDENCE_LAYOUT)

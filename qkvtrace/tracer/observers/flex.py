@@ -76,7 +76,7 @@ def observe_flex(original: Callable[..., Any], args: tuple[Any, ...], kwargs: di
     if not registry.is_active():
         return original(*args, **kwargs)
     if replay.active():  # a module run again to read its rows: the call it was run for ends the run
-        replay.offer(None, [arg(args, kwargs, _FLEX_ARGS, n) for n in ("query", "key", "value")])
+        replay.offer([arg(args, kwargs, _FLEX_ARGS, n) for n in ("query", "key", "value")])
         return original(*args, **kwargs)
     found = registry.owner_module(sys._getframe(1))
     if found is None:

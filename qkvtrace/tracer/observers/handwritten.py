@@ -530,6 +530,6 @@ def _product(nodes: dict[int, _Node], name: str, args: tuple[Any, ...], kwargs: 
 
 def _record(node: _Node, form: tuple[str, ...], v: torch.Tensor, out: torch.Tensor) -> None:
     if replay.active():  # a module run again to read its rows: the call it was run for ends the run
-        replay.offer(None, (node.q, node.k, v))
+        replay.offer((node.q, node.k, v))
         return
     record(node, form, v, out, node.heads or _folded(_state(), v))

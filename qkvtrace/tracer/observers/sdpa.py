@@ -114,7 +114,7 @@ def observe_sdpa(original: Callable[..., Any], args: tuple[Any, ...], kwargs: di
     if not registry.is_active():
         return redispatch_sdpa(original, args, kwargs)
     if replay.active():  # a module run again to read its rows: the call it was run for ends the run
-        replay.offer(None, [arg(args, kwargs, _SDPA_ARGS, n) for n in ("query", "key", "value")])
+        replay.offer([arg(args, kwargs, _SDPA_ARGS, n) for n in ("query", "key", "value")])
         return redispatch_sdpa(original, args, kwargs)
     relevant = relevant_overrides(args, kwargs)
     if torch.overrides.has_torch_function(relevant):
