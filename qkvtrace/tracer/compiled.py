@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from qkvtrace.records import CompiledAttention
-from qkvtrace.tracer import compiled_sdpa, registry
+from qkvtrace.tracer import compiled_code, compiled_sdpa, registry
 from qkvtrace.tracer.build import dtype_name
 from qkvtrace.tracer.observers import handwritten
 
@@ -81,12 +81,8 @@ _BETWEEN = {
     "dropout", "_dropout", "clone", "squeeze", "unsqueeze", "half", "bfloat16", "dropout_",
 }  # fmt: skip
 _MASKING = {"add", "__add__", "iadd", "__iadd__", "sub", "masked_fill", "masked_fill_", "where"}
-_SOURCE = re.compile(r"#\s*(?:Topologically Sorted )?Source Nodes: \[(.*?)\]")
-_CALLEE = re.compile(r"((?:torch\.ops\.)?aten\.[\w.]+|extern_kernels\.\w+)\(|^\s*((?:cpp|triton|cuda)_\w+)(?:\.run)?\(")
-_BUFFER = re.compile(r"\bbuf\d+\b")
 #: the head of a module path in Dynamo's module stacks: the compiled frame's local that holds it
 _LOCAL = re.compile(r"L\['([^']+)'\]")
-_REUSE = re.compile(r"\s*(buf\d+) = (?:reinterpret_tensor\()?(buf\d+)\b[^;]*;\s*del \2\b")
 
 
 def _name(target: Any) -> str:
@@ -105,6 +101,13 @@ class _Pending:
     entry: str
     #: the device of its tensors, whose kernel-to-backend table names the SDPA backend
     device: str
+    #: its nodes also by the names they were made under (AOTAutograd's graphs name the Dynamo nodes so)
+    names: frozenset[str] = frozenset()
+    #: the Dynamo nodes computed from its output (their backward is not attention's)
+    after: frozenset[str] = frozenset()
+    #: positions, in the tuple inductor's forward code returns, of what its forward calls made or read
+    saved: set[int] | None = None
+    returned: int = 0
     records: list[tuple[Trace, CompiledAttention]] = field(default_factory=list)
 
 
@@ -392,7 +395,7 @@ def _read_dynamo(key: tuple[Any, Any], frame: types.FrameType | None) -> None:
         if op is None or op.owner is None:
             continue
         shapes, dtypes, device = _tensors(op.inputs)
-        pending = _Pending(op.nodes, op.entry, device)
+        pending = _Pending(op.nodes, op.entry, device, *_names_and_after(gm, op.nodes))
         chosen = compiled_sdpa.backend_of_node(node) if _ENTRY.get(_name(node.target)) == "sdpa" else None
         for t in traces:
             module = t.name_of(op.owner)
@@ -417,6 +420,26 @@ def _read_dynamo(key: tuple[Any, Any], frame: types.FrameType | None) -> None:
                 t.drop_compiled(record)
         if found:
             _graphs[key] = found
+
+
+def _names_and_after(gm: Any, nodes: tuple[str, ...]) -> tuple[frozenset[str], frozenset[str]]:
+    """The operation's nodes by their names and by the names they were made under (``source_fn_stack``), and
+    the names of every node computed from its last node."""
+    by_name = {n.name: n for n in gm.graph.nodes}
+    names = set(nodes)
+    for name in nodes:
+        for entry in by_name[name].meta.get("source_fn_stack") or () if name in by_name else ():
+            if isinstance(entry, tuple) and entry and isinstance(entry[0], str):
+                names.add(entry[0])
+    after: set[str] = set()
+    frontier = [by_name[nodes[-1]]] if nodes[-1] in by_name else []
+    while frontier:
+        node = frontier.pop()
+        for user in node.users:
+            if user.name not in after and user.op != "output":
+                after.add(user.name)
+                frontier.append(user)
+    return frozenset(names), frozenset(after - set(nodes))
 
 
 def _written(node: Any) -> str:
@@ -459,7 +482,7 @@ def _read_aot(key: tuple[Any, Any], event: str, frame: types.FrameType | None) -
     aten = [(set(_source_names(n)), op) for n in gm.graph.nodes
             if n.op == "call_function" and _interesting(op := _op_name(n.target))]  # fmt: skip
     for p in pending:
-        ops = list(dict.fromkeys(op for sources, op in aten if sources & set(p.nodes)))
+        ops = [op for sources, op in aten if sources & p.names]  # each call, in the graph's order
         if not ops:
             continue
         for _, record in p.records:
@@ -470,7 +493,8 @@ def _read_aot(key: tuple[Any, Any], event: str, frame: types.FrameType | None) -
                 _backend_from(record, ops, p.device)
                 written_kernel = "scaled_dot_product" in record.written or record.entry == "flex"
                 if written_kernel and not any(k in op for op in ops for k in ("attention", "flex")):
-                    record.rewritten = f"decomposed into ATen ops ({', '.join(ops)}): no attention kernel is called"
+                    record.rewritten = (f"decomposed into ATen ops ({', '.join(dict.fromkeys(ops))}): no attention "
+                                       "kernel is called")
 
 
 def _op_name(target: Any) -> str:
@@ -493,91 +517,37 @@ def _backend_from(record: CompiledAttention, ops: list[str], device: str) -> Non
         record.sdpa_backend = backend
 
 
-def _code_calls(body: str) -> list[tuple[str, list[str], list[str], list[str]]]:
-    """``(callee, source nodes, buffers written, buffers read)`` of every call the generated
-    ``call`` (``body``: its code) makes. Inductor comments the extern kernels and ATen fallbacks it calls with the
-    Dynamo nodes they came from; the kernels it generates carry no such comment on the CPU, so those are tied to
-    attention by the buffers they share with the commented calls (:func:`_read_code`)."""
-    calls = []
-    sources: list[str] = []
-    alias: dict[str, str] = {}  # inductor reuses buffers: ``buf4 = buf2; del buf2  # reuse`` (or a reinterpret_tensor)
-    for line in body.splitlines():
-        reuse = _REUSE.match(line)
-        if reuse:
-            alias[reuse.group(1)] = alias.get(reuse.group(2), reuse.group(2))
-            continue
-        m = _SOURCE.search(line)
-        if m:
-            sources = [x.strip() for x in m.group(1).split(",") if x.strip()]
-            continue
-        if line.lstrip().startswith("#"):
-            continue
-        c = _CALLEE.search(line)
-        if c is None:
-            continue
-        callee = _op_name(c.group(1) or c.group(2))
-        buffers = [alias.get(b, b) for b in _BUFFER.findall(line)]
-        written = _BUFFER.findall(line.split("=", 1)[0]) if re.match(r"\s*buf\d+\s*=", line) else []
-        written += _BUFFER.findall(line.split("out=", 1)[1]) if "out=" in line else []
-        written = [alias.get(b, b) for b in written]
-        generated = c.group(2) is not None
-        calls.append((callee, [] if generated else sources, written, [b for b in buffers if b not in written]))
-        sources = []  # a comment describes the one call after it
-    return calls
-
-
-def _read_code(key: tuple[Any, Any], code: str) -> None:
+def _read_code(key: tuple[Any, Any], text: str) -> None:
     with _lock:
         pending = list(_graphs.get(key, ()))
-    if not pending or not code:
+    if not pending or not text:
         return
-    body = code.split("def call(", 1)[-1]
-    calls = _code_calls(body)
-    # a backward graph takes the incoming gradients (``tangents_1``, ...), a forward one never does
-    is_backward = "tangents_" in body.split("\n", 3)[1]
-    # a commented call whose nodes several attention operations claim belongs to the one named last
-    owner: dict[int, int] = {}
-    for i, (_, srcs, _, _) in enumerate(calls):
-        claims = [(max(srcs.index(n) for n in p.nodes if n in srcs), j) for j, p in enumerate(pending)
-                  if set(p.nodes) & set(srcs)]  # fmt: skip
-        if claims:
-            owner[i] = max(claims)[1]
-    # the SDPA kernel inductor's pattern matcher puts in place of a hand-written attention names none of its
-    # nodes (only those of the views before it): such kernels go, in order, to the hand-written operations none
-    # of whose calls remain
-    orphans = [i for i, (callee, _, _, _) in enumerate(calls)
-               if i not in owner and "scaled_dot_product" in callee and callee.startswith("aten.")]  # fmt: skip
-    vanished = [j for j, p in enumerate(pending) if len(p.nodes) > 1 and j not in owner.values()]
-    for i, j in zip(orphans, vanished, strict=False):  # a kernel or an operation left over stays unpaired
-        owner[i] = j
-    # FlexAttention compiles into a kernel inductor generates from its template, named after the op
-    templates = [i for i, (callee, srcs, _, _) in enumerate(calls) if not srcs and "flex_attention" in callee]
-    flex = [j for j, p in enumerate(pending) if p.entry == "flex" and j not in owner.values()]
-    for i, j in zip(templates, flex, strict=False):
-        owner[i] = j
-    for j, p in enumerate(pending):
-        first, last = p.nodes[0], p.nodes[-1]
-        mine = {i for i, o in owner.items() if o == j}
-        if len(p.nodes) > 1:  # generated code between the scores and the output matmul: the softmax and its kin
-            made = {b for i in mine if first in calls[i][1] for b in calls[i][2]}
-            used = {b for i in mine if last in calls[i][1] for b in calls[i][3]}
-            for i, (_, srcs, written, read) in enumerate(calls):
-                if not srcs and made & set(read + written) and used & set(read + written):
-                    mine.add(i)
-        chosen = [calls[i] for i in sorted(mine)]
-        names = [callee for callee, *_ in chosen]
+    code = compiled_code.parse(text)
+    operations = [compiled_code.Operation(p.nodes, p.entry, p.after) for p in pending]
+    if code.is_backward:
+        chosen = compiled_code.backward(code, operations, [p.saved for p in pending], pending[0].returned)
+    else:
+        chosen = compiled_code.forward(code, operations)
+    for p, mine in zip(pending, chosen, strict=True):
+        names = [code.calls[i].callee for i in mine]
+        if not code.is_backward:
+            p.saved = compiled_code.saved_positions(code, mine)
+            p.returned = len(code.returned)
         for _, record in p.records:
             record.compiler = "inductor"
-            if is_backward:
+            if code.is_backward:
                 record.backward = names
             else:
                 record.runs = names
                 _backend_from(record, names, p.device)
                 _rewrites(record, names)
-                if not chosen and len(p.nodes) > 1:
+                if not mine and len(p.nodes) > 1:
                     record.rewritten = "inductor rewrote it: no call in the generated code comes from its nodes"
-            where = "backward" if is_backward else "forward"
-            record.evidence.append(f"inductor {where} code: {', '.join(names) or 'no call named for it'}")
+            if code.is_backward:
+                said = "calls reading what its forward calls made or read"
+                record.evidence.append(f"inductor backward code, {said}: {', '.join(names) or 'none'}")
+            else:
+                record.evidence.append(f"inductor forward code: {', '.join(names) or 'no call named for it'}")
 
 
 def _rewrites(record: CompiledAttention, kernels: list[str]) -> None:

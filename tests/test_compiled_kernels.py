@@ -1,0 +1,148 @@
+"""Which kernels of inductor's code a compiled attention record lists: those that compute attention, all of them.
+
+Witnesses, obtained here without qkvtrace, on an untraced run of the same model compiled with inductor:
+
+* inductor's own generated code (``torch._inductor.utils.run_and_get_code``), read by the test: in this model
+  every ``bmm`` is attention's (the projections are ``Linear``: ``addmm`` forward, ``mm`` backward), and every
+  generated kernel named after ``_softmax_backward_data`` is the backward of an attention's softmax;
+* ``torch.profiler`` on a second run, forward and backward: the ``aten::bmm`` calls and the SDPA kernels run.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import qkvtrace
+
+pytestmark = pytest.mark.skipif(
+    not any(shutil.which(c) for c in ("g++", "c++", "clang++")), reason="inductor needs a C++ compiler on the CPU"
+)
+
+E, H, B, T = 16, 4, 2, 6
+D = E // H
+
+
+class Block(nn.Module):
+    """A packed Q/K/V projection, an attention written one of three ways, an output projection."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.qkv = nn.Linear(E, 3 * E)
+        self.out = nn.Linear(E, E)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(B, T, 3, H, D).permute(2, 0, 3, 1, 4)
+        if self.kind == "by_hand":
+            y = (q @ k.transpose(-2, -1) / math.sqrt(D)).softmax(-1) @ v
+        elif self.kind == "dropout":  # SDPA with dropout on the CPU: inductor decomposes it into bmm
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=0.25 if self.training else 0.0)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(B, T, E))
+
+
+def _model() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(Block("by_hand"), nn.GELU(), Block("dropout"), nn.GELU(), Block("fused")).train()
+    return model, torch.randn(B, T, E)
+
+
+def _step(compiled: nn.Module, x: torch.Tensor) -> None:
+    compiled(x).sum().backward()
+
+
+def _calls(code: str) -> list[str]:
+    """The test's own reading of a generated ``call``: the callee of each line that calls a kernel."""
+    body = code.split("def call(", 1)[1].split("\ndef ", 1)[0]
+    found = []
+    for line in body.splitlines():
+        m = re.match(r"\s*(?:buf\d+ = )?(extern_kernels\.\w+|torch\.ops\.aten\.[\w.]+|cpp_\w+)\(", line)
+        if m:
+            found.append(m.group(1).removeprefix("torch.ops.").removesuffix(".default"))
+    return found
+
+
+def test_runs_and_backward_list_attention_kernels_and_only_those() -> None:
+    """Witness: inductor's generated code and the profiler of an untraced run of the same compiled model (see the
+    module docstring). Faults caught: the output projection's ``addmm`` (whose inductor comment names the
+    attention output as a fused view) listed in ``runs``; the layout copy after attention listed; a backward
+    list missing the bmm, softmax-backward or SDPA-backward kernels the generated code calls for attention (it
+    listed one ``bmm`` of four, and nothing for a decomposed dropout SDPA); a projection's gradient ``mm`` listed."""
+    from torch._inductor.utils import run_and_get_code
+
+    model, x = _model()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="inductor")
+    _, codes = run_and_get_code(_step, compiled, x)
+    with torch.profiler.profile() as prof:
+        _step(compiled, x)
+    profiled = [e.name for e in prof.events()]
+    forward_code = next(c for c in codes if "tangents_" not in c.split("def call(", 1)[1].split("\n", 3)[1])
+    backward_code = next(c for c in codes if "tangents_" in c.split("def call(", 1)[1].split("\n", 3)[1])
+    forward, backward = _calls(forward_code), _calls(backward_code)
+
+    torch._dynamo.reset()
+    with qkvtrace.trace(model) as t:
+        _step(torch.compile(model, backend="inductor"), x)
+    torch._dynamo.reset()
+    ops = {op.module: op for op in t.result.compiled}
+    assert set(ops) == {"0", "2", "4"}, ops
+    runs = [k for op in ops.values() for k in op.runs]
+    back = [k for op in ops.values() for k in op.backward]
+
+    # nothing a projection computes: addmm forward, mm backward
+    assert not [k for k in runs if "addmm" in k or k.endswith(".mm")], runs
+    assert not [k for k in back if "addmm" in k or k.endswith(".mm")], back
+    # every bmm of the generated code, forward and backward, is attention's: all listed, each under one record
+    assert runs.count("extern_kernels.bmm") == forward.count("extern_kernels.bmm")
+    assert back.count("extern_kernels.bmm") == backward.count("extern_kernels.bmm") > 0
+    assert runs.count("extern_kernels.bmm") + back.count("extern_kernels.bmm") == profiled.count("aten::bmm")
+    # every softmax backward inductor generated, and every SDPA kernel forward and backward, is listed
+    softmax_back = [k for k in backward if k.startswith("cpp_") and "_softmax_backward_data" in k]
+    assert softmax_back and sorted(k for k in back if k in softmax_back) == sorted(softmax_back)
+    for kernel in {k for k in forward + backward if k.startswith("aten._scaled_dot_product")}:
+        assert ("aten::" + kernel.removeprefix("aten.")) in profiled
+        assert (back if "backward" in kernel else runs).count(kernel) == (backward if "backward" in kernel
+                                                                          else forward).count(kernel)  # fmt: skip
+    # each record's backward holds the backward of its own forward kernels
+    fused = ops["4"]
+    if any("_scaled_dot_product" in k for k in fused.runs):
+        assert any("_scaled_dot_product" in k and "backward" in k for k in fused.backward), fused.backward
+    for name in ("0", "2"):
+        if "extern_kernels.bmm" in ops[name].runs:  # decomposed: two bmm forward, four backward
+            assert ops[name].runs.count("extern_kernels.bmm") == 2, ops[name].runs
+            assert ops[name].backward.count("extern_kernels.bmm") == 4, ops[name].backward
+            assert any("_softmax_backward_data" in k for k in ops[name].backward), ops[name].backward
+
+
+def test_aot_eager_lists_every_attention_op_forward_and_backward() -> None:
+    """Witness: torch.profiler on an untraced second run of the same model compiled with aot_eager, forward and
+    backward: every ``aten::bmm`` (only attention calls bmm here), ``aten::_softmax_backward_data`` and SDPA
+    kernel it shows. Faults caught: a list with each op once however often it runs; a backward list empty because
+    AOTAutograd's backward graph names the SDPA node by the name it was made under, not Dynamo's final name."""
+    model, x = _model()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager")
+    _step(compiled, x)
+    with torch.profiler.profile() as prof:
+        _step(compiled, x)
+    profiled = [e.name.removeprefix("aten::") for e in prof.events() if e.name.startswith("aten::")]
+    torch._dynamo.reset()
+    with qkvtrace.trace(model) as t:
+        _step(torch.compile(model, backend="aot_eager"), x)
+    torch._dynamo.reset()
+    ops = {op.module: op for op in t.result.compiled}
+    assert set(ops) == {"0", "2", "4"} and all(op.compiler == "aot" for op in ops.values()), ops
+    listed = [k.removeprefix("aten.") for op in ops.values() for k in op.runs + op.backward]
+    assert all(op.backward for op in ops.values()), {m: op.backward for m, op in ops.items()}
+    for kernel in {k for k in profiled if k == "bmm" or k == "_softmax_backward_data" or ("_scaled_dot_product" in k
+                   and not k.startswith("_scaled_dot_product_attention"))}:  # fmt: skip
+        assert listed.count(kernel) == profiled.count(kernel), (kernel, listed, profiled.count(kernel))
