@@ -364,9 +364,10 @@ class Unobserved:
 
 @dataclass(slots=True)
 class CompiledAttention:
-    """One attention operation in a graph ``torch.compile`` made while the trace was open.
+    """One attention operation in a graph ``torch.compile`` made, while the trace was open or before it.
 
-    Read from PyTorch's own compile log: the FX graph Dynamo captured (module,
+    Read from PyTorch's own compile log (or, for a graph compiled before the trace opened, from Dynamo's cache
+    entry, which holds the same graph and code): the FX graph Dynamo captured (module,
     the function as written, shapes), the ATen graph AOTAutograd made of it and
     the code inductor generated (what actually runs). Made once per graph, at
     compile time: compiled code runs with no Python between its kernels, so how
@@ -418,7 +419,7 @@ class TraceResult:
     warnings: list[str] = field(default_factory=list)
     #: Gradient routes into each call's Q, K, V, per call and backward pass.
     routes: list[RouteRecord] = field(default_factory=list)
-    #: Attention operations in graphs ``torch.compile`` made while the trace was open.
+    #: Attention operations in graphs ``torch.compile`` made while the trace was open or before it.
     compiled: list[CompiledAttention] = field(default_factory=list)
 
     def to_dict(self, *, maps: bool = False) -> dict[str, Any]:

@@ -55,6 +55,17 @@ def _model() -> tuple[nn.Module, torch.Tensor]:
     return model, torch.randn(B, T, E)
 
 
+class Net(nn.Module):
+    """The same blocks in a model of the user's own class (Dynamo compiles its ``forward``)."""
+
+    def __init__(self, layers: nn.Module) -> None:
+        super().__init__()
+        self.layers = layers
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x) * 2
+
+
 def _step(compiled: nn.Module, x: torch.Tensor) -> None:
     compiled(x).sum().backward()
 
@@ -146,3 +157,58 @@ def test_aot_eager_lists_every_attention_op_forward_and_backward() -> None:
     for kernel in {k for k in profiled if k == "bmm" or k == "_softmax_backward_data" or ("_scaled_dot_product" in k
                    and not k.startswith("_scaled_dot_product_attention"))}:  # fmt: skip
         assert listed.count(kernel) == profiled.count(kernel), (kernel, listed, profiled.count(kernel))
+
+
+def _unique_graphs() -> int:
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
+@pytest.mark.parametrize("own_class", [False, True], ids=["sequential", "own-class"])
+@pytest.mark.parametrize("traced", ["model", "compiled"])
+@pytest.mark.parametrize("backend", ["inductor", "aot_eager", "eager"])
+def test_graphs_compiled_and_run_before_the_trace_are_recorded(backend: str, traced: str, own_class: bool) -> None:
+    """The usual way: compiled and warmed up (forward and backward), then a trace opened around one more step.
+    Witnesses: torch.profiler on an untraced step of the same compiled model (the ``aten::bmm`` calls, which only
+    attention makes here, and the SDPA kernels, forward and backward); Dynamo's ``unique_graphs`` counter before,
+    during and after the trace; the untraced step's output under the same seed. Faults caught: graphs compiled
+    before the trace listed unobserved (nothing was recorded), a recompile, an output changed."""
+    model, x = _model()
+    if own_class:
+        model = Net(model)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend)
+    _step(compiled, x)  # compiled and run before the trace
+    torch.manual_seed(1)
+    with torch.profiler.profile() as prof:
+        expected = compiled(x)
+        expected.sum().backward()
+    profiled = [e.name.removeprefix("aten::") for e in prof.events() if e.name.startswith("aten::")]
+    graphs = _unique_graphs()
+    with qkvtrace.trace(model if traced == "model" else compiled) as t:
+        torch.manual_seed(1)
+        out = compiled(x)
+        out.sum().backward()
+        during = _unique_graphs()
+    _step(compiled, x)
+    after = _unique_graphs()
+    torch._dynamo.reset()
+    assert torch.equal(out, expected)
+    assert graphs == during == after, (graphs, during, after)
+    ops = {op.module.removeprefix("layers."): op for op in t.result.compiled}
+    assert set(ops) == {"0", "2", "4"}, ops
+    assert not t.result.unobserved, t.result.unobserved
+    assert all("compiled before the trace opened" in op.evidence[0] for op in ops.values())
+    assert ops["0"].entry == "hand_written" and ops["4"].entry == ops["2"].entry == "sdpa"
+    if backend == "eager":  # the graph runs as captured: PyTorch picks the SDPA kernel when it runs
+        kernels = [k for k in profiled if k.startswith("_scaled_dot_product") and "backward" not in k]
+        backend_of = {"_scaled_dot_product_flash_attention_for_cpu": "FLASH_ATTENTION",
+                      "_scaled_dot_product_attention_math": "MATH"}  # fmt: skip
+        assert [ops["2"].sdpa_backend, ops["4"].sdpa_backend] == [backend_of[k] for k in kernels], kernels
+        return
+    listed = [k.removeprefix("aten.").removeprefix("extern_kernels.") for op in ops.values()
+              for k in op.runs + op.backward]  # fmt: skip
+    assert all(op.backward for op in ops.values()), {m: op.backward for m, op in ops.items()}
+    assert listed.count("bmm") == profiled.count("bmm") > 0
+    for kernel in {k for k in profiled if k.startswith("_scaled_dot_product") and "attention_math" not in k
+                   and k != "_scaled_dot_product_attention"}:  # fmt: skip
+        assert kernel in listed, (kernel, listed)

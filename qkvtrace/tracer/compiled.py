@@ -47,7 +47,8 @@ from qkvtrace.tracer.observers import handwritten
 if TYPE_CHECKING:
     from qkvtrace.tracer.session import Trace
 
-__all__ = ["RUNTIME_NOT_OBSERVED", "listening"]
+__all__ = ["RUNTIME_NOT_OBSERVED", "forget", "listening", "module_at", "read_aot", "read_code", "record_graph",
+           "root_name"]
 
 RUNTIME_NOT_OBSERVED = (
     "not observed: compiled code runs its kernels with no Python between them; a counting hook added after "
@@ -142,7 +143,7 @@ class _Handler(logging.Handler):
             elif event in _AOT:
                 _read_aot(key, event, sys._getframe(1))
             else:
-                _read_code(key, getattr(record, "payload", None) or "")
+                read_code(key, getattr(record, "payload", None) or "")
         except Exception as e:  # never into the compiler: what could not be read is said in the trace
             for t in registry.open_traces():
                 t.note(f"a torch.compile log event could not be read ({type(e).__name__}: {e})")
@@ -230,7 +231,7 @@ def _graph_module(frame: types.FrameType | None, event: str = _DYNAMO) -> tuple[
     return gm, (owner if type(owner).__name__ == "OutputGraph" else None)
 
 
-def _module_at(path: str, scope: dict[str, Any]) -> nn.Module | None:
+def module_at(path: str, scope: dict[str, Any]) -> nn.Module | None:
     """Follow ``L['self'].layers[0].attn`` from the compiled frame's locals to the module object."""
     head = _LOCAL.match(path)
     if head is None:
@@ -253,12 +254,12 @@ def _owner(node: Any, scope: dict[str, Any], root: str) -> nn.Module | None:
     stack = node.meta.get("nn_module_stack")
     if stack:
         path = list(stack.values())[-1][0]
-        return _module_at(path, scope) if isinstance(path, str) else None
+        return module_at(path, scope) if isinstance(path, str) else None
     obj = scope.get(root)
     return obj if isinstance(obj, nn.Module) else None
 
 
-def _root_name(gm: Any) -> str:
+def root_name(gm: Any) -> str:
     """The frame's local that holds its module (``self``, or what the method calls it), as the module stacks
     of the graph's nodes name it."""
     for node in gm.graph.nodes:
@@ -384,10 +385,16 @@ def _read_dynamo(key: tuple[Any, Any], frame: types.FrameType | None) -> None:
     gm, og = _graph_module(frame)
     if gm is None:
         return
-    scope = getattr(og, "local_scope", None) or {}
-    root = _root_name(gm)
     ident = threading.get_ident()
     traces = [t for t in registry.open_traces() if t.thread in (None, ident)]
+    record_graph(key, gm, getattr(og, "local_scope", None) or {}, traces, f"Dynamo graph {key[0]}/{key[1]}")
+
+
+def record_graph(key: tuple[Any, Any], gm: Any, scope: dict[str, Any], traces: list[Trace], said: str) -> None:
+    """Record each attention operation of Dynamo's graph ``gm`` in each trace that holds its module; ``scope``:
+    the compiled frame's locals (module paths in the graph start at one of them); ``said``: where the graph was
+    read, for the records' evidence."""
+    root = root_name(gm)
     graph = f"{key[0]}/{key[1]}"
     found: list[_Pending] = []
     for node in gm.graph.nodes:
@@ -405,7 +412,7 @@ def _read_dynamo(key: tuple[Any, Any], frame: types.FrameType | None) -> None:
                 index=0, module=module, module_type=type(op.owner).__name__, entry=op.entry, written=op.written,
                 graph=graph, compiler="dynamo", shapes=shapes, dtypes=dtypes, mask=op.mask,
                 runs=[f"{op.written} (the graph as captured: PyTorch picks the kernel when it runs)"],
-                evidence=[f"Dynamo graph {graph}: node {node.name}"], runtime=RUNTIME_NOT_OBSERVED,
+                evidence=[f"{said}: node {node.name}"], runtime=RUNTIME_NOT_OBSERVED,
             )  # fmt: skip
             if chosen is not None:  # what runs when the graph runs as captured; a backend's own code overrides it
                 record.sdpa_backend = chosen
@@ -420,6 +427,12 @@ def _read_dynamo(key: tuple[Any, Any], frame: types.FrameType | None) -> None:
                 t.drop_compiled(record)
         if found:
             _graphs[key] = found
+
+
+def forget(key: tuple[Any, Any]) -> None:
+    """The graph recorded under ``key`` is read to the end: no event will add to it."""
+    with _lock:
+        _graphs.pop(key, None)
 
 
 def _names_and_after(gm: Any, nodes: tuple[str, ...]) -> tuple[frozenset[str], frozenset[str]]:
@@ -471,13 +484,18 @@ def _source_names(node: Any) -> list[str]:
 
 def _read_aot(key: tuple[Any, Any], event: str, frame: types.FrameType | None) -> None:
     with _lock:
+        pending = bool(_graphs.get(key))
+    gm, _ = _graph_module(frame, event) if pending else (None, None)
+    if gm is not None:
+        read_aot(key, gm, event.split("_")[1])
+
+
+def read_aot(key: tuple[Any, Any], gm: Any, kind: str) -> None:
+    """AOTAutograd's ATen graph (``kind``: ``inference``, ``forward`` or ``backward``) for the graph recorded
+    under ``key``: the ATen ops each of its operations runs."""
+    with _lock:
         pending = list(_graphs.get(key, ()))
-    if not pending:
-        return
-    gm, _ = _graph_module(frame, event)
-    if gm is None:
-        return
-    backward = event == "aot_backward_graph"
+    backward = kind == "backward"
     # each ATen op of interest with the Dynamo nodes it came from, read once for all operations of the graph
     aten = [(set(_source_names(n)), op) for n in gm.graph.nodes
             if n.op == "call_function" and _interesting(op := _op_name(n.target))]  # fmt: skip
@@ -488,7 +506,7 @@ def _read_aot(key: tuple[Any, Any], event: str, frame: types.FrameType | None) -
         for _, record in p.records:
             record.compiler = "aot"  # inductor's code, read later, says what inductor made of this graph
             (record.backward if backward else record.runs)[:] = ops
-            record.evidence.append(f"AOTAutograd {event.split('_')[1]} graph: {', '.join(ops)}")
+            record.evidence.append(f"AOTAutograd {kind} graph: {', '.join(ops)}")
             if not backward:
                 _backend_from(record, ops, p.device)
                 written_kernel = "scaled_dot_product" in record.written or record.entry == "flex"
@@ -517,7 +535,8 @@ def _backend_from(record: CompiledAttention, ops: list[str], device: str) -> Non
         record.sdpa_backend = backend
 
 
-def _read_code(key: tuple[Any, Any], text: str) -> None:
+def read_code(key: tuple[Any, Any], text: str) -> None:
+    """Inductor's generated code for the graph recorded under ``key``: what runs for each of its operations."""
     with _lock:
         pending = list(_graphs.get(key, ()))
     if not pending or not text:

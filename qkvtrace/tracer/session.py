@@ -36,7 +36,7 @@ from qkvtrace.records import (
 from qkvtrace.slices import NormCache, Projection
 from qkvtrace.tracer import candidates as found_candidates
 from qkvtrace.tracer import compiled as compiled_log
-from qkvtrace.tracer import registry
+from qkvtrace.tracer import compiled_before, registry
 from qkvtrace.tracer.gradients import GradientRecorder
 from qkvtrace.tracer.install import installation
 from qkvtrace.tracer.observers import handwritten
@@ -192,6 +192,7 @@ class Trace:
             registry.register(self)
             stack.callback(registry.unregister, self)
             stack.enter_context(compiled_log.listening())
+            self._read_compiled_before()
             self._watch_hand_written(compiled, stack)
         except BaseException:
             stack.close()
@@ -401,9 +402,9 @@ class Trace:
             made = sum(1 for c in self._result.compiled if found_candidates.within(c.module, name))
             if made:
                 self._result.warnings.append(
-                    f"{name or '(root)'} runs through {kind}: {made} attention operation(s) of graphs compiled while "
-                    "the trace was open are recorded under `compiled` (from PyTorch's compile log); how often the "
-                    "compiled code ran them is not observed"
+                    f"{name or '(root)'} runs through {kind}: {made} attention operation(s) of its graphs are "
+                    "recorded under `compiled` (from PyTorch's compile log, or Dynamo's cache for graphs compiled "
+                    "before the trace opened); how often the compiled code ran them is not observed"
                 )
                 continue
             if inside:  # Dynamo ran them eagerly (some releases fall back on attention): real calls, recorded
@@ -454,6 +455,13 @@ class Trace:
             silent = [u.module or "(root)" for u in self._result.unobserved]
             if silent:
                 self._result.warnings.append(f"{handwritten.NOT_WATCHED}; made no recorded call: {', '.join(silent)}")
+
+    def _read_compiled_before(self) -> None:
+        """Records of the graphs torch.compile made for the model's modules before the trace opened."""
+        try:
+            compiled_before.read(self, sorted(self._names.values(), key=lambda e: (e[0].count("."), e[0])))
+        except Exception as e:  # Dynamo's cache in another shape: those modules stay listed unobserved
+            self.note(f"graphs compiled before the trace could not be read ({type(e).__name__}: {e})")
 
     def _compiled_before_trace(self, name: str) -> str | None:
         """The module (``name`` or one holding it) whose forward torch.compile compiled before the trace opened."""
