@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from qkvtrace import compat
 from qkvtrace.tracer import compiled, compiled_code
 
 if TYPE_CHECKING:
@@ -137,17 +138,21 @@ def _shared_inline_code() -> tuple[types.CodeType, dict[str, Any]] | None:
 
 def _codes(modules: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module, types.CodeType, dict[str, Any], str]]:
     """``(name, module, code, its globals, what it is)`` for each compiled code the modules may run, outermost
-    first: a module class's own ``forward``, or for a ``torch.nn`` module compiled whole, the code that wraps it."""
+    first: a module class's own ``forward``; for a ``torch.nn`` module given to ``torch.compile`` whole (the
+    traced model, or one a compiled module wraps), the code that wraps it."""
+    optimized = compat.compiled_module_types()
+    whole = {id(m) for _, m in modules[:1]}
+    whole |= {id(getattr(m, "_orig_mod", None)) for _, m in modules if optimized and isinstance(m, optimized)}
     found = []
     shared = _shared_inline_code()
     for name, m in modules:
         forward = getattr(type(m), "forward", None)
         code = getattr(forward, "__code__", None)
-        if code is None:
+        if code is None or (optimized and isinstance(m, optimized)):
             continue
         if not type(m).__module__.startswith("torch."):
             found.append((name, m, code, getattr(forward, "__globals__", {}), f"{type(m).__qualname__}.forward"))
-        elif shared is not None:
+        elif shared is not None and (id(m) in whole or not name):
             found.append((name, m, shared[0], shared[1], f"torch.compile's wrapper of {type(m).__qualname__}"))
     return found
 
