@@ -180,6 +180,14 @@ WITNESSED: list[tuple[str, str, list[str]]] = [
      ["tests/test_diff.py::test_this_pytorch_against_a_stored_older_version"]),
     ("docs/compare.md", "and `compare --train` with two interpreters",
      ["tests/test_tracediff.py::test_compare_train_traces_a_training_step_in_each_environment"]),
+    ("docs/compiled.md", "every attention op of its graphs, read from Dynamo's cache",
+     ["tests/test_compiled_kernels.py::test_graphs_compiled_and_run_before_the_trace_are_recorded"
+      "[inductor-model-own-class]",
+      "tests/test_compiled_kernels.py::test_graphs_compiled_and_run_before_the_trace_are_recorded"
+      "[aot_eager-compiled-sequential]"]),
+    ("docs/compiled.md", "The lists hold the calls that compute attention and nothing else",
+     ["tests/test_compiled_kernels.py::test_runs_and_backward_list_attention_kernels_and_only_those",
+      "tests/test_compiled_kernels.py::test_aot_eager_lists_every_attention_op_forward_and_backward"]),
     ("docs/overhead.md", "Traced and untraced outputs (and, for W1, every `.grad`) are bit-identical",
      ["tests/test_overhead_benchmark.py::test_identity_check_says_equal_only_when_the_outputs_are"]),
 ]  # fmt: skip

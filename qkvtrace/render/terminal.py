@@ -235,6 +235,8 @@ def trace_table(
 def compiled_why_cell(op: CompiledAttention) -> Text:
     """For a compiled operation: what it runs, which compiler's graph holds it, and what the compiler changed."""
     text = Text(", ".join(op.runs) or "-")
+    if op.backward:
+        text.append("\nbackward: " + ", ".join(op.backward))
     text.append(f"\n(in {op.compiler} graph {op.graph})", style="dim")
     if op.rewritten:
         text.append("\n" + op.rewritten)
