@@ -35,7 +35,9 @@ run.rank0.jsonl, run.rank1.jsonl, ... under torch.distributed). Their
 changes are lined up by module and step, and every change or combination
 (path, kernel, PyTorch's reason, dtype, masks, training) that some ranks
 have and others do not is flagged: "rank 1: encoder.attn fast path → MATH
-at step 2", alone.
+at step 2", alone. Streams with attention health (health_every=N) show each
+module's max logit and entropy per rank, first → last, with each rank's
+alert; a module on which some ranks alert and others do not is marked.
 
 Exit 0: every rank made the same calls the same way; 1: they disagree (the
 table shows where, with the ranks behind each value); 2: bad input (not a
@@ -167,6 +169,8 @@ def run_stream_merge(args: argparse.Namespace, console: Console) -> int:
         console.print(
             records_view("combinations only some ranks used", cols, odd, width=console.width, title_cols=1), crop=False
         )
+    if merged.get("health"):
+        console.print(_health_view(merged["health"], console.width), crop=False)
     versions = {r["torch_version"] for r in merged["ranks"]}
     if len(versions) > 1:
         seen = " · ".join(f"rank {r['rank']}: {r['torch_version']}" for r in merged["ranks"])
@@ -194,6 +198,26 @@ def run_stream_merge(args: argparse.Namespace, console: Console) -> int:
     if args.json is not None:
         atomic_write_text(args.json, json.dumps(merged, indent=1) + "\n")
     return 0 if merged["agree"] else 1
+
+
+def _first_last(pair: list[float] | None) -> str:
+    return "-" if pair is None else f"{pair[0]:.3g} → {pair[1]:.3g}"
+
+
+def _health_view(health: list[dict[str, Any]], width: int) -> Any:
+    """Per module and rank: max logit and entropy first → last, and the alert; a module whose ranks alert
+    differently is marked."""
+    from qkvtrace.render.terminal import Col, records_view
+
+    rows = []
+    for h in health:
+        for i, r in enumerate(h["ranks"]):
+            mark = Text(" ranks differ", style="bold red") if h["differs"] and i == 0 else Text("")
+            rows.append([Text(h["module"] or "(root)") + mark if i == 0 else "", str(r["rank"]),
+                         _first_last(r["max_logit"]), _first_last(r["entropy"]), r["alert"] or "-"])  # fmt: skip
+    cols = [Col("module"), Col("rank", justify="right"), Col("max logit"), Col("entropy (nats)"), Col("alert", "text")]
+    return records_view("attention health across ranks (first → last measured step)", cols, rows, width=width,
+                        title_cols=2)  # fmt: skip
 
 
 def _changes(n: int) -> str:

@@ -183,6 +183,7 @@ def merge_streams(streams: Sequence[RankStream]) -> dict[str, Any]:
         or any(c["differs"] for c in change_rows)
         or len(set(versions.values())) > 1
     )
+    health = _health_across(streams)
     return {
         "schema": STREAM_MERGE_SCHEMA,
         "world_size": world,
@@ -201,5 +202,32 @@ def merge_streams(streams: Sequence[RankStream]) -> dict[str, Any]:
         "missing_ranks": sorted(set(range(world)) - set(ranks)) if world is not None else [],
         "combinations": combo_rows,
         "changes": change_rows,
+        **({"health": health} if health else {}),
         "agree": not disagree,
     }
+
+
+def _health_across(streams: Sequence[RankStream]) -> list[dict[str, Any]]:
+    """Per module, each rank's attention health (``health`` lines): first and last max logit and lowest head
+    entropy, and its alert; ``differs`` when some ranks alert and others do not, or alert for another reason."""
+    from qkvtrace.health_alerts import alert, series_of
+
+    modules: dict[str, list[dict[str, Any]]] = {}
+    for s in streams:
+        for module, series in series_of([x for x in s.lines if x["kind"] == "health"]).items():
+            logits = [x for _, x, _ in series if x is not None]
+            entropies = [y for _, _, y in series if y is not None]
+            modules.setdefault(module, []).append({
+                "rank": s.rank, "steps": len(series), "first_step": series[0][0], "last_step": series[-1][0],
+                "max_logit": [logits[0], logits[-1]] if logits else None,
+                "entropy": [entropies[0], entropies[-1]] if entropies else None,
+                "alert": alert(series),
+            })  # fmt: skip
+    return [{"module": module, "ranks": ranks, "differs": len({_alerted(r["alert"]) for r in ranks}) > 1}
+            for module, ranks in sorted(modules.items())]  # fmt: skip
+
+
+def _alerted(text: str | None) -> frozenset[str]:
+    """What an alert is about: ``max logit``, ``entropy``, both or neither."""
+    parts = (text or "").split("; ")
+    return frozenset(k for k in ("max logit", "entropy") if any(p.startswith(k) for p in parts))

@@ -393,7 +393,7 @@ def test_summarize_alerts_at_the_step_the_witness_crosses_the_threshold(tmp_path
     check = subprocess.run([sys.executable, "-m", "qkvtrace", "validate", str(stream)], capture_output=True, text=True)
     assert check.returncode == 0, check.stderr
     # the page's and the notebook's curves: a point per measured step, its value in its tooltip
-    for text in (page.read_text(), t.health._repr_html_()):
+    for text in (page.read_text(), t.health._repr_html_(), t._repr_html_()):
         points = re.findall(r"<title>max logit at step (\d+): ([-0-9.e+]+)</title>", text)
         assert [int(step) for step, _ in points] == list(range(9))
         _close([float(v) for _, v in points], tops, rel=1e-3)
@@ -605,3 +605,41 @@ def test_a_long_sequence_is_measured_without_its_whole_map() -> None:
     biggest = max(e.cpu_memory_usage for e in prof.events())
     assert biggest < t_len * t_len * 4, f"{biggest / 2**20:.0f} MB in one allocation"
     assert len(t.health) == 2 and all(h.max_logit is not None for h in t.health[-1].heads)
+
+
+def test_merge_sets_the_ranks_health_side_by_side_and_marks_the_rank_that_alerts_alone(tmp_path: Path) -> None:
+    """Two ranks' streams: rank 1 doubles ``W_q`` every step, rank 0 keeps it. ``qkvtrace merge`` shows each
+    rank's max logit first → last and alert, and marks the module: rank 1 alerts, rank 0 does not.
+
+    Witness: the test's max logit per step (``_witness``) on each rank, and the documented thresholds (over 50
+    and over twice the first value). Fault caught: health lines left out of the merge."""
+    tops: dict[int, list[float]] = {}
+    x = torch.randn(B, L, E)
+    for rank, growth in ((0, 1.0), (1, 2.0)):
+        torch.manual_seed(0)
+        mha = nn.MultiheadAttention(E, H, batch_first=True)
+        tops[rank] = []
+        with qkvtrace.trace(mha, keep="changes", health_every=1, stream_to=tmp_path / f"run.rank{rank}.jsonl") as t:
+            for _ in range(8):
+                q, k = _mha_qk(mha, x)
+                tops[rank].append(max(_witness(q, k, 1 / math.sqrt(D), None)["max_logit"]))
+                mha(x, x, x, need_weights=False)
+                with torch.no_grad():
+                    mha.in_proj_weight[:E] *= growth
+                t.step()
+    env = {"COLUMNS": "200", "NO_COLOR": "1", "PATH": "/usr/bin:/bin"}
+    merged_file = tmp_path / "merged.json"
+    out = subprocess.run([sys.executable, "-m", "qkvtrace", "merge", str(tmp_path), "--json", str(merged_file)],
+                         capture_output=True, text=True, env=env)  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr  # the same kernels on both ranks
+    [health] = json.loads(merged_file.read_text())["health"]
+    assert health["module"] == "" and health["differs"] is True
+    by_rank = {r["rank"]: r for r in health["ranks"]}
+    for rank in (0, 1):
+        _close(by_rank[rank]["max_logit"], [tops[rank][0], tops[rank][-1]], rel=1e-3)
+    crossed = next(s for s, v in enumerate(tops[1]) if v > 50 and v > 2 * tops[1][0])
+    assert by_rank[0]["alert"] is None and f"max logit {tops[1][crossed]:.3g} at step {crossed}:" in by_rank[1]["alert"]
+    assert "attention health across ranks" in out.stdout and "ranks differ" in out.stdout
+    check = subprocess.run([sys.executable, "-m", "qkvtrace", "validate", str(merged_file)], capture_output=True,
+                           text=True)  # fmt: skip
+    assert check.returncode == 0, check.stdout + check.stderr

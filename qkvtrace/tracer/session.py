@@ -241,6 +241,12 @@ class Trace:
         found = self.monitor.health if self.monitor is not None else None
         return HealthRecords(found.records if found is not None else [])
 
+    def _repr_html_(self) -> str:
+        """A notebook shows the trace: its records, and a long run's attention health as small curves."""
+        page = self.result.html()
+        health = self.health
+        return page + health._repr_html_() if health else page
+
     def health_due(self, module: str) -> bool:
         """This step's health is measured and ``module``'s first call has not been yet."""
         return self.monitor is not None and self.monitor.health is not None and self.monitor.health.due(module)
