@@ -143,6 +143,8 @@ class Workload:
     health_every: int | None = None
     #: the trace open on this workload now (a long run's unit of work marks its steps on it)
     current: qkvtrace.Trace | None = None
+    #: for workloads of many small calls: the microseconds a call may add (traced minus untraced, per call)
+    us_target: float | None = None
 
 
 def make_encoder(seed: int) -> nn.TransformerEncoder:
@@ -189,7 +191,7 @@ def small_mha_workload(calls: int = 1000) -> Workload:
             outs.append(weights)
         return outs
 
-    return Workload("W3", f"{calls} small MHA calls", mha, run, target=1.10)
+    return Workload("W3", f"{calls} small MHA calls", mha, run, target=1.10, us_target=25.0)
 
 
 class DropoutAttention(nn.Module):
@@ -208,7 +210,7 @@ def refused_sdpa_workload(calls: int = 1000) -> Workload:
         torch.manual_seed(0)  # the same dropout masks in every arm, so the identity check can compare
         return [model(q, k, v) for _ in range(calls)]
 
-    return Workload("W5", f"{calls} SDPA calls, dropout", model, run, target=None, gradients=False)
+    return Workload("W5", f"{calls} SDPA calls, dropout", model, run, target=None, gradients=False, us_target=25.0)
 
 
 def compiled_train_workload(model: nn.TransformerEncoder, x: torch.Tensor) -> Workload:
@@ -271,10 +273,12 @@ def build_workloads() -> list[Workload]:
         replace(
             inference_workload(infer_model, x), key="W2m", title="encoder inference, maps on", target=1.5, maps=True
         ),
-        replace(small_mha_workload(), key="W3m", title="1000 small MHA calls, maps on", target=1.5, maps=True),
-        replace(small_mha_workload(), key="W3c", title="1000 small MHA calls, long run", target=1.3, keep="changes"),
+        replace(small_mha_workload(), key="W3m", title="1000 small MHA calls, maps on", target=1.5, maps=True,
+                us_target=None),
+        replace(small_mha_workload(), key="W3c", title="1000 small MHA calls, long run", target=1.3, keep="changes",
+                us_target=10.0),
         refused_sdpa_workload(),
-        replace(refused_sdpa_workload(), key="W5n", title="the same, refusals=False", refusals=False),
+        replace(refused_sdpa_workload(), key="W5n", title="the same, refusals=False", refusals=False, us_target=None),
         *([w] if (w := gpt2_eager_workload()) is not None else []),
     ]
 
@@ -366,6 +370,11 @@ class Samples:
 
     def profiler_ratios(self) -> list[float]:
         return [p / b for p, b in zip(self.profiler, self.baseline, strict=True)]
+
+    def added_us_per_call(self) -> list[float]:
+        """Per repetition: (traced - untraced) / calls, in microseconds (paired, like the ratios)."""
+        return [(t.seconds - b) / max(t.calls_per_unit, 1) * 1e6 for t, b in zip(self.traced, self.baseline,
+                                                                                    strict=True)]  # fmt: skip
 
 
 def warm_up_profiler() -> None:
@@ -594,6 +603,23 @@ def print_table(workloads: Sequence[Workload], samples: dict[str, Samples]) -> N
             per_call = samples[w.key].traced[0].map_bytes_per_call
             print(f"  {w.key}: attention maps held by the trace, {per_call / 2**20:.3f} MB per call (CPU float32)")
     print("  Profiler arm includes profiler start, stop and prof.key_averages().")
+    print()
+    print_per_call(workloads, samples)
+
+
+def print_per_call(workloads: Sequence[Workload], samples: dict[str, Samples]) -> None:
+    """What a recorded call adds, in microseconds: (traced - untraced) / calls, per repetition."""
+    print("Added per recorded call ((traced - untraced) / calls, paired per repetition; median, min-max):")
+    for w in workloads:
+        s = samples[w.key]
+        if s.traced[0].calls_per_unit < 100:  # a few large calls: the ratio says it, a per-call figure does not
+            continue
+        added = s.added_us_per_call()
+        goal = "" if w.us_target is None else (
+            f"; goal <= {w.us_target:g} us: {'met' if statistics.median(added) <= w.us_target else 'NOT met'}")
+        untraced = statistics.median(s.baseline) / s.traced[0].calls_per_unit * 1e6
+        print(f"  {w.key + ' ' + w.title:<40} {statistics.median(added):7.1f} us ({min(added):.1f}-{max(added):.1f}) "
+              f"on a {untraced:.1f} us call{goal}")  # fmt: skip
     print()
 
 

@@ -52,6 +52,15 @@ def test_verdict_words_and_the_spread(overhead: ModuleType, ratios: list[float],
     assert v.resolved is resolved and v.spread == pytest.approx(max(ratios) - min(ratios))
 
 
+def test_added_microseconds_per_call_are_paired_per_repetition(overhead: ModuleType) -> None:
+    """Witness: (traced - untraced) / calls computed here for each repetition. Fault caught: unpaired medians, or
+    a division by something other than the calls of one unit of work."""
+    s = overhead.Samples(baseline=[0.30, 0.25])
+    s.traced = [overhead.TracedSample(seconds=0.33, first_unit_s=0.0, enter_exit_s=0.0, calls_per_unit=1000),
+                overhead.TracedSample(seconds=0.26, first_unit_s=0.0, enter_exit_s=0.0, calls_per_unit=500)]
+    assert s.added_us_per_call() == pytest.approx([30.0, 20.0])
+
+
 def _workload(overhead: ModuleType, module: nn.Module) -> object:
     x = torch.randn(2, 5, 16)
     return overhead.Workload("T", "test", module, lambda: [module(x, x, x, need_weights=False)[0]], target=None)
