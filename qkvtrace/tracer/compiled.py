@@ -113,7 +113,7 @@ class _Pending:
 
 
 #: graph key (frame id, frame compile id) -> its attention operations, while traces are open
-_graphs: dict[tuple[Any, Any], list[_Pending]] = {}
+_graphs: dict[tuple[Any, ...], list[_Pending]] = {}
 _lock = threading.Lock()
 _users = 0
 _handler: _Handler | None = None
@@ -204,7 +204,7 @@ def _graph_break(payload: str) -> None:
 _HELD_AS = {"aot_forward_graph": "fw_module", "aot_backward_graph": "bw_module", "aot_inference_graph": "fw_module"}
 
 
-def _graph_module(frame: types.FrameType | None, event: str = _DYNAMO) -> tuple[Any, Any]:
+def _graph_module(frame: types.FrameType | None, event: str = _DYNAMO) -> tuple[Any, ...]:
     """The GraphModule an event describes (held by the event's ``payload_fn``, or by the frame that emitted it)
     and, for Dynamo's graph, the ``OutputGraph`` that emitted it (its caller's ``self``)."""
     for _ in range(12):
@@ -381,7 +381,7 @@ def _operation(node: Any, gm: Any, scope: dict[str, Any], root: str) -> _Operati
     )
 
 
-def _read_dynamo(key: tuple[Any, Any], frame: types.FrameType | None) -> None:
+def _read_dynamo(key: tuple[Any, ...], frame: types.FrameType | None) -> None:
     gm, og = _graph_module(frame)
     if gm is None:
         return
@@ -390,7 +390,7 @@ def _read_dynamo(key: tuple[Any, Any], frame: types.FrameType | None) -> None:
     record_graph(key, gm, getattr(og, "local_scope", None) or {}, traces, f"Dynamo graph {key[0]}/{key[1]}")
 
 
-def record_graph(key: tuple[Any, Any], gm: Any, scope: dict[str, Any], traces: list[Trace], said: str) -> None:
+def record_graph(key: tuple[Any, ...], gm: Any, scope: dict[str, Any], traces: list[Trace], said: str) -> None:
     """Record each attention operation of Dynamo's graph ``gm`` in each trace that holds its module; ``scope``:
     the compiled frame's locals (module paths in the graph start at one of them); ``said``: where the graph was
     read, for the records' evidence."""
@@ -429,7 +429,7 @@ def record_graph(key: tuple[Any, Any], gm: Any, scope: dict[str, Any], traces: l
             _graphs[key] = found
 
 
-def forget(key: tuple[Any, Any]) -> None:
+def forget(key: tuple[Any, ...]) -> None:
     """The graph recorded under ``key`` is read to the end: no event will add to it."""
     with _lock:
         _graphs.pop(key, None)
@@ -482,7 +482,7 @@ def _source_names(node: Any) -> list[str]:
     return names
 
 
-def _read_aot(key: tuple[Any, Any], event: str, frame: types.FrameType | None) -> None:
+def _read_aot(key: tuple[Any, ...], event: str, frame: types.FrameType | None) -> None:
     with _lock:
         pending = bool(_graphs.get(key))
     gm, _ = _graph_module(frame, event) if pending else (None, None)
@@ -490,7 +490,7 @@ def _read_aot(key: tuple[Any, Any], event: str, frame: types.FrameType | None) -
         read_aot(key, gm, event.split("_")[1])
 
 
-def read_aot(key: tuple[Any, Any], gm: Any, kind: str) -> None:
+def read_aot(key: tuple[Any, ...], gm: Any, kind: str) -> None:
     """AOTAutograd's ATen graph (``kind``: ``inference``, ``forward`` or ``backward``) for the graph recorded
     under ``key``: the ATen ops each of its operations runs."""
     with _lock:
@@ -535,7 +535,7 @@ def _backend_from(record: CompiledAttention, ops: list[str], device: str) -> Non
         record.sdpa_backend = backend
 
 
-def read_code(key: tuple[Any, Any], text: str) -> None:
+def read_code(key: tuple[Any, ...], text: str) -> None:
     """Inductor's generated code for the graph recorded under ``key``: what runs for each of its operations."""
     with _lock:
         pending = list(_graphs.get(key, ()))

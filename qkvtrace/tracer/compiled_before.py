@@ -170,7 +170,8 @@ def read(trace: Trace, modules: list[tuple[str, nn.Module]]) -> set[str]:
                 gm = _graph(fn)
                 if gm is None or not _fits(gm, compiled.root_name(gm), m):
                     continue
-                key = ("_".join(fn_name.strip("_").split("_")[:3]), f"cache entry {number + 1}")
+                # the trace in the key: traces opening in two threads read the same graph each for itself
+                key = ("_".join(fn_name.strip("_").split("_")[:3]), f"cache entry {number + 1}", id(trace))
                 said = (f"Dynamo's cache entry {number + 1} of {len(entries)} on {what} (compiled before the trace "
                         f"opened), graph {fn_name}")  # fmt: skip
                 compiled.record_graph(key, gm, {compiled.root_name(gm): m}, [trace], said)
