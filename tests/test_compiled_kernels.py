@@ -212,3 +212,28 @@ def test_graphs_compiled_and_run_before_the_trace_are_recorded(backend: str, tra
     for kernel in {k for k in profiled if k.startswith("_scaled_dot_product") and "attention_math" not in k
                    and k != "_scaled_dot_product_attention"}:  # fmt: skip
         assert kernel in listed, (kernel, listed)
+
+
+@pytest.mark.parametrize("own_class", [False, True], ids=["sequential", "own-class"])
+def test_an_eager_twin_of_a_compiled_model_has_no_compiled_records(own_class: bool) -> None:
+    """A model of the same class and structure as one compiled and run before, itself run eagerly: Dynamo's cache
+    holds graphs for its class's code, but no compiled code runs for it. Witness: torch.profiler on the traced
+    run of the twin (its eager attention ops, the same as an untraced eager run's). Fault caught: compiled
+    records for a module that runs eagerly."""
+    model, x = _model()
+    twin, _ = _model()
+    if own_class:
+        model, twin = Net(model), Net(twin)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager")
+    _step(compiled, x)
+    with torch.profiler.profile() as untraced:
+        twin(x)
+    with qkvtrace.trace(twin) as t, torch.profiler.profile() as traced:
+        twin(x)
+    torch._dynamo.reset()
+    assert t.result.compiled == [], [op.module for op in t.result.compiled]
+    ops = sorted(e.name for e in untraced.events() if "scaled_dot_product" in e.name or e.name == "aten::bmm")
+    assert ops and ops == sorted(e.name for e in traced.events() if "scaled_dot_product" in e.name
+                                 or e.name == "aten::bmm")  # fmt: skip
+    assert {c.module.removeprefix("layers.") for c in t.result.calls} >= {"2", "4"}

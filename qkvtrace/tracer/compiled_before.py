@@ -11,11 +11,14 @@ backward (``source_code`` of the compiled graphs it holds). The same readers as 
 trace make the records; nothing is called, compiled or changed.
 
 Which of several cache entries a call takes is decided by Dynamo's guards when it runs; every entry is recorded,
-and the evidence says how many there were.
+and the evidence says how many there were. Dynamo's cache belongs to the code, not to a module: a module is read
+only when a ``torch.compile`` wrapper runs it (traced, or found beside the trace); another instance of the same
+class that runs eagerly is not.
 """
 
 from __future__ import annotations
 
+import gc
 import sys
 import types
 from collections import deque
@@ -136,13 +139,30 @@ def _shared_inline_code() -> tuple[types.CodeType, dict[str, Any]] | None:
     return (code, vars(utils)) if code is not None else None
 
 
+def _compiled_wrappers(modules: list[tuple[str, nn.Module]]) -> set[int]:
+    """Ids of the traced modules a ``torch.compile`` wrapper (``OptimizedModule``) runs: those the traced ones
+    wrap, else any such wrapper in the process (``compiled = torch.compile(model)`` made beside the trace). A
+    module no wrapper runs runs eagerly, whatever Dynamo cached for its class."""
+    optimized = compat.compiled_module_types()
+    if not optimized:
+        return set()
+    traced = {id(m) for _, m in modules}
+    found = {id(getattr(m, "_orig_mod", None)) for _, m in modules if isinstance(m, optimized)} & traced
+    if not found:
+        for obj in gc.get_objects():  # only where Dynamo cached code for a traced module: see read()
+            try:
+                if isinstance(obj, optimized) and id(getattr(obj, "_orig_mod", None)) in traced:
+                    found.add(id(getattr(obj, "_orig_mod", None)))
+            except ReferenceError:  # a weak proxy whose object is gone
+                continue
+    return found
+
+
 def _codes(modules: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module, types.CodeType, dict[str, Any], str]]:
     """``(name, module, code, its globals, what it is)`` for each compiled code the modules may run, outermost
-    first: a module class's own ``forward``; for a ``torch.nn`` module given to ``torch.compile`` whole (the
-    traced model, or one a compiled module wraps), the code that wraps it."""
+    first: a module class's own ``forward``; for a ``torch.nn`` module given to ``torch.compile`` whole, the code
+    that wraps it."""
     optimized = compat.compiled_module_types()
-    whole = {id(m) for _, m in modules[:1]}
-    whole |= {id(getattr(m, "_orig_mod", None)) for _, m in modules if optimized and isinstance(m, optimized)}
     found = []
     shared = _shared_inline_code()
     for name, m in modules:
@@ -152,7 +172,7 @@ def _codes(modules: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module, t
             continue
         if not type(m).__module__.startswith("torch."):
             found.append((name, m, code, getattr(forward, "__globals__", {}), f"{type(m).__qualname__}.forward"))
-        elif shared is not None and (id(m) in whole or not name):
+        elif shared is not None:
             found.append((name, m, shared[0], shared[1], f"torch.compile's wrapper of {type(m).__qualname__}"))
     return found
 
@@ -161,10 +181,17 @@ def read(trace: Trace, modules: list[tuple[str, nn.Module]]) -> set[str]:
     """Record the attention of every graph Dynamo compiled for these modules (outermost first) before the trace
     opened; the names of the modules whose graphs were read."""
     read_for: set[str] = set()
+    wrapped: set[int] | None = None
     for name, m, code, scope, what in _codes(modules):
         if any(name == r or name.startswith(r + ".") or not r for r in read_for):
             continue  # inside a module whose graphs were read: those graphs hold it
         entries = _entries(code)
+        if not entries:
+            continue
+        if wrapped is None:  # asked once, and only where Dynamo holds code a traced module may run
+            wrapped = _compiled_wrappers(modules)
+        if id(m) not in wrapped:
+            continue
         for number, entry in enumerate(entries):
             for fn_name, fn in _compiled_functions(entry, scope):
                 gm = _graph(fn)
