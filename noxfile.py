@@ -69,11 +69,12 @@ def tests(session: nox.Session, torch_version: str) -> None:
 #: The modules that produce facts, each with the tests that own it: ``nox -s mutants`` mutates one module at a
 #: time (mutmut) and runs only these against each mutant. The 20,000-call long run is left out of
 #: test_monitor.py's: 90 s a mutant would make the run days long (its other tests cover the same functions).
+#: test_health.py is monitor's too: its health lines and scalars are written by the monitor.
 MUTANT_OWNERS: dict[str, list[str]] = {
     "masks": ["tests/test_records.py", "tests/test_hand_written.py"],
     "refusals": ["tests/test_refusals.py"],
     "tracediff": ["tests/test_tracediff.py"],
-    "monitor": ["tests/test_monitor.py", "--deselect",
+    "monitor": ["tests/test_monitor.py", "tests/test_health.py", "--deselect",
                 "tests/test_monitor.py::test_a_long_run_reports_exactly_the_steps_where_attention_changed"],
     "paths": ["tests/test_paths.py"],
     "slices": ["tests/test_slices.py"],
@@ -90,7 +91,7 @@ def _mutmut_config(module: str) -> str:
         "[mutmut]\n"
         f"source_paths = qkvtrace/{module}.py\n"
         f"only_mutate = qkvtrace/{module}.py\n"
-        "also_copy =\n    qkvtrace\n    cli\n    reports\n    tests\n"
+        "also_copy =\n    qkvtrace\n    cli\n    reports\n    tests\n    benchmarks\n"
         f"pytest_add_cli_args_test_selection =\n    {owners}\n"
         "pytest_add_cli_args = -p no:cacheprovider\n"
         f"process_isolation = {'fork' if module in FORK_SAFE else 'forkserver'}\n"

@@ -643,3 +643,60 @@ def test_merge_sets_the_ranks_health_side_by_side_and_marks_the_rank_that_alerts
     check = subprocess.run([sys.executable, "-m", "qkvtrace", "validate", str(merged_file)], capture_output=True,
                            text=True)  # fmt: skip
     assert check.returncode == 0, check.stdout + check.stderr
+
+
+class _Scalars:
+    """A writer with TensorBoard's ``add_scalar`` that keeps what it was given."""
+
+    def __init__(self) -> None:
+        self.got: dict[str, list[tuple[int, float]]] = {}
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        self.got.setdefault(tag, []).append((step, float(value)))
+
+
+def test_every_health_number_reaches_tensorboard_and_the_stream(tmp_path: Path) -> None:
+    """One measured training step of a causal SDPA module: per head its max logit, mean and least entropy, and
+    its Q, K and V weight and gradient norms, each as a scalar of that step and in the stream's health line.
+
+    Witness: ``_witness`` with the causal triangle built here; the norms of each projection's weight and of
+    its ``.grad`` read by the test right after its backward. Catches a health number, a head or a part not
+    written, written under another tag or step, or a health line missing from the stream."""
+    model = CausalSDPA()
+    x = torch.randn(B, L, E)
+    causal = torch.ones(L, L, dtype=torch.bool).tril()
+    q, k, _ = model.heads(x)
+    want = _witness(q.detach(), k.detach(), 1 / math.sqrt(D), causal)
+    weights = {p: float(torch.linalg.vector_norm(getattr(model, p).weight.detach())) for p in "qkv"}
+    scalars, stream = _Scalars(), tmp_path / "run.jsonl"
+    with qkvtrace.trace(model, keep="changes", health_every=1, tensorboard=scalars, stream_to=stream) as t:
+        model(x).square().mean().backward()
+        grads = {p: float(torch.linalg.vector_norm(getattr(model, p).weight.grad)) for p in "qkv"}
+        t.step()
+    tag = "qkvtrace/health/(root)"
+    for name in ("max_logit", "entropy_mean", "entropy_min"):
+        got = [scalars.got[f"{tag}/{name}/head{h}"] for h in range(H)]
+        assert [steps for steps, _ in (g[0] for g in got)] == [0] * H and all(len(g) == 1 for g in got)
+        _close([g[0][1] for g in got], want[name])
+    for kind, norms in (("weight_norm", weights), ("grad_norm", grads)):
+        got = [scalars.got[f"{tag}/{kind}/{p}"] for p in "qkv"]
+        assert all(len(g) == 1 and g[0][0] == 0 for g in got)
+        _close([g[0][1] for g in got], [norms[p] for p in "qkv"])
+    health = [json.loads(line) for line in stream.read_text().splitlines() if '"health"' in line]
+    assert [(h["kind"], h["step"], h["module"]) for h in health] == [("health", 0, "")]
+    _close([h["max_logit"] for h in health[0]["heads"]], want["max_logit"])
+
+
+def test_each_module_measured_in_a_step_gets_its_health_line(tmp_path: Path) -> None:
+    """Two causal SDPA modules, one after the other, measured at step 0, streamed without TensorBoard: a
+    health line for each.
+
+    Witness: the two modules the test put in the model (named ``0`` and ``1`` by ``nn.Sequential``). Catches
+    the lines after the first one of a step left out."""
+    model = nn.Sequential(CausalSDPA(), CausalSDPA())
+    stream = tmp_path / "run.jsonl"
+    with torch.no_grad(), qkvtrace.trace(model, keep="changes", health_every=1, stream_to=stream) as t:
+        model(torch.randn(B, L, E))
+        t.step()
+    health = [json.loads(line) for line in stream.read_text().splitlines() if '"health"' in line]
+    assert sorted((h["step"], h["module"]) for h in health) == [(0, "0"), (0, "1")]

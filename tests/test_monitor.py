@@ -9,6 +9,7 @@ and TensorBoard's own reader for the event file.
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import subprocess
 import sys
@@ -18,7 +19,9 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import qkvtrace
 
@@ -209,9 +212,7 @@ def _rank_streams(folder: Path, eval_from: dict[int, int], steps: int = 4) -> No
     mha = nn.MultiheadAttention(E, H, batch_first=True)
     x = torch.randn(B, L, E)
     for rank, switch in eval_from.items():
-        with qkvtrace.trace(
-            mha, keep="changes", stream_to=folder / f"run.rank{rank}.jsonl"
-        ) as t:
+        with qkvtrace.trace(mha, keep="changes", stream_to=folder / f"run.rank{rank}.jsonl") as t:
             for step in range(steps):
                 mha.train(step < switch)
                 with torch.set_grad_enabled(mha.training):
@@ -287,3 +288,207 @@ def test_rank_placeholder_names_the_stream(tmp_path: Path) -> None:
         mha(x, x, x)
     assert t.monitor is not None and t.monitor.stream_path == tmp_path / "r0.jsonl"
     assert json.loads((tmp_path / "r0.jsonl").read_text().splitlines()[0])["kind"] == "start"
+
+
+# -- the stream, the scalars and the summary, line by line -----------------------------------------
+
+
+class _BareSDPA(nn.Module):
+    """SDPA on the Q, K, V it is given: the output the test gets is the kernel's own."""
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+class _Scalars:
+    """A writer with TensorBoard's ``add_scalar``/``flush`` that keeps what it was given, in order."""
+
+    def __init__(self) -> None:
+        self.got: list[tuple[str, float, int]] = []
+        self.flushes = 0
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        self.got.append((tag, float(value), step))
+
+    def flush(self) -> None:
+        self.flushes += 1
+
+
+def _lines(path: Path) -> list[dict[str, object]]:
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def test_stream_scalars_and_summary_of_a_run_written_by_hand(tmp_path: Path) -> None:
+    """Three steps set by the test: two MATH calls; then one FLASH call, one masked MATH call, one MATH call
+    on a query holding a NaN; an empty step; then step 10 (numbered by the test) with one more MATH call.
+    ``max_records=3`` keeps the first and two changes and drops the third.
+
+    Witness: the backends forced by ``sdpa_kernel``, the mask built here (row 0 of ``[T, T]`` blocked, so
+    ``B * H`` kernel rows), the NaNs counted here in the output PyTorch returned, and the steps, calls and
+    changes of the construction. Catches wrong or missing step lines, backend counts and shares, change
+    counts, event fields, records written before they are read back, unsorted keys, flushing, the record
+    cap, step numbering, the NaN and fully-masked sums and the summary's combinations with their steps and
+    calls."""
+    b, h, t_len, d = 2, 3, 4, 8
+    q = torch.randn(b, h, t_len, d)
+    nan_q = q.clone()
+    nan_q[0, 1, 2, 0] = float("nan")
+    mask = torch.ones(t_len, t_len, dtype=torch.bool)
+    mask[0] = False  # query row 0 sees no key
+    model, scalars, stream = _BareSDPA(), _Scalars(), tmp_path / "run.jsonl"
+    with qkvtrace.trace(model, keep="changes", stream_to=stream, tensorboard=scalars, max_records=3) as t:
+        with sdpa_kernel(SDPBackend.MATH):
+            model(q, q, q)
+            model(q, q, q)
+        assert t.step() == 1
+        written = _lines(stream)  # flushed at the step: readable while the run goes on
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            model(q, q, q)
+        with sdpa_kernel(SDPBackend.MATH):
+            model(q, q, q, mask)
+            nans = int(torch.isnan(model(nan_q, q, q)).sum())
+        assert nans > 0
+        assert t.step() == 2
+        assert t.step(10) == 10  # step 2 had no call
+        with sdpa_kernel(SDPBackend.MATH):
+            model(q, q, q)
+    assert [ln["kind"] for ln in written] == ["start", "first", "step"]
+    lines = _lines(stream)
+    assert all(ln["schema"] == "qkvtrace.stream/1" for ln in lines)
+    assert all(list(ln) == sorted(ln) for ln in lines)  # keys in sorted order: lines that diff line by line
+    assert lines[0] == {"schema": "qkvtrace.stream/1", "kind": "start", "torch_version": str(torch.__version__)}
+    steps = [{k: ln[k] for k in ("step", "calls", "backends", "changes")} for ln in lines if ln["kind"] == "step"]
+    assert steps == [
+        {"step": 0, "calls": 2, "backends": {"MATH": 2}, "changes": 0},
+        {"step": 1, "calls": 3, "backends": {"FLASH_ATTENTION": 1, "MATH": 2}, "changes": 3},
+        {"step": 10, "calls": 1, "backends": {"MATH": 1}, "changes": 0},
+    ]
+    events = [ln for ln in lines if ln["kind"] in ("first", "change")]
+    assert [(e["kind"], e["step"], e["module"], e["call"]) for e in events] == [
+        ("first", 0, "", 0), ("change", 1, "", 2), ("change", 1, "", 3), ("change", 1, "", 4),
+    ]  # fmt: skip
+    assert [e["record"] is not None for e in events] == [True, True, True, False]  # max_records=3
+    assert [e["record"]["index"] for e in events[:3]] == [0, 2, 3]  # type: ignore[index]
+    assert events[2]["record"]["output"]["fully_masked_rows"] == b * h  # type: ignore[index]  # read back, a number
+    first = events[0]["became"]
+    assert events[0]["was"] is None
+    assert first["sdpa_backend"] == "MATH" and first["dtype"] == str(torch.float32)
+    assert first["attn_mask"] is None and first["training"] is True and first["error"] is False
+    for before, after in itertools.pairwise(events):
+        assert after["was"] == before["became"]  # each change starts from the combination before it
+    changed = [{k for k in e["became"] if e["became"][k] != e["was"][k]} for e in events[1:]]
+    assert changed == [{"sdpa_backend"}, {"sdpa_backend", "attn_mask"}, {"attn_mask"}]
+    masked = events[2]["became"]["attn_mask"]  # the record's kind of mask, then the mask's dtype
+    assert masked == f"{events[2]['record']['inputs']['attn_mask']['kind']} {torch.bool}"  # type: ignore[index]
+    assert [(e.kind, e.step, e.call) for e in t.changes] == [("first", 0, 0), ("change", 1, 2), ("change", 1, 3)]
+    assert [c.index for c in t.calls] == [0, 2, 3]
+    summary = t.summary()
+    assert lines[-1] == {"schema": "qkvtrace.stream/1", "kind": "end", "summary": json.loads(json.dumps(summary))}
+    assert summary["steps"] == 10 and summary["dropped_records"] == 1
+    module = summary["modules"][""]
+    assert (module["nan_count"], module["fully_masked_rows"]) == (nans, b * h)
+    seen = [(c["combo"]["sdpa_backend"], c["combo"]["attn_mask"] is None, c["calls"], c["first_step"],
+             c["last_step"]) for c in module["combinations"]]  # fmt: skip
+    assert seen == [("MATH", True, 4, 0, 10), ("FLASH_ATTENTION", True, 1, 1, 1), ("MATH", False, 1, 1, 1)]
+    assert scalars.got == [
+        ("qkvtrace/backend_share/MATH", 1.0, 0), ("qkvtrace/changes", 0.0, 0), ("qkvtrace/nan_outputs", 0.0, 0),
+        ("qkvtrace/backend_share/FLASH_ATTENTION", 1 / 3, 1), ("qkvtrace/backend_share/MATH", 2 / 3, 1),
+        ("qkvtrace/changes", 3.0, 1), ("qkvtrace/nan_outputs", float(nans), 1),
+        ("qkvtrace/backend_share/MATH", 1.0, 10), ("qkvtrace/changes", 0.0, 10),
+        ("qkvtrace/nan_outputs", float(nans), 10),
+    ]  # fmt: skip
+    assert scalars.flushes == 1
+
+
+def test_a_long_step_sums_its_counts_and_an_error_is_a_combination() -> None:
+    """300 calls in one step (more than are kept on the device before they are summed), each on a query with
+    one NaN row, then a call PyTorch refuses (head sizes that differ). ``max_records`` below 0 is refused.
+
+    Witness: the NaNs counted here in each output PyTorch returned, the ``RuntimeError`` PyTorch raised, and
+    the construction's counts. Catches counts lost when a step's device-side counts are folded early, a
+    refused call not told apart from a good one, and a wrong count of changes in the summary."""
+    with pytest.raises(ValueError, match="max_records"):
+        qkvtrace.trace(_BareSDPA(), keep="changes", max_records=-1)
+    q = torch.randn(1, 2, 4, 8)
+    q[0, 0, 1] = float("nan")
+    model = _BareSDPA()
+    with sdpa_kernel(SDPBackend.MATH), qkvtrace.trace(model, keep="changes") as t:
+        nans = sum(int(torch.isnan(model(q, q, q)).sum()) for _ in range(300))
+        t.step()
+        nans += sum(int(torch.isnan(model(q, q, q)).sum()) for _ in range(2))  # two counts to fold at the step
+        t.step()
+        with pytest.raises(RuntimeError):
+            model(q, q, torch.randn(1, 2, 4, 8)[..., :5].contiguous().transpose(-1, -2))
+        nans += int(torch.isnan(model(q, q, q)).sum())  # back to the first combination: a second change
+    assert nans > 0
+    assert t.monitor is not None and t.monitor.stream_path is None  # nothing streamed
+    summary = t.summary()
+    module = summary["modules"][""]
+    assert module["nan_count"] == nans
+    assert [(c["combo"]["error"], c["calls"]) for c in module["combinations"]] == [(False, 303), (True, 1)]
+    assert summary["changes"] == 2 and summary["dropped_records"] == 0  # two changes, one first
+    assert [(e.kind, e.call, e.became["error"]) for e in t.changes] == [
+        ("first", 0, False), ("change", 302, True), ("change", 303, False),
+    ]  # fmt: skip
+    with qkvtrace.trace(model, keep="changes", max_records=0) as t:  # 0: count only, keep no record
+        model(q, q, q)
+        model(q, q, q, torch.ones(4, 4, dtype=torch.bool))  # a change: a second record not kept
+    assert (t.calls, t.changes, t.summary()["dropped_records"]) == ([], [], 2)
+
+
+def test_a_rank_streams_to_its_own_file_and_says_so(tmp_path: Path) -> None:
+    """Rank 1 of a job of 2 (PyTorch's own fake process group, this process being rank 1): ``run.jsonl`` becomes
+    ``run.rank1.jsonl`` and the start line names the rank and the world size.
+
+    Witness: the rank and world size given to ``torch.distributed.init_process_group`` here, and the file
+    name rule of docs/long-runs.md (``.rankN`` before the suffix). Catches the rank or world size not handed
+    on, or missing from the start line."""
+    dist = pytest.importorskip("torch.distributed")
+    fake = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("needs torch.distributed and no process group of its own")
+    dist.init_process_group(backend="fake", rank=1, world_size=2, store=fake.FakeStore())
+    try:
+        mha = nn.MultiheadAttention(E, H, batch_first=True)
+        x = torch.randn(B, L, E)
+        with qkvtrace.trace(mha, keep="changes", stream_to=tmp_path / "run.jsonl") as t:
+            mha(x, x, x)
+    finally:
+        dist.destroy_process_group()
+    assert t.monitor is not None and t.monitor.stream_path == tmp_path / "run.rank1.jsonl"
+    assert not (tmp_path / "run.jsonl").exists()
+    start = _lines(tmp_path / "run.rank1.jsonl")[0]
+    assert (start["kind"], start["rank"], start["world_size"]) == ("start", 1, 2)
+
+
+def test_a_long_run_with_attention_maps_streams_its_records(tmp_path: Path) -> None:
+    """``keep="changes"`` with ``attention_maps=True``: the record of the first call, which holds the map's
+    tensors, still goes to the stream.
+
+    Witness: the one call the test makes (index 0, the first of its combination). Catches a stream line that
+    cannot be written when a record holds a value JSON has no type for."""
+    mha = nn.MultiheadAttention(E, H, batch_first=True)
+    x = torch.randn(B, L, E)
+    stream = tmp_path / "run.jsonl"
+    with qkvtrace.trace(mha, keep="changes", stream_to=stream, attention_maps=True):
+        mha(x, x, x)
+    [first] = [ln for ln in _lines(stream) if ln["kind"] == "first"]
+    assert first["record"]["index"] == 0  # type: ignore[index]
+
+
+def test_a_mask_object_is_named_by_its_type() -> None:
+    """A mask that is an object of its own (PyTorch's ``CausalBias``, which has no dtype of a tensor mask): its
+    combination names its type and nothing after it.
+
+    Witness: the type of the bias PyTorch's ``causal_lower_right`` returns. Catches a made-up dtype put
+    after the kind."""
+    bias_module = pytest.importorskip("torch.nn.attention.bias")
+    q = torch.randn(1, 2, 4, 8)
+    bias = bias_module.causal_lower_right(4, 4)
+    model = _BareSDPA()
+    with qkvtrace.trace(model, keep="changes") as t:
+        model(q, q, q, bias)
+    [first] = t.changes
+    assert first.became["attn_mask"] == type(bias).__name__
