@@ -31,7 +31,7 @@ import torch
 
 from qkvtrace import lazy
 from qkvtrace.health import Health, HealthRecord
-from qkvtrace.records import AttentionCall
+from qkvtrace.records import AttentionCall, call_dict
 
 __all__ = ["STREAM_SCHEMA", "Event", "Monitor", "combination"]
 
@@ -116,6 +116,8 @@ class Monitor:
         self._pending: list[Event] = []
         self._step_backends: Counter[str] = Counter()
         self._step_changes = 0
+        #: every change of the run, kept as an event or not (past ``max_records``)
+        self.changes = 0
         self._writer = tensorboard
         #: with ``health_every``: the attention health measured every N steps (:mod:`qkvtrace.health`)
         self.health: Health | None = None
@@ -166,6 +168,7 @@ class Monitor:
         if not (first or changed):
             return False
         self._step_changes += int(changed)
+        self.changes += int(changed)
         keep = len(self.events) < self.max_records
         if not keep:
             self.dropped_records += 1
@@ -199,7 +202,7 @@ class Monitor:
         for event in pending:
             self._write({"kind": event.kind, "step": event.step, "module": event.module, "call": event.call,
                          "was": event.was, "became": event.became,
-                         "record": asdict(event.record) if event.record is not None else None})  # fmt: skip
+                         "record": call_dict(event.record) if event.record is not None else None})  # fmt: skip
         if self.health is not None:
             self._write_health(self.health.end_step())
         total = sum(self._step_backends.values())
@@ -257,7 +260,7 @@ class Monitor:
                 }
                 for name, entry in sorted(self.modules.items())
             },
-            "changes": sum(1 for e in self.events if e.kind == "change"),
+            "changes": self.changes,
             "dropped_records": self.dropped_records,
         }
 

@@ -36,6 +36,7 @@ __all__ = [
     "TraceResult",
     "Unobserved",
     "atomic_write_text",
+    "call_dict",
     "kernel_refusal",
     "rows_label",
     "squared_shares",
@@ -257,7 +258,7 @@ MAP_FIELDS = (
 )
 
 
-def _call_dict(call: AttentionCall, maps: bool) -> dict[str, Any]:
+def call_dict(call: AttentionCall, maps: bool = False) -> dict[str, Any]:
     """One call as JSON; its map tensor as nested lists only when ``maps``."""
     weights, full = call.attention_map, call.attention_map_fully_masked
     out = asdict(call if call.map_tensors is None else replace(call, map_tensors=None))
@@ -427,7 +428,7 @@ class TraceResult:
         return {
             "schema": TRACE_SCHEMA,
             "torch_version": self.torch_version,
-            "calls": [_call_dict(c, maps) for c in self.calls],
+            "calls": [call_dict(c, maps) for c in self.calls],
             "gradients": [asdict(g) for g in self.gradients],
             "unobserved": [asdict(u) for u in self.unobserved],
             "warnings": list(self.warnings),

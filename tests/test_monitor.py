@@ -387,6 +387,8 @@ def test_stream_scalars_and_summary_of_a_run_written_by_hand(tmp_path: Path) -> 
     summary = t.summary()
     assert lines[-1] == {"schema": "qkvtrace.stream/1", "kind": "end", "summary": json.loads(json.dumps(summary))}
     assert summary["steps"] == 10 and summary["dropped_records"] == 1
+    # one meaning of "changes": every change of the run, the dropped one too (the steps' counts add up to it)
+    assert summary["changes"] == sum(st["changes"] for st in steps) == 3
     module = summary["modules"][""]
     assert (module["nan_count"], module["fully_masked_rows"]) == (nans, b * h)
     seen = [(c["combo"]["sdpa_backend"], c["combo"]["attn_mask"] is None, c["calls"], c["first_step"],
@@ -476,6 +478,8 @@ def test_a_long_run_with_attention_maps_streams_its_records(tmp_path: Path) -> N
         mha(x, x, x)
     [first] = [ln for ln in _lines(stream) if ln["kind"] == "first"]
     assert first["record"]["index"] == 0  # type: ignore[index]
+    # the record as a trace file has it: no map tensors written as their Python repr
+    assert "map_tensors" not in first["record"], first["record"].get("map_tensors")  # type: ignore[union-attr]
 
 
 def test_a_mask_object_is_named_by_its_type() -> None:
