@@ -237,3 +237,38 @@ def test_an_eager_twin_of_a_compiled_model_has_no_compiled_records(own_class: bo
     assert ops and ops == sorted(e.name for e in traced.events() if "scaled_dot_product" in e.name
                                  or e.name == "aten::bmm")  # fmt: skip
     assert {c.module.removeprefix("layers.") for c in t.result.calls} >= {"2", "4"}
+
+
+class Broken(nn.Module):
+    """Two attention blocks with a graph break between them: Dynamo compiles a graph for each side."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = Block("fused"), Block("by_hand")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.first(x)
+        torch._dynamo.graph_break()
+        return self.second(x)
+
+
+def test_graphs_on_both_sides_of_a_graph_break_compiled_before_the_trace() -> None:
+    """Witness: Dynamo's own count of the graphs it compiled for the model (``unique_graphs``: two, one each side
+    of the break), and the model's own modules: each block's attention is recorded, from its side's graph. Fault
+    caught: only the graph before the break read (the one after it sits on the function Dynamo resumes at)."""
+    torch.manual_seed(0)
+    model, x = Broken().eval(), torch.randn(B, T, E)
+    torch._dynamo.reset()
+    before = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    compiled = torch.compile(model, backend="aot_eager")
+    with torch.no_grad():
+        compiled(x)
+        assert int(torch._dynamo.utils.counters["stats"]["unique_graphs"]) - before == 2
+        with qkvtrace.trace(model) as t:
+            compiled(x)
+    torch._dynamo.reset()
+    ops = {op.module: op for op in t.result.compiled}
+    assert set(ops) == {"first", "second"}, ops
+    assert ops["first"].graph != ops["second"].graph
+    assert "resumed after a graph break" in ops["second"].evidence[0]
+    assert not t.result.unobserved

@@ -177,6 +177,23 @@ def _codes(modules: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module, t
     return found
 
 
+def _with_resumed(entries: list[Any], scope: dict[str, Any], what: str,
+                  depth: int = 0) -> list[tuple[str, Any, dict[str, Any], str]]:
+    """``(number, entry, its function's globals, what it is on)`` for each cache entry, and for the functions
+    Dynamo resumes at after a graph break (``__resume_at_...``, whose code holds entries of its own)."""
+    found = []
+    for number, entry in enumerate(entries):
+        found.append((f"{number + 1} of {len(entries)}", entry, scope, what))
+        for name in getattr(getattr(entry, "code", None), "co_names", ()):
+            resumed = scope.get(name) if name.startswith("__resume_at") else None
+            code = getattr(resumed, "__code__", None)
+            if code is None or depth >= 8:
+                continue
+            where = f"{what}, resumed after a graph break ({name})"
+            found += _with_resumed(_entries(code), getattr(resumed, "__globals__", scope), where, depth + 1)
+    return found
+
+
 def read(trace: Trace, modules: list[tuple[str, nn.Module]]) -> set[str]:
     """Record the attention of every graph Dynamo compiled for these modules (outermost first) before the trace
     opened; the names of the modules whose graphs were read."""
@@ -192,15 +209,14 @@ def read(trace: Trace, modules: list[tuple[str, nn.Module]]) -> set[str]:
             wrapped = _compiled_wrappers(modules)
         if id(m) not in wrapped:
             continue
-        for number, entry in enumerate(entries):
-            for fn_name, fn in _compiled_functions(entry, scope):
+        for number, entry, scope_of, where in _with_resumed(entries, scope, what):
+            for fn_name, fn in _compiled_functions(entry, scope_of):
                 gm = _graph(fn)
                 if gm is None or not _fits(gm, compiled.root_name(gm), m):
                     continue
                 # the trace in the key: traces opening in two threads read the same graph each for itself
-                key = ("_".join(fn_name.strip("_").split("_")[:3]), f"cache entry {number + 1}", id(trace))
-                said = (f"Dynamo's cache entry {number + 1} of {len(entries)} on {what} (compiled before the trace "
-                        f"opened), graph {fn_name}")  # fmt: skip
+                key = ("_".join(fn_name.strip("_").split("_")[:3]), f"cache entry {number}", id(trace))
+                said = f"Dynamo's cache entry {number} on {where} (compiled before the trace opened), graph {fn_name}"
                 compiled.record_graph(key, gm, {compiled.root_name(gm): m}, [trace], said)
                 sources, graphs = _held(fn, gm)
                 for aten in sorted(graphs, key=lambda g: _kind(g) == "backward"):
