@@ -529,3 +529,16 @@ def test_a_norm_moves_only_beyond_rtol_of_the_larger_value(was: float, became: f
     assert diff_traces(doc(was), doc(became), rtol=0.5)["changed"] == []
     [call] = diff_traces(doc(was), doc(became), rtol=0.4)["changed"]
     assert [(c["field"], c["was"], c["became"]) for c in call["changes"]] == [("qkv.q.weight_norm", was, became)]
+
+
+def test_appeared_and_vanished_calls_in_call_order() -> None:
+    """Thirty calls on one side only, listed in the document against their order, their modules named so that a
+    set of them has no useful order. Witness: the call indices written here. Fault caught: the calls that appeared
+    or vanished given in a set's order rather than the order the model made them."""
+    names = [f"m{(i * 7919) % 101}" for i in range(30)]
+    only = [{"index": i, "module": n, "path": "sdpa", "sdpa_backend": "MATH"} for i, n in enumerate(names)]
+    shared = {"index": 30, "module": "kept", "path": "sdpa", "sdpa_backend": "MATH"}
+    a = {"schema": "qkvtrace.trace/3", "torch_version": "1.0", "calls": [shared, *reversed(only)]}
+    b = {"schema": "qkvtrace.trace/3", "torch_version": "2.0", "calls": [shared]}
+    assert [c["index"] for c in diff_traces(a, b)["vanished"]] == list(range(30))
+    assert [c["index"] for c in diff_traces(b, a)["appeared"]] == list(range(30))
