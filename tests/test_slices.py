@@ -557,11 +557,12 @@ def test_guess_by_shape_reads_contiguous_thirds(child: str) -> None:
 
 
 def test_guess_without_a_projection_says_why() -> None:
-    """Witness: children built with no q/k/v name and no ``(E, 3E)`` shape (a 2-D weight whose ``nf`` is not its
-    width is no Conv1D). Catches a projection proposed for them."""
-    odd = Conv1D(3 * E, E)
-    odd.nf = E  # no longer its second dimension
-    model = _Named(a=nn.Linear(E, 2 * E), b=odd, c=nn.ReLU())
+    """Witness: children built with no usable q/k/v projection and no ``(E, 3E)`` shape: an ``nn.Embedding``
+    named ``q`` (a 2-D weight, no ``nf``), and a ``[E, 2E]`` weight named ``k`` whose ``nf`` says ``3E`` (not its
+    second dimension, so no Conv1D). Catches either taken for a projection, by name or as ``(E, 3E)``."""
+    odd = Conv1D(2 * E, E)
+    odd.nf = 3 * E  # not its second dimension
+    model = _Named(q=nn.Embedding(4, E), k=odd, v=nn.Linear(E, 2 * E), c=nn.ReLU())
     reason = slices.guess_projection(model)
     assert reason == "no q/k/v-named projections or Linear(E, 3E) / Conv1D(E, 3E) among its children"
 
@@ -674,8 +675,10 @@ def test_grad_slices_before_any_backward_are_none() -> None:
 
 def test_norm_cache_recomputes_after_an_in_place_change_only() -> None:
     """Witness: ``torch.linalg.vector_norm`` of the rows in the test, before and after an in-place update
-    (which moves ``_version``). Catches a stale norm after the update, a cache keyed without rows or ``dim``,
-    and a record rebuilt although nothing changed."""
+    (which moves ``_version``), of each module, spec and tensor. Catches a stale norm after the update, a cache
+    keyed without rows or ``dim``, a record rebuilt although nothing changed, and a record shared by two modules
+    whose parameters are at the same versions, by two specs over one weight, or kept after the weight was replaced
+    by another tensor at the same version."""
     torch.manual_seed(0)
     w = nn.Parameter(torch.randn(6, 8))
     cache = slices.NormCache()
@@ -691,11 +694,26 @@ def test_norm_cache_recomputes_after_an_in_place_change_only() -> None:
     projection = slices.mha_projection(mha)
     first = cache.qkv(projection)
     assert cache.qkv(projection) is first
+    other = nn.MultiheadAttention(E, H)  # parameters at the same versions as mha's
+    assert float(cache.qkv(slices.mha_projection(other)).q.weight_norm) == pytest.approx(
+        float(other.in_proj_weight.detach()[:E].norm()), rel=1e-6
+    )
     with torch.no_grad():
         mha.in_proj_bias.add_(1.0)
     second = cache.qkv(projection)
     assert second is not first
     assert float(second.q.bias_norm) == pytest.approx(float(mha.in_proj_bias.detach()[:E].norm()), rel=1e-6)
+    # a second spec over the same weight (K and Q swapped), then the weight swapped for a new tensor
+    swapped = slices.ProjectionSpec("packed", projection.spec.k, projection.spec.q, projection.spec.v)
+    assert float(cache.qkv(slices.Projection(mha, swapped)).q.weight_norm) == pytest.approx(
+        float(mha.in_proj_weight.detach()[E : 2 * E].norm()), rel=1e-6
+    )
+    new = nn.Parameter(torch.empty_like(mha.in_proj_weight))
+    with torch.no_grad():
+        new.copy_(mha.in_proj_weight * 3)
+    assert new._version == mha.in_proj_weight._version  # the same version: only the tensor differs
+    mha.in_proj_weight = new
+    assert float(cache.qkv(projection).q.weight_norm) == pytest.approx(float(new.detach()[:E].norm()), rel=1e-6)
 
 
 def test_norms_of_inference_tensors_are_never_stale() -> None:
