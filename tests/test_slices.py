@@ -530,13 +530,18 @@ def test_guess_by_name_takes_the_first_matching_child() -> None:
 
 def test_guess_by_name_of_conv1d_children_reads_columns() -> None:
     """Witness: ``Conv1D`` (GPT-2) stores ``[in, out]`` with ``nf = out``: a part is columns ``[0, nf)``,
-    ``dim`` 1. Catches ``[out, in]`` assumed, or the Conv1D test (2-D weight, ``nf`` its second size) weakened."""
+    ``dim`` 1; ``v``'s bias is deleted here, so it has no ``bias`` attribute at all. Catches ``[out, in]``
+    assumed, the Conv1D test (2-D weight, ``nf`` its second size) weakened, and a missing ``bias`` attribute
+    read as an error."""
     model = _Named(q=Conv1D(2 * E, E), k=Conv1D(2 * E, E), v=Conv1D(2 * E, E))
+    del model.v.bias
     projection = slices.guess_projection(model)
     assert not isinstance(projection, str)
     assert projection.spec.layout == "separate"
-    for _, ps in projection.spec.parts():
-        assert ps.rows == ((0, 2 * E),) and ps.dim == 1 and ps.bias_rows == ((0, 2 * E),)
+    for part, ps in projection.spec.parts():
+        bias_rows = () if part == "v" else ((0, 2 * E),)
+        assert ps.rows == ((0, 2 * E),) and ps.dim == 1 and ps.bias_rows == bias_rows
+    assert projection.spec.v.bias_param is None and projection.spec.q.bias_param == "q.bias"
 
 
 @pytest.mark.parametrize("child", ["linear", "conv1d"])
