@@ -22,7 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import qkvtrace
+from qkvtrace import slices
 from qkvtrace.grads import measure
+from qkvtrace.records import QKVInfo, SliceGrad
 
 E, H, B, L = 16, 4, 2, 5
 D = E // H
@@ -222,11 +224,32 @@ class MHASeparate(nn.Module):
         return self.mha(x, self.k_in(x), self.v_in(x), need_weights=False)[0]
 
 
+class Mixed(nn.Module):
+    """Q from its own ``Linear(E, E)``, K and V packed in one ``Linear(E, 2E)``: neither one weight nor three."""
+
+    truth: ClassVar[Truths] = {"q": ("q.weight", torch.arange(E)), "k": ("kv.weight", torch.arange(E)),
+                               "v": ("kv.weight", torch.arange(E, 2 * E))}  # fmt: skip
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.kv, self.out = nn.Linear(E, E), nn.Linear(E, 2 * E), nn.Linear(E, E)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        k, v = (_heads(t) for t in self.kv(x).split(E, dim=-1))
+        return self.out(_merge(F.scaled_dot_product_attention(_heads(self.q(x)), k, v)))
+
+
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "packed": Packed, "interleaved": Interleaved, "grouped_fused": GroupedFused, "permuted": Permuted,
     "decoy": Decoy, "separate": Separate, "conv1d": Conv1DPacked, "parent_held": ParentHeld,
-    "mha_packed": MHAPacked, "mha_kdim_vdim": MHASeparate,
+    "mha_packed": MHAPacked, "mha_kdim_vdim": MHASeparate, "mixed": Mixed,
 }  # fmt: skip
+
+#: the layout each model has by construction (records.QKVInfo.layout's definitions): one weight and one range
+#: per part is packed, one weight and a part in several ranges interleaved, a weight per part separate
+LAYOUTS = {"packed": "packed", "interleaved": "interleaved", "grouped_fused": "packed", "permuted": "packed",
+           "decoy": "separate", "separate": "separate", "conv1d": "packed", "parent_held": "separate",
+           "mha_packed": "packed", "mha_kdim_vdim": "separate", "mixed": "mixed"}  # fmt: skip
 
 
 @dataclass
@@ -273,11 +296,14 @@ def _run(model: nn.Module) -> tuple[qkvtrace.Trace, torch.Tensor]:
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_slices_weight_norms_and_gradients_match_the_rows_by_construction(name: str) -> None:
-    """Witness: each model's ``truth`` -- the rows its forward gives Q, K, V -- and ``.grad`` at those rows."""
+    """Witness: each model's ``truth`` -- the rows its forward gives Q, K, V, its layout (``LAYOUTS``) -- and
+    ``.grad`` of the weight and bias at those rows; the one backward pass starts from no ``.grad``, so the pass's
+    own gradient is ``.grad``. Catches a wrong layout name, bias norms or per-pass norms dropped or misread."""
     torch.manual_seed(0)
     model = MODELS[name]()
     t, _ = _run(model)
     [call] = t.calls
+    assert call.qkv.layout == LAYOUTS[name]
     truth: ClassVar[Truths] = _truth(model)
     for part, want in truth.items():
         info = getattr(call.qkv, part)
@@ -294,7 +320,16 @@ def test_slices_weight_norms_and_gradients_match_the_rows_by_construction(name: 
     for part, want in truth.items():
         assert want.weight.grad is not None
         real = _norm(want.weight.grad.index_select(want.dim, want.index))
-        assert getattr(grad, part).grad_norm == pytest.approx(real, rel=1e-5), part
+        got = getattr(grad, part)
+        assert got.grad_norm == pytest.approx(real, rel=1e-5), part
+        assert got.pass_grad_norm == pytest.approx(real, rel=1e-5), part
+        if want.bias is None:
+            assert got.bias_grad_norm is None and got.pass_bias_grad_norm is None
+        else:
+            assert want.bias.grad is not None
+            bias_real = _norm(want.bias.grad[want.bias_index])
+            assert got.bias_grad_norm == pytest.approx(bias_real, rel=1e-5), part
+            assert got.pass_bias_grad_norm == pytest.approx(bias_real, rel=1e-5), part
     by_definition = name.startswith("mha")
     assert call.qkv.q.evidence.startswith("by definition" if by_definition else "dataflow: autograd graph")
 
@@ -433,3 +468,272 @@ def test_frozen_projection_rows_are_derived() -> None:
     assert call.qkv.layout == "interleaved", call.qkv.reason
     assert _expand(call.qkv.q.rows) == Interleaved.truth["q"][1].tolist()
     assert not any(p.requires_grad for p in model.parameters())
+
+
+# --- slices.py's public helpers, each against a value built in the test -------------------------------------
+
+
+def test_mha_without_bias_has_no_bias_slices() -> None:
+    """Witness: ``nn.MultiheadAttention(bias=False)`` keeps ``in_proj_bias = None`` (its docs), and with
+    ``kdim``/``vdim`` three ``*_proj_weight``. Catches a bias named or bias rows given where the module has none,
+    and a wrong layout name."""
+    for kwargs, layout, params in [({}, "packed", ["in_proj_weight"] * 3),
+                                   ({"kdim": 6, "vdim": 5}, "separate", ["q_proj_weight", "k_proj_weight",
+                                                                          "v_proj_weight"])]:  # fmt: skip
+        mha = nn.MultiheadAttention(E, H, bias=False, **kwargs)
+        assert mha.in_proj_bias is None
+        projection = slices.mha_projection(mha)
+        assert projection.holder is mha and projection.spec.layout == layout
+        for (_, ps), param in zip(projection.spec.parts(), params, strict=True):
+            assert ps.param == param and ps.bias_param is None and ps.bias_rows == ()
+        info = slices.NormCache().qkv(projection)
+        assert info.layout == layout
+        for part, param in zip("qkv", params, strict=True):
+            s = getattr(info, part)
+            assert s.param == param and s.bias_param is None and s.bias_norm is None
+        assert slices.guess_projection(mha).spec == projection.spec  # an MHA is read by its definition
+
+
+class _Named(nn.Module):
+    def __init__(self, **children: nn.Module) -> None:
+        super().__init__()
+        for name, child in children.items():
+            self.add_module(name, child)
+
+
+@pytest.mark.parametrize("names", [("q_proj", "k_proj", "v_proj"), ("Query", "KEY", "value"), ("wq", "wk", "wv")])
+def test_guess_by_name_reads_q_k_v_named_children(names: tuple[str, str, str]) -> None:
+    """Witness: the children built here -- a ``Linear(E, E)`` for Q, a bias-free ``Linear(E, 2E)`` for K, a
+    ``Linear(E, E)`` for V, plus an unrelated ``Linear(E, 3E)`` -- so each part is the whole of its child's
+    weight, ``out_features`` rows. Catches a wrong part order, rows from the input width, a bias named for the
+    bias-free child, the case of a name mattering, and the ``Linear(E, 3E)`` read before the names."""
+    q, k, v = names
+    model = _Named(gate=nn.Linear(E, 3 * E), **{q: nn.Linear(E, E), k: nn.Linear(E, 2 * E, bias=False),
+                                               v: nn.Linear(E, E)})  # fmt: skip
+    projection = slices.guess_projection(model)
+    assert not isinstance(projection, str) and projection.holder is model
+    spec = projection.spec
+    assert spec.layout == "separate"
+    assert spec.q == slices.PartSpec(f"{q}.weight", ((0, E),), f"{q}.bias", ((0, E),), 0, "by name")
+    assert spec.k == slices.PartSpec(f"{k}.weight", ((0, 2 * E),), None, (), 0, "by name")
+    assert spec.v == slices.PartSpec(f"{v}.weight", ((0, E),), f"{v}.bias", ((0, E),), 0, "by name")
+
+
+def test_guess_by_name_takes_the_first_matching_child() -> None:
+    """Witness: ``named_children`` order, as built: ``q`` is registered before ``query``, both Q names.
+    Catches a later match replacing the first."""
+    model = _Named(q=nn.Linear(E, E), query=nn.Linear(E, 2 * E), k=nn.Linear(E, E), v=nn.Linear(E, E))
+    projection = slices.guess_projection(model)
+    assert not isinstance(projection, str)
+    assert projection.spec.q.param == "q.weight" and projection.spec.q.rows == ((0, E),)
+
+
+def test_guess_by_name_of_conv1d_children_reads_columns() -> None:
+    """Witness: ``Conv1D`` (GPT-2) stores ``[in, out]`` with ``nf = out``: a part is columns ``[0, nf)``,
+    ``dim`` 1; ``v``'s bias is deleted here, so it has no ``bias`` attribute at all. Catches ``[out, in]``
+    assumed, the Conv1D test (2-D weight, ``nf`` its second size) weakened, and a missing ``bias`` attribute
+    read as an error."""
+    model = _Named(q=Conv1D(2 * E, E), k=Conv1D(2 * E, E), v=Conv1D(2 * E, E))
+    del model.v.bias
+    projection = slices.guess_projection(model)
+    assert not isinstance(projection, str)
+    assert projection.spec.layout == "separate"
+    for part, ps in projection.spec.parts():
+        bias_rows = () if part == "v" else ((0, 2 * E),)
+        assert ps.rows == ((0, 2 * E),) and ps.dim == 1 and ps.bias_rows == bias_rows
+    assert projection.spec.v.bias_param is None and projection.spec.q.bias_param == "q.bias"
+
+
+@pytest.mark.parametrize("child", ["linear", "conv1d"])
+def test_guess_by_shape_reads_contiguous_thirds(child: str) -> None:
+    """Witness: a ``Linear(E, 3E)`` (rows) or ``Conv1D(3E, E)`` (columns) built here, only two of q/k/v named:
+    by shape the thirds ``[0,E)``, ``[E,2E)``, ``[2E,3E)``. Catches other ranges, a wrong ``dim``, a
+    ``Linear(E, 2E)`` or a square one taken for ``(E, 3E)``, and two names taken for three."""
+    fused = nn.Linear(E, 3 * E) if child == "linear" else Conv1D(3 * E, E)
+    model = _Named(q=nn.Linear(E, E), k=nn.Linear(E, E), pair=nn.Linear(E, 2 * E), square=nn.Linear(3 * E, 3 * E),
+                   fused=fused)  # fmt: skip
+    projection = slices.guess_projection(model)
+    assert not isinstance(projection, str)
+    dim = 0 if child == "linear" else 1
+    thirds = [((0, E),), ((E, 2 * E),), ((2 * E, 3 * E),)]
+    assert projection.spec == slices.ProjectionSpec(
+        "packed", *(slices.PartSpec("fused.weight", r, "fused.bias", r, dim, "by shape") for r in thirds)
+    )
+
+
+def test_guess_without_a_projection_says_why() -> None:
+    """Witness: children built with no usable q/k/v projection and no ``(E, 3E)`` shape: an ``nn.Embedding``
+    named ``q`` (a 2-D weight, no ``nf``), and a ``[E, 2E]`` weight named ``k`` whose ``nf`` says ``3E`` (not its
+    second dimension, so no Conv1D). Catches either taken for a projection, by name or as ``(E, 3E)``."""
+    odd = Conv1D(2 * E, E)
+    odd.nf = 3 * E  # not its second dimension
+    model = _Named(q=nn.Embedding(4, E), k=odd, v=nn.Linear(E, 2 * E), c=nn.ReLU())
+    reason = slices.guess_projection(model)
+    assert reason == "no q/k/v-named projections or Linear(E, 3E) / Conv1D(E, 3E) among its children"
+
+
+def test_layout_names_by_definition() -> None:
+    """Witness: ``layout_of``'s definitions applied by hand to parts built here. Catches each name swapped."""
+
+    def part(param: str, rows: slices.Rows) -> slices.PartSpec:
+        return slices.PartSpec(param, rows, None, ())
+
+    assert slices.layout_of([part("w", ((0, 4),)), part("w", ((4, 8),)), part("w", ((8, 12),))]) == "packed"
+    assert slices.layout_of([part("w", ((0, 2), (6, 8))), part("w", ((2, 4), (8, 10))),
+                             part("w", ((4, 6), (10, 12)))]) == "interleaved"  # fmt: skip
+    assert slices.layout_of([part("w", ((0, 2), (6, 8))), part("w", ((2, 4),)), part("w", ((4, 6),))]) == "interleaved"
+    assert slices.layout_of([part("a", ((0, 4),)), part("b", ((0, 4),)), part("c", ((0, 4),))]) == "separate"
+    assert slices.layout_of([part("a", ((0, 4),)), part("b", ((0, 4),)), part("b", ((4, 8),))]) == "mixed"
+
+
+def test_rows_of_merges_runs_of_true() -> None:
+    """Witness: the mask written here and its runs read off by eye. Catches runs split or merged wrongly."""
+    mask = torch.tensor([True, True, False, True, False, False, True, True, True])
+    assert slices.rows_of(mask) == ((0, 2), (3, 4), (6, 9))
+    assert slices.rows_of(torch.zeros(4, dtype=torch.bool)) == ()
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_slice_norms_and_shapes_of_several_ranges(dim: int) -> None:
+    """Witness: ``index_select`` of the ranges' indices and ``torch.linalg.vector_norm`` in the test. Two ranges
+    (not one, not four) along rows or columns: catches only the first range read, or the ranges stacked along
+    another dimension (a ``Conv1D`` part's shape)."""
+    torch.manual_seed(0)
+    w = torch.randn(12, 10)
+    rows = ((1, 3), (6, 9))
+    index = torch.tensor([1, 2, 6, 7, 8])
+    want = w.index_select(dim, index)
+    [one, two] = slices.slice_norms_of(w, [(rows, dim), (((0, 5),), dim)])
+    assert float(one) == pytest.approx(float(torch.linalg.vector_norm(want)), rel=1e-6)
+    assert float(two) == pytest.approx(float(torch.linalg.vector_norm(w.narrow(dim, 0, 5))), rel=1e-6)
+    holder = _Named(proj=nn.Linear(10, 12) if dim == 0 else Conv1D(10, 12))
+    ps = slices.PartSpec("proj.weight", rows, None, (), dim, "test")
+    projection = slices.Projection(holder, slices.ProjectionSpec("interleaved", ps, ps, ps))
+    info = slices.NormCache().qkv(projection)
+    weight = holder.proj.weight.detach()
+    assert info.q.shape == list(weight.index_select(dim, index).shape)
+    assert info.q.rows == [[1, 3], [6, 9]] and info.q.dim == dim
+    assert float(info.q.weight_norm) == pytest.approx(float(torch.linalg.vector_norm(weight.index_select(dim, index))),
+                                                      rel=1e-6)  # fmt: skip
+
+
+def test_param_of_names_what_is_missing() -> None:
+    """Witness: the module built here has ``proj.weight`` and no ``proj.nothing``. Catches a wrong owner for
+    a dotted name and an error that does not say what is missing."""
+    model = _Named(proj=nn.Linear(E, E))
+    assert slices.param_of(model, "proj.weight") is model.proj.weight
+    assert slices.param_of(model.proj, "bias") is model.proj.bias
+    with pytest.raises(AttributeError, match=r"^_Named has no tensor 'proj\.nothing'$"):
+        slices.param_of(model, "proj.nothing")
+    with pytest.raises(AttributeError, match=r"^Linear has no tensor 'in_features'$"):
+        slices.param_of(model.proj, "in_features")
+
+
+def _latent() -> tuple[nn.Module, slices.Projection]:
+    """K made of rows of two weights (latent attention's rotary part), built by hand."""
+    torch.manual_seed(0)
+    model = _Named(kv=nn.Linear(E, 2 * E), rope=nn.Linear(E, 4, bias=False), q=nn.Linear(E, E))
+    extra = slices.PartSpec("rope.weight", ((0, 4),), None, (), 0, "test")
+    k = slices.PartSpec("kv.weight", ((0, E),), "kv.bias", ((0, E),), 0, "test", also=(extra,))
+    v = slices.PartSpec("kv.weight", ((E, 2 * E),), "kv.bias", ((E, 2 * E),), 0, "test")
+    q = slices.PartSpec("q.weight", ((0, E),), "q.bias", ((0, E),), 0, "test")
+    return model, slices.Projection(model, slices.ProjectionSpec("mixed", q, k, v))
+
+
+def test_a_part_made_of_two_weights_has_their_joint_norms() -> None:
+    """Witness: the norm of the concatenation of both weights' rows (and of the one bias there is), computed
+    in the test; ``.grad`` of a real backward for the gradient norms, and for the pass norms the values handed
+    in. Catches the joint norm replaced by the first piece's, and pieces without a bias dropped or counted."""
+    model, projection = _latent()
+    x = torch.randn(B, E)
+    (model.kv(x).sum() + model.rope(x).pow(2).sum() + model.q(x).pow(3).sum()).backward()
+    kw, rw, kb = model.kv.weight.detach(), model.rope.weight.detach(), model.kv.bias.detach()
+    info = slices.NormCache().qkv(projection)
+    assert info.layout == "mixed"
+    assert float(info.k.weight_norm) == pytest.approx(float(torch.cat([kw[:E], rw]).norm()), rel=1e-6)
+    assert float(info.k.bias_norm) == pytest.approx(float(kb[:E].norm()), rel=1e-6)
+    assert [a.param for a in info.k.also] == ["rope.weight"] and info.k.also[0].bias_norm is None
+    assert info.k.bias_param == "kv.bias" and info.k.also[0].bias_param is None
+    assert float(info.v.weight_norm) == pytest.approx(float(kw[E:].norm()), rel=1e-6)
+    assert info.q.also is None and info.v.also is None
+    g_k, g_r, g_b = model.kv.weight.grad, model.rope.weight.grad, model.kv.bias.grad
+    assert g_k is not None and g_r is not None and g_b is not None
+    pass_norms = {("kv.weight", ((0, E),)): torch.tensor(3.0), ("rope.weight", ((0, 4),)): torch.tensor(4.0),
+                  ("kv.bias", ((0, E),)): torch.tensor(2.0)}  # fmt: skip
+    got = slices.grad_slices(projection, pass_norms)
+    assert float(got["k"].grad_norm) == pytest.approx(float(torch.cat([g_k[:E], g_r]).norm()), rel=1e-6)
+    assert float(got["k"].bias_grad_norm) == pytest.approx(float(g_b[:E].norm()), rel=1e-6)
+    assert float(got["k"].pass_grad_norm) == pytest.approx(5.0)  # sqrt(3² + 4²)
+    assert float(got["k"].pass_bias_grad_norm) == pytest.approx(2.0)
+    assert got["v"].pass_grad_norm is None and got["q"].pass_bias_grad_norm is None  # not handed in
+    assert float(got["q"].grad_norm) == pytest.approx(float(model.q.weight.grad.norm()), rel=1e-6)
+
+
+def test_grad_slices_before_any_backward_are_none() -> None:
+    """Witness: a module never run backward has ``.grad is None`` (PyTorch). Catches a norm read from no
+    gradient."""
+    mha = nn.MultiheadAttention(E, H)
+    got = slices.grad_slices(slices.mha_projection(mha), {})
+    for part in "qkv":
+        assert got[part] == SliceGrad(None, None, None, None)
+
+
+def test_norm_cache_recomputes_after_an_in_place_change_only() -> None:
+    """Witness: ``torch.linalg.vector_norm`` of the rows in the test, before and after an in-place update
+    (which moves ``_version``), of each module, spec and tensor. Catches a stale norm after the update, a cache
+    keyed without rows or ``dim``, a record rebuilt although nothing changed, and a record shared by two modules
+    whose parameters are at the same versions, by two specs over one weight, or kept after the weight was replaced
+    by another tensor at the same version."""
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(6, 8))
+    cache = slices.NormCache()
+    a = cache.norm(w, ((0, 2),))
+    assert float(a) == pytest.approx(float(w.detach()[:2].norm()), rel=1e-6)
+    assert cache.norm(w, ((0, 2),)) is a  # unchanged: the same tensor
+    assert float(cache.norm(w, ((2, 6),))) == pytest.approx(float(w.detach()[2:].norm()), rel=1e-6)
+    assert float(cache.norm(w, ((0, 2),), 1)) == pytest.approx(float(w.detach()[:, :2].norm()), rel=1e-6)
+    with torch.no_grad():
+        w.mul_(2)
+    assert float(cache.norm(w, ((0, 2),))) == pytest.approx(2 * float(a), rel=1e-6)
+    mha = nn.MultiheadAttention(E, H)
+    projection = slices.mha_projection(mha)
+    first = cache.qkv(projection)
+    assert cache.qkv(projection) is first
+    other = nn.MultiheadAttention(E, H)  # parameters at the same versions as mha's
+    assert float(cache.qkv(slices.mha_projection(other)).q.weight_norm) == pytest.approx(
+        float(other.in_proj_weight.detach()[:E].norm()), rel=1e-6
+    )
+    with torch.no_grad():
+        mha.in_proj_bias.add_(1.0)
+    second = cache.qkv(projection)
+    assert second is not first
+    assert float(second.q.bias_norm) == pytest.approx(float(mha.in_proj_bias.detach()[:E].norm()), rel=1e-6)
+    # a second spec over the same weight (K and Q swapped), then the weight swapped for a new tensor
+    swapped = slices.ProjectionSpec("packed", projection.spec.k, projection.spec.q, projection.spec.v)
+    assert float(cache.qkv(slices.Projection(mha, swapped)).q.weight_norm) == pytest.approx(
+        float(mha.in_proj_weight.detach()[E : 2 * E].norm()), rel=1e-6
+    )
+    new = nn.Parameter(torch.empty_like(mha.in_proj_weight))
+    with torch.no_grad():
+        new.copy_(mha.in_proj_weight * 3)
+    assert new._version == mha.in_proj_weight._version  # the same version: only the tensor differs
+    mha.in_proj_weight = new
+    assert float(cache.qkv(projection).q.weight_norm) == pytest.approx(float(new.detach()[:E].norm()), rel=1e-6)
+
+
+def test_norms_of_inference_tensors_are_never_stale() -> None:
+    """Witness: the norm computed in the test. Tensors made under ``inference_mode`` keep no version counter
+    (PyTorch raises on ``_version``); two different values there must not share a cached norm."""
+    cache = slices.NormCache()
+    with torch.inference_mode():
+        w = torch.ones(4, 4)
+        first = float(cache.norm(w, ((0, 4),)))
+        w.mul_(3)
+        second = float(cache.norm(w, ((0, 4),)))
+    assert first == pytest.approx(4.0) and second == pytest.approx(12.0)
+
+
+def test_an_unknown_projection_is_recorded_with_its_reason() -> None:
+    """Witness: the reason string handed in. Catches it dropped or a layout given."""
+    info = slices.NormCache().qkv("no projection here")
+    assert info == QKVInfo(layout=None, q=None, k=None, v=None, reason="no projection here")
