@@ -234,3 +234,109 @@ def test_assert_backend_failure_says_why() -> None:
     with pytest.raises(AssertionError) as failed:
         assert_backend(t, "FLASH_ATTENTION")
     assert reason in " ".join(str(failed.value).split())
+
+
+def test_the_cached_answer_is_keyed_by_all_a_refusal_can_depend_on() -> None:
+    """PyTorch's reasons are asked once per call signature and looked up after. Two calls that differ in one
+    property PyTorch's checks read (a dtype, a mask's dtype, which of its dimensions broadcast, its last stride,
+    causal, dropout, scale, GQA, grad mode, which inputs require grad, a sequence length up to 128, which sequence
+    is longer, a head size, a layout's last stride) must not share an answer; two calls that differ only in values,
+    or in lengths both past 128, share it. Witness: the pairs built here, each differing in one property by
+    construction. Fault caught: a cache key blind to one of them, which would hand one call another's reasons."""
+    from qkvtrace.refusals import signature
+
+    b, h, t, d = 2, 3, 8, 16
+
+    def key(q: torch.Tensor | None = None, k: torch.Tensor | None = None, v: torch.Tensor | None = None,
+            mask: Any = None, dropout: float = 0.0, causal: bool = False, scale: Any = None,
+            gqa: bool = False) -> Any:  # fmt: skip
+        q = torch.randn(b, h, t, d) if q is None else q
+        k = torch.randn(b, h, t, d) if k is None else k
+        v = torch.randn(b, h, t, d) if v is None else v
+        return signature(q, k, v, mask, dropout, causal, scale, gqa, "MATH")
+
+    base = key()
+    x = torch.randn(b, h, t, d)
+    differing = {
+        "q dtype": key(q=x.double()),
+        "k dtype": key(k=x.double()),
+        "v dtype": key(v=x.double()),
+        "a bool mask": key(mask=torch.ones(t, t, dtype=torch.bool)),
+        "a float mask": key(mask=torch.zeros(t, t)),
+        "causal": key(causal=True),
+        "dropout": key(dropout=0.1),
+        "scale": key(scale=0.5),
+        "gqa": key(gqa=True),
+        "q requires grad": key(q=x.clone().requires_grad_()),
+        "k requires grad": key(k=x.clone().requires_grad_()),
+        "v requires grad": key(v=x.clone().requires_grad_()),
+        "query length": key(q=torch.randn(b, h, t + 1, d)),
+        "key length": key(k=torch.randn(b, h, t + 1, d), v=torch.randn(b, h, t + 1, d)),
+        "head size": key(q=torch.randn(b, h, t, d * 2), k=torch.randn(b, h, t, d * 2)),
+        "value head size": key(v=torch.randn(b, h, t, d * 2)),
+        "batch": key(q=torch.randn(b + 1, h, t, d)),
+        "key heads": key(k=torch.randn(b, 1, t, d)),
+        "q last stride": key(q=torch.randn(b, h, d, t).transpose(-2, -1)),
+        "k last stride": key(k=torch.randn(b, h, d, t).transpose(-2, -1)),
+        "v last stride": key(v=torch.randn(b, h, d, t).transpose(-2, -1)),
+    }
+    with torch.no_grad():
+        differing["grad mode"] = key()
+    mask = torch.zeros(1, 1, t, t)
+    assert key(mask=mask) != key(mask=torch.zeros(b, h, t, t)), "which dimensions broadcast"
+    assert key(mask=mask) != key(mask=torch.zeros(b, h, t, t).half()), "a mask's dtype"
+    assert key(mask=torch.zeros(t, t)) != key(mask=torch.zeros(t, t).t().contiguous().t()), "a mask's last stride"
+    long_q, longer_q = torch.randn(b, h, 200, d), torch.randn(b, h, 300, d)
+    long_k = torch.randn(b, h, 250, d)
+    assert key(q=long_q, k=long_k, v=long_k) != key(q=longer_q, k=long_k, v=long_k), "which sequence is longer"
+    for name, other in differing.items():
+        assert other != base, f"{name} is not in the key"
+    assert key() == base and key(mask=torch.zeros(t, t)) == key(mask=torch.ones(t, t)), "values are not in the key"
+    assert key(q=long_q, k=torch.randn(b, h, 150, d), v=torch.randn(b, h, 150, d)) == key(
+        q=torch.randn(b, h, 400, d), k=long_k, v=long_k), "lengths past 128 (query longer both times) share a key"
+
+
+def test_the_cached_answer_is_shared_where_nothing_a_check_reads_differs() -> None:
+    """The other side of the key: calls that differ only in what no check reads share one answer, and the key
+    reads the sizes of three-dimensional inputs (``[B·H, T, d]``) as well as four-dimensional ones. Witness: the
+    pairs built here, equal or differing by construction in one property. Faults caught: a key that reads a
+    stride other than the last one (a slice of a wider tensor has other strides there), the full lengths rather
+    than lengths capped at 128, a length or head size read from the wrong dimension, and the order of two
+    lengths read with ``>=`` or ``<=``."""
+    from qkvtrace.refusals import signature
+
+    b, h, t, d = 2, 3, 8, 16
+
+    def key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any = None) -> Any:
+        return signature(q, k, v, mask, 0.0, False, None, False, "MATH")
+
+    def x(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape)
+
+    base4 = x(b, h, t, d)
+    wide = x(b, h, t, 2 * d)[..., :d]  # last stride 1, others those of a wider tensor
+    for part in range(3):
+        args = [base4, base4, base4]
+        args[part] = wide
+        assert key(*args) == key(base4, base4, base4), f"input {part}: strides but the last are not in the key"
+    mask, wide_mask = torch.zeros(1, h, t, t), torch.zeros(1, h, t, 2 * t)[..., :t]
+    assert key(base4, base4, base4, mask) == key(base4, base4, base4, wide_mask)
+    assert key(base4, base4, base4, torch.zeros(1, 1, t, t)) != key(base4, base4, base4, torch.zeros(3, 3, t, t))
+    # four-dimensional: q's head size, k's, q's heads, each alone
+    assert key(x(b, h, t, 2 * d), base4, base4) != key(base4, base4, base4)
+    assert key(base4, x(b, h, t, 2 * d), base4) != key(base4, base4, base4)
+    assert key(x(b, h + 1, t, d), base4, base4) != key(base4, base4, base4)
+    # three-dimensional: lengths, head sizes and batch read from the right dimension; lengths capped at 128
+    q3, k3 = x(b * h, t, d), x(b * h, t, d)
+    assert key(x(b * h, t + 1, d), k3, k3) != key(q3, k3, k3)
+    assert key(q3, x(b * h, t + 1, d), x(b * h, t + 1, d)) != key(q3, k3, k3)
+    assert key(x(b * h, 200, d), x(b * h, 150, d), x(b * h, 150, d)) == key(
+        x(b * h, 400, d), x(b * h, 300, d), x(b * h, 300, d))
+    # which sequence is longer, past the cap: equal, query longer, key longer are three answers
+    equal = key(x(b, h, 200, d), x(b, h, 200, d), x(b, h, 200, d))
+    q_longer = key(x(b, h, 300, d), x(b, h, 200, d), x(b, h, 200, d))
+    k_longer = key(x(b, h, 200, d), x(b, h, 300, d), x(b, h, 300, d))
+    assert len({equal, q_longer, k_longer}) == 3
+    with pytest.raises((IndexError, RuntimeError)):
+        torch.tensor(True).stride(-1)  # a 0-d mask has no last stride: the key must not ask for one
+    assert key(base4, base4, base4, torch.tensor(True)) == key(base4, base4, base4, torch.tensor(False))
