@@ -340,3 +340,46 @@ def test_the_cached_answer_is_shared_where_nothing_a_check_reads_differs() -> No
     with pytest.raises((IndexError, RuntimeError)):
         torch.tensor(True).stride(-1)  # a 0-d mask has no last stride: the key must not ask for one
     assert key(base4, base4, base4, torch.tensor(True)) == key(base4, base4, base4, torch.tensor(False))
+
+
+@pytest.mark.parametrize("lq", [1, 2, 3, 127, 128, 129, 200, 500])
+@pytest.mark.parametrize("lk", [1, 2, 3, 127, 128, 129, 200, 500])
+def test_the_stand_in_keeps_what_pytorchs_checks_read(lq: int, lk: int) -> None:
+    """PyTorch is asked its reasons on a small stand-in of the call (zeros of the call's dtypes, lengths capped at
+    128). Witness: the rules written here, applied to the call built here — each length kept when both are at
+    most 128, capped at 128 otherwise, at least 1, and which one is longer kept exactly; the leading sizes and head
+    sizes as given; each input's dtype, last stride (a slice with stride 3; a broadcast one with stride 0 gets a
+    stride of its own, 2) and whether it requires grad (only with grad enabled, and never a bool mask's); a mask's
+    broadcast dimensions kept at 1, the others those of the stand-in's scores, a bool mask all True, a float one
+    zeros. Faults caught: lengths made equal or swapped in order, caps off by one, strides or grad lost."""
+    from qkvtrace.refusals import _stand_in
+
+    b, h, d = 2, 3, 4
+    q = torch.randn(b, h, lq, 3 * d, dtype=torch.float64)[..., ::3].requires_grad_()  # last stride 3
+    k = torch.randn(b, 1, lk, d, dtype=torch.float64)
+    v = torch.randn(1, 1, 1, 2 * d).expand(b, 1, lk, 2 * d)  # last stride 1, broadcast elsewhere
+    mask = torch.zeros(1, h, 1, lk).expand(1, h, lq, lk)[..., :]  # last stride 1
+    sq, sk, sv, sm = _stand_in(q, k, v, mask)
+    a, c = sq.shape[-2], sk.shape[-2]
+    if lq <= 128 and lk <= 128:
+        assert (a, c) == (lq, lk)
+    assert 1 <= a <= 128 and 1 <= c <= 128
+    assert (a > c) - (a < c) == (lq > lk) - (lq < lk)
+    if lq >= 128 and lk >= 128 and lq != lk:  # both past the cap: the longer at 128, the shorter just below
+        assert (max(a, c), min(a, c)) == (128, 127)
+    assert sq.shape == (b, h, a, d) and sk.shape == (b, 1, c, d) and sv.shape == (b, 1, c, 2 * d)
+    assert (sq.dtype, sk.dtype, sv.dtype) == (q.dtype, k.dtype, v.dtype)
+    assert (sq.stride(-1), sk.stride(-1), sv.stride(-1)) == (3, 1, 1)
+    assert (sq.requires_grad, sk.requires_grad, sv.requires_grad) == (True, False, False)
+    assert sm is not None and sm.shape == (1, h, a, c) and not sm.any() and sm.dtype == mask.dtype
+    with torch.no_grad():
+        assert not _stand_in(q, k, v, None)[0].requires_grad
+    flat = torch.zeros(1, 1, 1, 1).expand(b, h, lq, d)  # stride 0 everywhere
+    assert _stand_in(flat, k, v, None)[0].stride(-1) == 2
+    blocked = torch.zeros(lq, lk, dtype=torch.bool)
+    sb = _stand_in(q, k, v, blocked)[3]
+    assert sb is not None and sb.shape == (a, c) and sb.dtype == torch.bool and sb.all() and not sb.requires_grad
+    scalar = _stand_in(q, k, v, torch.tensor(0.0))[3]  # a 0-d float mask: no last stride to keep
+    assert scalar is not None and scalar.shape == () and scalar.dtype == torch.float32
+    three = _stand_in(torch.randn(b * h, lq, d), torch.randn(b * h, lk, d), torch.randn(b * h, lk, d), None)
+    assert (three[0].shape, three[1].shape) == ((b * h, a, d), (b * h, c, d))
