@@ -10,6 +10,7 @@ hands a backend written here. Nothing here asks qkvtrace anything.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -28,6 +29,21 @@ from torch.profiler import ProfilerActivity, profile
 from qkvtrace.paths import is_attention_op
 
 SDPA = "aten::scaled_dot_product_attention"
+
+
+def benchmark(name: str) -> Any:
+    """``benchmarks/<name>.py`` loaded as a module (registered under a name of its own: dataclasses look their
+    module up by name); the folder a benchmark puts first on ``sys.path`` is taken off again."""
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"qkvtrace_benchmark_{name}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path[:] = [p for p in sys.path if p != str(path.parent)]
+    return module
 
 
 @dataclass

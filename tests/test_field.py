@@ -6,7 +6,6 @@ Every test here failed on the tracer that saved "the original" per trace.
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 import textwrap
@@ -20,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _sdpa_bound_module import BoundSDPAAttention
-from _witness import profiled
+from _witness import benchmark, profiled
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -222,12 +221,7 @@ def test_under_a_user_profiler_evidence_from_an_identical_earlier_call(packed_at
 
 def _host_reads() -> Any:
     """``benchmarks/host_reads.py``: the same counter the overhead benchmark prints."""
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "host_reads.py"
-    spec = importlib.util.spec_from_file_location("qkvtrace_bench_host_reads", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark("host_reads")
 
 
 def _encoder() -> nn.TransformerEncoder:

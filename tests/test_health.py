@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from _witness import benchmark
 from torch import nn
 
 import qkvtrace
@@ -441,14 +442,7 @@ def test_a_flex_attention_call_says_what_it_cannot_give() -> None:
 
 def _profiled_host_reads() -> type:
     """``benchmarks/host_reads.py``'s profiler counter: the one the overhead benchmark prints."""
-    import importlib.util
-
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "host_reads.py"
-    spec = importlib.util.spec_from_file_location("qkvtrace_bench_host_reads_health", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.ProfiledHostReads  # type: ignore[no-any-return]
+    return benchmark("host_reads").ProfiledHostReads  # type: ignore[no-any-return]
 
 
 def test_a_measured_step_reads_nothing_back_before_t_step() -> None:

@@ -8,31 +8,18 @@ differ by construction (a module whose output draws fresh random numbers on ever
 
 from __future__ import annotations
 
-import importlib.util
 import statistics
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
+from _witness import benchmark
 from torch import nn
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
 def overhead() -> ModuleType:
-    path = ROOT / "benchmarks" / "overhead.py"
-    spec = importlib.util.spec_from_file_location("qkvtrace_overhead_benchmark", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path[:] = [p for p in sys.path if p != str(path.parent)]  # the benchmark puts its folder first
-    return module
+    return benchmark("overhead")  # type: ignore[no-any-return]
 
 
 @pytest.mark.parametrize(

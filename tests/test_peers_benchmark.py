@@ -17,19 +17,14 @@ from types import ModuleType
 
 import pytest
 import torch
+from _witness import benchmark
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
 def peers() -> ModuleType:
-    path = ROOT / "benchmarks" / "peers.py"
-    spec = importlib.util.spec_from_file_location("qkvtrace_peers_benchmark", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
+    return benchmark("peers")  # type: ignore[no-any-return]
 
 
 def test_ratios_are_the_contenders_cost_over_the_baseline(peers: ModuleType) -> None:
