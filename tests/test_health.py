@@ -85,6 +85,12 @@ def _heads(record: qkvtrace.health.HealthRecord, name: str) -> list[float | None
     return [getattr(h, name) for h in record.heads]
 
 
+def _close_heads(record: qkvtrace.health.HealthRecord, want: dict[str, list[float]]) -> None:
+    """Each head's max logit and entropies in ``record`` against the witness's."""
+    for name in ("max_logit", "entropy_mean", "entropy_min"):
+        _close(_heads(record, name), want[name])
+
+
 class CausalSDPA(nn.Module):
     """A user's attention calling ``F.scaled_dot_product_attention`` with ``is_causal=True`` (separate Q/K/V)."""
 
@@ -153,8 +159,7 @@ def test_growing_w_q_shows_in_max_logit_and_entropy_with_a_padding_mask(mode: st
     assert {r.path for r in records} == {mode}
     assert [r.call for r in records] == [0, 4, 8, 12]  # the first call of each measured step
     for r, want in zip(records, wants, strict=True):
-        for name in ("max_logit", "entropy_mean", "entropy_min"):
-            _close(_heads(r, name), want[name])
+        _close_heads(r, want)
     tops = [max(w["max_logit"]) for w in wants]
     assert all(b > a for a, b in itertools.pairwise(tops))  # the construction grows them
 
@@ -188,8 +193,7 @@ def test_causal_sdpa_with_weight_and_gradient_norms() -> None:
     assert [r.step for r in t.health] == [0, 3]
     for r, want, wn, gn in zip(t.health, wants, weights, grads, strict=True):
         assert r.path == "sdpa" and r.reason is None
-        for name in ("max_logit", "entropy_mean", "entropy_min"):
-            _close(_heads(r, name), want[name])
+        _close_heads(r, want)
         _close([r.weight_norms[p] for p in "qkv"], [wn[p] for p in "qkv"])
         _close([r.grad_norms[p] for p in "qkv"], [gn[p] for p in "qkv"])
 
@@ -207,8 +211,7 @@ def test_blocks_of_query_rows_give_the_same_numbers(monkeypatch: pytest.MonkeyPa
         t.step()
         q, k, _ = model.heads(x)
     want = _witness(q, k, 1 / math.sqrt(D), torch.ones(L, L, dtype=torch.bool).tril())
-    for name in ("max_logit", "entropy_mean", "entropy_min"):
-        _close(_heads(t.health[0], name), want[name])
+    _close_heads(t.health[0], want)
 
 
 class BiasedSDPA(CausalSDPA):
@@ -243,8 +246,7 @@ def test_an_alibi_bias_is_in_the_logits(rows: int | None, monkeypatch: pytest.Mo
     # the witness reads row r's logits back as logits[r] · e_j: "queries" the logits, "keys" the identity
     eye = torch.eye(L, dtype=torch.float64).expand(B, H, L, L)
     want = _witness(logits.nan_to_num(neginf=0.0), eye, 1.0, causal)
-    for name in ("max_logit", "entropy_mean", "entropy_min"):
-        _close(_heads(t.health[0], name), want[name])
+    _close_heads(t.health[0], want)
 
 
 def test_fused_encoder_layer_and_hand_written_attention() -> None:
@@ -272,12 +274,10 @@ def test_fused_encoder_layer_and_hand_written_attention() -> None:
         want_hand = _witness(qh, kh, 1 / math.sqrt(D), ~blocked)
     (r,) = t.health
     assert r.path == "fused_encoder_layer"
-    for name in ("max_logit", "entropy_mean", "entropy_min"):
-        _close(_heads(r, name), want[name])
+    _close_heads(r, want)
     (rh,) = th.health
     assert rh.path == "hand_written"
-    for name in ("max_logit", "entropy_mean", "entropy_min"):
-        _close(_heads(rh, name), want_hand[name])
+    _close_heads(rh, want_hand)
 
 
 # -- a real optimizer --------------------------------------------------------------------------------
@@ -575,8 +575,7 @@ def test_grouped_query_attention_pairs_each_query_head_with_its_key_head() -> No
     want = _witness(q, k.repeat_interleave(2, dim=1), 1 / math.sqrt(D), None)
     (r,) = t.health
     assert len(r.heads) == H
-    for name in ("max_logit", "entropy_mean", "entropy_min"):
-        _close(_heads(r, name), want[name])
+    _close_heads(r, want)
 
 
 def test_a_long_sequence_is_measured_without_its_whole_map() -> None:
