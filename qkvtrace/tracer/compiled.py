@@ -498,7 +498,7 @@ def read_aot(key: tuple[Any, ...], gm: Any, kind: str) -> None:
     backward = kind == "backward"
     # each ATen op of interest with the Dynamo nodes it came from, read once for all operations of the graph
     aten = [(set(_source_names(n)), op) for n in gm.graph.nodes
-            if n.op == "call_function" and _interesting(op := _op_name(n.target))]  # fmt: skip
+            if n.op == "call_function" and _interesting(op := compiled_code.op_name(n.target))]  # fmt: skip
     for p in pending:
         ops = [op for sources, op in aten if sources & p.names]  # each call, in the graph's order
         if not ops:
@@ -515,12 +515,6 @@ def read_aot(key: tuple[Any, ...], gm: Any, kind: str) -> None:
                                        "kernel is called")
 
 
-def _op_name(target: Any) -> str:
-    """``aten._softmax`` for ``torch.ops.aten._softmax.default`` (as graphs and generated code name ops)."""
-    text = str(target).removeprefix("torch.ops.")
-    return text[:-8] if text.endswith(".default") else text
-
-
 def _interesting(op: str) -> bool:
     return any(s in op for s in ("attention", "bmm", "softmax", "matmul", "baddbmm", "flex", "_native_multi_head",
                                  "_transformer_encoder"))  # fmt: skip
@@ -535,13 +529,14 @@ def _backend_from(record: CompiledAttention, ops: list[str], device: str) -> Non
         record.sdpa_backend = backend
 
 
-def read_code(key: tuple[Any, ...], text: str) -> None:
-    """Inductor's generated code for the graph recorded under ``key``: what runs for each of its operations."""
+def read_code(key: tuple[Any, ...], text: str | compiled_code.Code) -> None:
+    """Inductor's generated code (its text, or as :func:`compiled_code.parse` read it) for the graph recorded
+    under ``key``: what runs for each of its operations."""
     with _lock:
         pending = list(_graphs.get(key, ()))
     if not pending or not text:
         return
-    code = compiled_code.parse(text)
+    code = compiled_code.parse(text) if isinstance(text, str) else text
     operations = [compiled_code.Operation(p.nodes, p.entry, p.after) for p in pending]
     if code.is_backward:
         chosen = compiled_code.backward(code, operations, [p.saved for p in pending], pending[0].returned)

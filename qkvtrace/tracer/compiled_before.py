@@ -219,10 +219,11 @@ def read(trace: Trace, modules: list[tuple[str, nn.Module]]) -> set[str]:
                 said = f"Dynamo's cache entry {number} on {where} (compiled before the trace opened), graph {fn_name}"
                 compiled.record_graph(key, gm, {compiled.root_name(gm): m}, [trace], said)
                 sources, graphs = _held(fn, gm)
-                for aten in sorted(graphs, key=lambda g: _kind(g) == "backward"):
-                    compiled.read_aot(key, aten, _kind(aten))
-                for source in sorted(sources, key=lambda s: compiled_code.parse(s).is_backward):
-                    compiled.read_code(key, source)
+                for kind, aten in sorted(((_kind(g), g) for g in graphs), key=lambda e: e[0] == "backward"):
+                    compiled.read_aot(key, aten, kind)
+                parsed = sorted(map(compiled_code.parse, sources), key=lambda c: c.is_backward)  # forward first
+                for generated in parsed:
+                    compiled.read_code(key, generated)
                 compiled.forget(key)
                 read_for.add(name)
     return read_for

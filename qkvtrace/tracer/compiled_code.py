@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
-__all__ = ["Code", "Operation", "backward", "forward", "parse", "saved_positions"]
+__all__ = ["Code", "Operation", "backward", "forward", "op_name", "parse", "saved_positions"]
 
 _SOURCE = re.compile(r"#\s*(?:Topologically Sorted )?Source Nodes: \[(.*?)\]")
 _CALLEE = re.compile(r"((?:torch\.ops\.)?aten\.[\w.]+|extern_kernels\.\w+)\(|^\s*((?:cpp|triton|cuda)_\w+)(?:\.run)?\(")
@@ -37,9 +37,9 @@ _NOT_TENSORS = {"reinterpret_tensor", "extern_kernels", "torch", "ops", "aten", 
                 "None", "True", "False", "float32", "float16", "bfloat16", "run", "stream", "grid"}  # fmt: skip
 
 
-def _op_name(target: str) -> str:
+def op_name(target: Any) -> str:
     """``aten._softmax`` for ``torch.ops.aten._softmax.default`` (as graphs and generated code name ops)."""
-    text = target.removeprefix("torch.ops.")
+    text = str(target).removeprefix("torch.ops.")
     return text[:-8] if text.endswith(".default") else text
 
 
@@ -110,7 +110,7 @@ def parse(code: str) -> Code:
         c = _CALLEE.search(line)
         if c is None:
             continue
-        callee = _op_name(c.group(1) or c.group(2))
+        callee = op_name(c.group(1) or c.group(2))
         code_part = line.split("#", 1)[0]
         names = {n for n in _NAME.findall(code_part.split("(", 1)[1] if "(" in code_part else "")
                  if n not in _NOT_TENSORS and not n[0].isdigit()}  # fmt: skip
