@@ -30,6 +30,8 @@ _CALLEE = re.compile(r"((?:torch\.ops\.)?aten\.[\w.]+|extern_kernels\.\w+)\(|^\s
 _NAME = re.compile(r"\b[A-Za-z_]\w*\b")
 #: inductor reuses a dead buffer: ``buf4 = buf2; del buf2  # reuse`` (or ``= reinterpret_tensor(buf2, ...)``)
 _REUSE = re.compile(r"\s*(buf\d+) = (?:reinterpret_tensor\()?(\w+)\b[^;]*;\s*del \2\b")
+_ASSIGNED = re.compile(r"\s*(buf\d+)\s*=")
+_BUFFER = re.compile(r"\bbuf\d+\b")
 _ELEMENT = re.compile(r"\s*(buf\d+) = (buf\d+)\[\d+\]\s*$")
 _ARGS = re.compile(r"^\s*([\w\s,]+?)\s*=\s*args\s*$", re.MULTILINE)
 #: names on a call's line that are not tensors
@@ -114,10 +116,10 @@ def parse(code: str) -> Code:
         code_part = line.split("#", 1)[0]
         names = {n for n in _NAME.findall(code_part.split("(", 1)[1] if "(" in code_part else "")
                  if n not in _NOT_TENSORS and not n[0].isdigit()}  # fmt: skip
-        if re.match(r"\s*buf\d+\s*=", line):
-            names.add(line.split("=", 1)[0].strip())
-        written = re.findall(r"\bbuf\d+\b", line.split("=", 1)[0]) if re.match(r"\s*buf\d+\s*=", line) else []
-        written += re.findall(r"\bbuf\d+\b", line.split("out=", 1)[1]) if "out=" in line else []
+        assigned = _ASSIGNED.match(line)  # ``buf1 = torch.ops.aten....(...)``
+        written = [assigned.group(1)] if assigned else []
+        written += _BUFFER.findall(line.split("out=", 1)[1]) if "out=" in line else []
+        names.update(written)
         resolved = [alias.get(b, b) for b in written]
         read = [alias.get(n, n) for n in sorted(names) if n not in written]
         generated = c.group(2) is not None
