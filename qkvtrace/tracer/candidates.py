@@ -7,7 +7,7 @@ Names are the user's own: the parts only a wrapper adds (``torch.compile``'s
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from torch import nn
 
@@ -78,10 +78,16 @@ def looks_like_attention(name: str, module: nn.Module) -> bool:
     return named_for_attention(name, module) or isinstance(guess_projection(module), Projection)
 
 
-def hand_written_candidates(named: Iterable[tuple[str, nn.Module]], compiled: set[int]) -> list[nn.Module]:
+def hand_written_candidates(
+    named: Iterable[tuple[str, nn.Module]],
+    compiled: set[int],
+    looks: Callable[[str, nn.Module], bool] | None = None,
+) -> list[nn.Module]:
     """The modules watched for attention written by hand: the model's own modules that look like attention
     (leaves named for it too, as ``Attend``), none on or inside PyTorch's attention modules (an active mode
-    refuses their fast paths), none scripted or compiled."""
+    refuses their fast paths), none scripted or compiled. ``looks``: :func:`looks_like_attention`, or
+    its answers kept from an earlier trace."""
+    looks = looks or looks_like_attention
     named = [(n, m) for n, m in named if id(m) not in compiled]
     torch_attention = [n for n, m in named if isinstance(m, handwritten.TORCH_ATTENTION)]
     scripted = compat.scripted_module_types()
@@ -89,5 +95,5 @@ def hand_written_candidates(named: Iterable[tuple[str, nn.Module]], compiled: se
         m for name, m in named
         if not type(m).__module__.startswith("torch.") and not (scripted and isinstance(m, scripted))
         and not any(related(name, t) for t in torch_attention)
-        and (looks_like_attention(name, m) or named_for_attention(name, m))
+        and (looks(name, m) or named_for_attention(name, m))
     ]  # fmt: skip

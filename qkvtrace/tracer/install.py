@@ -76,7 +76,7 @@ import sys
 import threading
 import types
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,7 +88,7 @@ from qkvtrace import compat
 from qkvtrace.tracer import identity, registry
 from qkvtrace.tracer.observers import handwritten
 
-__all__ = ["Installation", "installation", "observed", "relevant_overrides"]
+__all__ = ["Installation", "code_globals", "installation", "observed", "relevant_overrides"]
 
 Observer = Callable[[Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]
 
@@ -420,39 +420,33 @@ class Installation:
 
     # -- names a model's own modules bound ------------------------------------
 
-    def bind_names(self, model: nn.Module) -> list[tuple[int, str]]:
+    def bind_names(self, model: nn.Module, code: list[dict[str, Any]] | None = None) -> list[tuple[int, str]]:
         """Wrap SDPA and FlexAttention where ``model``'s code bound them to names of its own.
 
         (``from torch.nn.functional import scaled_dot_product_attention`` binds
         the builtin in the importing module's globals, out of reach of the
-        attribute on ``F``.) Returns keys for :meth:`unbind`.
+        attribute on ``F``.) ``code``: the globals its classes' code reads
+        (:func:`code_globals`, walked here when not given). Returns keys for :meth:`unbind`.
         """
+        if code is None:
+            code = code_globals(model.modules())
         with self._lock:
             bindable = ("F.scaled_dot_product_attention", "flex_attention")
-            originals = {t.original: t for t in self._targets or () if t.label in bindable}
+            originals = {id(t.original): t for t in self._targets or () if t.label in bindable}
             keys: list[tuple[int, str]] = []
-            seen: set[int] = {id(F.__dict__)}
-            for module in model.modules():
-                for cls in type(module).__mro__:
-                    if cls in (nn.Module, object):
-                        break
-                    for attr in vars(cls).values():
-                        globs = getattr(attr, "__globals__", None)
-                        if globs is None or id(globs) in seen:
-                            continue
-                        seen.add(id(globs))
-                        for gname, value in list(globs.items()):
-                            target = originals.get(value) if _hashable(value) else None
-                            if target is None:
-                                continue
-                            key = (id(globs), gname)
-                            entry = self._bound.get(key)
-                            if entry is None:
-                                entry = self._bound[key] = [globs, gname, value, target.wrapper, 0]
-                                if not self._aside:  # else when the compiled module running now returns
-                                    globs[gname] = target.wrapper
-                            entry[4] += 1
-                            keys.append(key)
+            for globs in code:
+                for gname, value in list(globs.items()):
+                    target = originals.get(id(value))
+                    if target is None or value is not target.original:
+                        continue
+                    key = (id(globs), gname)
+                    entry = self._bound.get(key)
+                    if entry is None:
+                        entry = self._bound[key] = [globs, gname, value, target.wrapper, 0]
+                        if not self._aside:  # else when the compiled module running now returns
+                            globs[gname] = target.wrapper
+                    entry[4] += 1
+                    keys.append(key)
             return keys
 
     def unbind(self, keys: list[tuple[int, str]]) -> None:
@@ -467,6 +461,23 @@ class Installation:
                     if globs.get(name) is wrapper:
                         globs[name] = original
                     del self._bound[key]
+
+
+def code_globals(modules: Iterable[nn.Module]) -> list[dict[str, Any]]:
+    """The globals the code of these modules' classes reads (each once; ``torch.nn.functional``'s left out:
+    its attribute is wrapped already)."""
+    found: list[dict[str, Any]] = []
+    seen: set[int] = {id(F.__dict__)}
+    for cls in dict.fromkeys(type(m) for m in modules):
+        for base in cls.__mro__:
+            if base in (nn.Module, object):
+                break
+            for attr in vars(base).values():
+                globs = getattr(attr, "__globals__", None)
+                if globs is not None and id(globs) not in seen:
+                    seen.add(id(globs))
+                    found.append(globs)
+    return found
 
 
 def _standing_aside(inst: Installation, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -516,14 +527,6 @@ def _compile_then_patch(inst: Installation, compile_fn: Callable[..., Any]) -> C
 
 def _flex_module() -> Any:
     return sys.modules.get("torch.nn.attention.flex_attention")
-
-
-def _hashable(value: Any) -> bool:
-    try:
-        hash(value)
-    except TypeError:
-        return False
-    return True
 
 
 _INSTALLATION = Installation()

@@ -36,9 +36,9 @@ from qkvtrace.records import (
 from qkvtrace.slices import NormCache, Projection
 from qkvtrace.tracer import candidates as found_candidates
 from qkvtrace.tracer import compiled as compiled_log
-from qkvtrace.tracer import compiled_before, registry
+from qkvtrace.tracer import compiled_before, registry, structure
 from qkvtrace.tracer.gradients import GradientRecorder
-from qkvtrace.tracer.install import installation
+from qkvtrace.tracer.install import code_globals, installation
 from qkvtrace.tracer.observers import handwritten
 from qkvtrace.tracer.projections import Projections
 from qkvtrace.tracer.routes import Core
@@ -113,6 +113,8 @@ class Trace:
         self.norms = NormCache()
         self._result = TraceResult(torch_version=str(torch.__version__))
         self._names: dict[int, tuple[str, nn.Module]] = {}
+        #: the model's modules while the trace is open, with what their structure gives (:mod:`.structure`)
+        self._walked: structure.Walked | None = None
         self._by_name: dict[str, nn.Module] = {}
         self._projections = Projections(self._parents)
         self._counter = itertools.count()
@@ -165,24 +167,27 @@ class Trace:
             raise RuntimeError("this trace has ended; make a new qkvtrace.trace(model)")
         masks.sdpa_bool_true_means()  # measured once, before anything is wrapped
         model = self._model
-        for name, m in found_candidates.user_names(model):
+        walked = self._walked = structure.walk(model)  # read again only where the model's structure changed
+        for name, m in walked.named():
             if id(m) not in self._names:
                 self._names[id(m)] = (name, m)
                 self._by_name[name] = m
-        self.has_layers = any(isinstance(m, nn.TransformerEncoderLayer) for _, m in self._names.values())
+        self.has_layers = walked.answer("layers", lambda: any(isinstance(m, nn.TransformerEncoderLayer)
+                                                              for m in walked.modules))  # fmt: skip
         self.thread = threading.get_ident() if self.threads == "entering" else None
-        _calibrate(model)
+        _calibrate(walked.structure.devices)
         stack = contextlib.ExitStack()
         try:
             inst = installation()
             inst.acquire()
             stack.callback(inst.release)
-            keys = inst.bind_names(model)
+            keys = inst.bind_names(model, walked.answer("globals", lambda: code_globals(walked.modules)))
             stack.callback(inst.unbind, keys)
-            inst.stand_aside_in(model)
+            if walked.structure.compiled_in_place:
+                inst.stand_aside_in(model)
             stack.callback(self._grads.close)
             self._grads.gather = self._fsdp1_gather() if self.record_gradients else None
-            compiled = found_candidates.inside_compiled(model)  # not observed: no hooks to cost a compiled step
+            compiled = walked.inside_compiled()  # not observed: no hooks to cost a compiled step
             if self.record_gradients:  # MultiheadAttention modules are known up front; others when they call SDPA
                 for _, m in self._names.values():
                     if isinstance(m, nn.MultiheadAttention) and id(m) not in compiled:
@@ -220,7 +225,7 @@ class Trace:
                 self._by_name.clear()
                 self._projections.clear()
                 self.norms = NormCache()
-                self._model = None
+                self._model = self._walked = None
 
     # -- used by the observers ---------------------------------------------
 
@@ -344,7 +349,7 @@ class Trace:
     def _watch_hand_written(self, compiled: set[int], stack: contextlib.ExitStack) -> None:
         """Hooks that watch the model's own attention-looking modules (none run compiled) for attention written
         by hand."""
-        candidates = found_candidates.hand_written_candidates(self._names.values(), compiled)
+        candidates = found_candidates.hand_written_candidates(self._names.values(), compiled, self._looks())
         self._compiled_before = compat.dynamo_compiled_code_ids()
         if candidates and handwritten.watch_refused():
             self.note(handwritten.NOT_WATCHED)
@@ -363,6 +368,14 @@ class Trace:
             return None
         root, cls = roots[0][1], fsdp1[0]
         return lambda: cls.summon_full_params(root, with_grads=True)  # type: ignore[attr-defined]
+
+    def _looks(self) -> Callable[[str, nn.Module], bool]:
+        """Whether a module looks like attention, answered once per structure of the model."""
+        walked = self._walked
+        if walked is None:
+            return found_candidates.looks_like_attention
+        answers = dict(zip(map(id, walked.modules), walked.looks_like_attention(), strict=True))
+        return lambda name, m: answers[id(m)] if id(m) in answers else found_candidates.looks_like_attention(name, m)
 
     def _parents(self, module: nn.Module) -> list[nn.Module]:
         name = self.name_of(module)
@@ -430,8 +443,9 @@ class Trace:
                 "its modules are listed as unobserved"
             )
         seen_names = [self._names[i][0] for i in self._seen if i in self._names] + sorted(compiled_modules)
+        looks = self._looks()
         for name, m in sorted(self._names.values(), key=lambda e: e[0]):
-            if not found_candidates.looks_like_attention(name, m):
+            if not looks(name, m):
                 continue
             if any(found_candidates.related(name, s) for s in seen_names):
                 continue
@@ -489,11 +503,10 @@ def _shares(parts: list[Any], norm: str, share: str) -> None:
             setattr(p, share, value)
 
 
-def _calibrate(model: nn.Module) -> None:
+def _calibrate(devices: Sequence[str]) -> None:
     """Learn which kernel each SDPA backend runs on the model's devices, before anything is wrapped."""
-    devices = {p.device.type for p in itertools.islice(model.parameters(), 64)} or {"cpu"}
     evidence = paths.shared_evidence()
-    for device in sorted(devices):
+    for device in devices:
         evidence.calibrate_once(device)
 
 

@@ -1,0 +1,125 @@
+"""A trace opened again and again on the same model (one trace per step) sees the model as it is at each open.
+
+What a model's structure gives a trace is read once and kept between traces
+(:mod:`qkvtrace.tracer.structure`); these tests change the structure between
+two traces and check that the second trace sees the change, and that the kept
+answers hold no module alive.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import qkvtrace
+
+
+class Block(nn.Module):
+    """Attention written around SDPA, with a packed projection named ``qkv`` (its rows looked up by name)."""
+
+    def __init__(self, dim: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        return self.out(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, d))
+
+
+class Silent(nn.Module):
+    """Looks like attention (a packed ``qkv`` projection) and calls nothing the tracer wraps."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(dim, 3 * dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.qkv(x)[..., : x.shape[-1]]
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(), Block()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+def _traced(model: nn.Module, x: torch.Tensor) -> qkvtrace.TraceResult:
+    with qkvtrace.trace(model) as t:
+        model(x)
+    return t.result
+
+
+def test_a_module_swapped_between_traces_is_seen_under_its_name() -> None:
+    """Witness: the names ``named_modules()`` gives the swapped model, and the test's own count of SDPA calls
+    (one per ``Block`` by construction)."""
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(2, 5, 16)
+    first = _traced(model, x)
+    assert [c.module for c in first.calls] == ["blocks.0", "blocks.1"]
+    model.blocks.append(Block())  # a third block: a module the first trace never saw
+    model.blocks[0] = Silent()  # and the first one swapped for one that calls nothing wrapped
+    names = {n for n, m in model.named_modules() if isinstance(m, Block)}
+    second = _traced(model, x)
+    assert {c.module for c in second.calls} == names == {"blocks.1", "blocks.2"}
+    assert [u.module for u in second.unobserved] == ["blocks.0"]
+    assert all(u.module != "blocks.0" for u in first.unobserved)
+
+
+def test_the_same_modules_under_a_new_name_are_recorded_under_it() -> None:
+    """Witness: the names ``named_modules()`` gives once the test moved the very same blocks to another
+    attribute (no module is new: only a name changed)."""
+    torch.manual_seed(1)
+    model, x = Net(), torch.randn(2, 5, 16)
+    assert [c.module for c in _traced(model, x).calls] == ["blocks.0", "blocks.1"]
+    blocks = model.blocks
+    del model.blocks
+    model.layers = blocks
+    model.forward = lambda x: blocks[1](x + blocks[0](x))  # type: ignore[method-assign]
+    expected = [n for n, m in model.named_modules() if isinstance(m, Block)]
+    assert [c.module for c in _traced(model, x).calls] == expected == ["layers.0", "layers.1"]
+
+
+def test_a_module_compiled_in_place_between_traces_is_not_recompiled_in_the_next() -> None:
+    """Witness: Dynamo's own count of the graphs it compiled (``counters["stats"]["unique_graphs"]``), the same
+    before and after the compiled module runs inside the second trace, and PyTorch's own mark of a module
+    compiled in place (``_compiled_call_impl``)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    torch.manual_seed(2)
+    model, x = Net(), torch.randn(2, 5, 16)
+    assert not any("torch.compile" in w for w in _traced(model, x).warnings)
+    model.blocks[1].compile(backend="eager")
+    assert model.blocks[1]._compiled_call_impl is not None
+    model(x)  # compiled here, before the trace
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs >= 1
+    try:
+        result = _traced(model, x)
+        assert counters["stats"]["unique_graphs"] == graphs  # the graph compiled before is the one that ran
+        assert any(w.startswith("blocks.1 runs through torch.compile") for w in result.warnings)
+    finally:
+        torch._dynamo.reset()
+
+
+def test_what_is_kept_between_traces_holds_no_module() -> None:
+    """Witness: a weak reference to the model the test made, after two traces of it and the model deleted."""
+    model, x = Net(), torch.randn(2, 5, 16)
+    _traced(model, x)
+    _traced(model, x)
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None
