@@ -102,14 +102,30 @@ def resolve(roots: Iterable[Any]) -> None:
     for slot, t in tensors:
         by_device.setdefault(t.device, []).append((slot, t))
     for group in by_device.values():
+        numbers = [(slot, t) for slot, t in group if t.dim() == 0]
+        others = [(slot, t) for slot, t in group if t.dim() != 0]
         with torch.no_grad():
-            flat = torch.cat([t.detach().reshape(-1).to(torch.float64) for _, t in group]).tolist()
-        at = 0
-        for slot, t in group:
+            # the 0-dim ones (almost all) stacked in one op per dtype, the others flattened: one read in all
+            dtypes: dict[torch.dtype, list[torch.Tensor]] = {}
+            for _, t in numbers:
+                dtypes.setdefault(t.dtype, []).append(t)
+            order = {dtype: i for i, dtype in enumerate(dtypes)}
+            parts = [torch.stack(ts).detach().to(torch.float64) for ts in dtypes.values()]
+            parts += [t.detach().reshape(-1).to(torch.float64) for _, t in others]
+            flat = torch.cat(parts).tolist() if parts else []
+        starts, at = {}, 0
+        for dtype, ts in dtypes.items():
+            starts[dtype] = at
+            at += len(ts)
+        taken = dict.fromkeys(order, 0)
+        for slot, t in numbers:
+            value = flat[starts[t.dtype] + taken[t.dtype]]
+            taken[t.dtype] += 1
+            _store(slot, float(value) if t.is_floating_point() or t.is_complex() else int(value))
+        for slot, t in others:
             n = t.numel()
             is_int = not (t.is_floating_point() or t.is_complex())
-            values = [int(x) if is_int else float(x) for x in flat[at : at + n]]
+            _store(slot, [int(x) if is_int else float(x) for x in flat[at : at + n]])
             at += n
-            _store(slot, values[0] if t.dim() == 0 else values)
     for slot, d in deferred:
         _store(slot, d.finish())
