@@ -91,7 +91,7 @@ def _mutmut_config(module: str) -> str:
         "[mutmut]\n"
         f"source_paths = qkvtrace/{module}.py\n"
         f"only_mutate = qkvtrace/{module}.py\n"
-        "also_copy =\n    qkvtrace\n    cli\n    reports\n    tests\n    benchmarks\n"
+        "also_copy =\n    qkvtrace\n    cli\n    reports\n    tests\n    benchmarks\n    docs\n    examples\n    README.md\n"
         f"pytest_add_cli_args_test_selection =\n    {owners}\n"
         "pytest_add_cli_args = -p no:cacheprovider\n"
         f"process_isolation = {'fork' if module in FORK_SAFE else 'forkserver'}\n"

@@ -67,7 +67,7 @@ class OpenMHA:
     """A multi-head attention call that has started and not yet ended (on this thread)."""
 
     __slots__ = ("attn_mask", "backend", "canonical", "core", "error", "evidence", "inputs", "kernel_rows",
-                 "kpm", "local", "map_args", "module", "ops", "path", "projection", "query", "refusals",
+                 "kernel_source", "kpm", "local", "map_args", "module", "ops", "path", "projection", "query", "refusals",
                  "refusals_source", "targets")  # fmt: skip
 
     def __init__(self, module: nn.Module, targets: list[Target]) -> None:
@@ -95,6 +95,8 @@ class OpenMHA:
         self.map_args: dict[str, Any] | None = None
         #: fully-masked query rows of a fallback whose SDPA kernel was given no mask (PyTorch dropped it)
         self.kernel_rows: Any = None
+        #: what a fallback's SDPA kernel received (Q and K projected, masks merged), when maps or health are due
+        self.kernel_source: Any = None
 
 
 def _innermost() -> OpenMHA | None:
@@ -382,7 +384,7 @@ def _finish(ctx: OpenMHA, out: Any) -> None:
         key = ("mha", path, inputs.get("need_weights"), inputs.get("self_attention"), given)
         core = routes.find_core(result, (query,), heads=int(heads) if heads else None, key=key)
     source = _map_source(ctx, kpm_c, attn_c) if ctx.map_args is not None else None
-    ctx.query = ctx.kpm = ctx.attn_mask = ctx.map_args = None
+    ctx.query = ctx.kpm = ctx.attn_mask = ctx.map_args = ctx.kernel_source = None
     ctx.local = {}
     ctx.core = None
     deliver(call, ctx.targets, module, projection, core, source)
@@ -395,6 +397,8 @@ def _map_source(ctx: OpenMHA, kpm_c: Any, attn_c: Any) -> Any:
         return None
     if ctx.path not in ("fast", "fallback"):
         return "not computed: no MultiheadAttention path was observed for this call"
+    if ctx.path == "fallback" and ctx.kernel_source is not None:
+        return ctx.kernel_source  # the Q and K the fallback projected: not projected a second time
     if ctx.kpm is not None and kpm_c is None:
         kpm_c = _canonical(ctx.kpm, "key_padding_mask", ctx.query)
     if ctx.attn_mask is not None and attn_c is None:

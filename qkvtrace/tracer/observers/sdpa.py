@@ -168,6 +168,8 @@ def _kernel_of_mha(ctx: OpenMHA, original: Callable[..., Any], args: tuple[Any, 
     ctx.inputs.update(a.decisive())
     if a.mask is None:  # PyTorch dropped the masks it was given (is_causal, no padding mask, no weights)
         ctx.kernel_rows = fully_masked_rows(a.q, a.k, None, a.is_causal)
+    if ctx.map_args is not None:
+        ctx.kernel_source = a.map_source(ctx.targets)
     sig = ("sdpa", a.q.device.type, a.q.dtype, backend, None if a.mask is None else a.mask.dtype,
            a.is_causal, a.dropout_p > 0, a.grad(), a.q.is_nested)  # fmt: skip
     out, ops, evidence = _EVIDENCE.run(sig, original, *args, **kwargs)
