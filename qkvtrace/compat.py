@@ -45,11 +45,17 @@ def dynamo_compiled_code_ids() -> frozenset[int]:
 
 
 def sdp_backend_names() -> dict[int, str]:
-    """``SDPBackend`` member values mapped to their names, read from PyTorch."""
+    """``SDPBackend`` member values mapped to their names, read from PyTorch (once per enum: read per call)."""
     enum = _sdp_backend_enum()
     if enum is None:
         return {}
-    return {int(member.value): name for name, member in enum.__members__.items()}
+    found = _BACKEND_NAMES.get(enum)
+    if found is None:
+        found = _BACKEND_NAMES[enum] = {int(member.value): name for name, member in enum.__members__.items()}
+    return dict(found)
+
+
+_BACKEND_NAMES: dict[Any, dict[int, str]] = {}
 
 
 def _sdp_backend_enum() -> Any:
@@ -62,7 +68,9 @@ def _sdp_backend_enum() -> Any:
 
 def sdp_backend_name(value: int) -> str | None:
     """The member name for a backend number, ``None`` for ``ERROR``/unknown."""
-    name = sdp_backend_names().get(int(value))
+    enum = _sdp_backend_enum()
+    names = _BACKEND_NAMES.get(enum) if enum is not None else None
+    name = (names if names is not None else sdp_backend_names()).get(int(value))
     return None if name in (None, "ERROR") else name
 
 

@@ -33,7 +33,7 @@ from qkvtrace import lazy
 from qkvtrace.health import Health, HealthRecord
 from qkvtrace.records import AttentionCall, call_dict
 
-__all__ = ["STREAM_SCHEMA", "Event", "Monitor", "combination"]
+__all__ = ["STREAM_SCHEMA", "Event", "Monitor", "combination", "combination_key", "mask_kind"]
 
 STREAM_SCHEMA = "qkvtrace.stream/1"
 
@@ -61,6 +61,23 @@ def combination(call: AttentionCall) -> dict[str, Any]:
 
 def _key(combo: dict[str, Any]) -> tuple[Any, ...]:
     return tuple(combo.values())
+
+
+def mask_kind(mask: Any) -> str | None:
+    """A mask as :func:`combination` names it, from the tensor itself (a record says ``kind`` and ``dtype``)."""
+    if not isinstance(mask, torch.Tensor):
+        return None
+    return f"{'bool' if mask.dtype == torch.bool else 'float'} {mask.dtype}"
+
+
+def combination_key(path: str, backend: str | None, why_not_fast_path: str | None,
+                    why_not_fused_layer: str | None, dtype: str | None, training: bool | None,
+                    attn_mask: str | None, key_padding_mask: str | None) -> tuple[Any, ...]:  # fmt: skip
+    """The key :func:`combination` gives the record of a call that did not raise, from its facts alone
+    (``attn_mask``/``key_padding_mask`` as :func:`mask_kind` names them): the steady state asks it before any
+    record is built."""
+    return (path, backend, why_not_fast_path, why_not_fused_layer, dtype, training, attn_mask, key_padding_mask,
+            None, False)  # fmt: skip
 
 
 @dataclass
@@ -152,16 +169,7 @@ class Monitor:
         seen.calls += 1
         seen.last_step = self.step_number
         self._step_backends[call.sdpa_backend or "none"] += 1
-        output = call.output
-        for name in ("nan_count", "fully_masked_rows"):
-            value = output.get(name)
-            if isinstance(value, torch.Tensor):
-                waiting = entry.pending.setdefault(name, [])
-                waiting.append(value)  # summed on the device at the step's end, or every _PENDING calls
-                if len(waiting) >= _PENDING:
-                    entry.collapse()
-            elif value is not None:
-                setattr(entry, name, getattr(entry, name) + value)
+        self._count_output(entry, call.output)
         changed = entry.last is not None and entry.last != key
         was = None if entry.last is None else self._combo_of(entry, entry.last)
         entry.last = key
@@ -178,6 +186,33 @@ class Monitor:
             self.events.append(event)
         self._pending.append(event)
         return keep
+
+    def is_last(self, module: str, key: tuple[Any, ...]) -> bool:
+        """``key`` is the combination of ``module``'s previous call (a call with it would change nothing)."""
+        entry = self.modules.get(module)
+        return entry is not None and entry.last == key
+
+    def again(self, module: str, key: tuple[Any, ...], backend: str | None, output: dict[str, Any]) -> None:
+        """Count a call of ``module`` whose combination ``key`` is that of its previous call (:meth:`is_last`),
+        without a record: the steady state of a long run. ``output``: its NaN count and fully-masked rows."""
+        entry = self.modules[module]
+        seen = entry.seen[key]
+        seen.calls += 1
+        seen.last_step = self.step_number
+        self._step_backends[backend or "none"] += 1
+        self._count_output(entry, output)
+
+    @staticmethod
+    def _count_output(entry: _Module, output: dict[str, Any]) -> None:
+        for name in ("nan_count", "fully_masked_rows"):
+            value = output.get(name)
+            if isinstance(value, torch.Tensor):
+                waiting = entry.pending.setdefault(name, [])
+                waiting.append(value)  # summed on the device at the step's end, or every _PENDING calls
+                if len(waiting) >= _PENDING:
+                    entry.collapse()
+            elif value is not None:
+                setattr(entry, name, getattr(entry, name) + value)
 
     @staticmethod
     def _combo_of(entry: _Module, key: tuple[Any, ...]) -> dict[str, Any]:

@@ -25,7 +25,8 @@ if TYPE_CHECKING:
     from qkvtrace.tracer.session import Trace
 
 __all__ = [
-    "Target", "deliver", "dtype_name", "frame_of", "modes", "nan_count", "nested_lengths", "qkv_info", "shape",
+    "Target", "count_again", "counts_only", "deliver", "dtype_name",
+    "frame_of", "modes", "nan_count", "nested_lengths", "qkv_info", "shape",
     "wants_backward", "wants_maps",
 ]  # fmt: skip
 
@@ -138,6 +139,27 @@ def wants_maps(targets: list[Target]) -> bool:
 def wants_backward(targets: list[Target]) -> bool:
     """Whether any trace recording this call wants its backward side (kernel and routes)."""
     return any(t.record_routes for t, _, _ in targets)
+
+
+def counts_only(targets: list[Target]) -> bool:
+    """Every trace recording the call is a long run (``keep="changes"``) that wants neither its map nor its
+    health now: a call that changes nothing for them needs no record (:func:`count_again`)."""
+    for t, name, _ in targets:
+        if t.monitor is None or t.maps is not None or t.health_due(name):
+            return False
+    return True
+
+
+def count_again(targets: list[Target], key: tuple[Any, ...], backend: str | None, output: Any) -> bool:
+    """The steady state of long runs: when ``key`` (:func:`qkvtrace.monitor.combination_key`) is the combination
+    of the module's previous call in every trace of ``targets`` (all :func:`counts_only`), count the call there
+    and return ``True``; no record is built. ``output``: a function giving its NaN count and fully-masked rows."""
+    if not all(t.monitor.is_last(name, key) for t, name, _ in targets):  # type: ignore[union-attr]
+        return False
+    measured = output()
+    for t, name, _ in targets:
+        t.monitor.again(name, key, backend, measured)  # type: ignore[union-attr]
+    return True
 
 
 def deliver(

@@ -28,11 +28,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from qkvtrace import maps, masks, paths
+from qkvtrace.monitor import combination_key, mask_kind
 from qkvtrace.records import EVIDENCE_WITNESSED, AttentionCall
 from qkvtrace.slices import PartSpec, Projection, ProjectionSpec, Rows, whole
 from qkvtrace.tracer import registry, routes
 from qkvtrace.tracer.build import (
     Target,
+    count_again,
+    counts_only,
     deliver,
     dtype_name,
     frame_of,
@@ -66,9 +69,9 @@ def arg(args: tuple[Any, ...], kwargs: dict[str, Any], names: tuple[str, ...], n
 class OpenMHA:
     """A multi-head attention call that has started and not yet ended (on this thread)."""
 
-    __slots__ = ("attn_mask", "backend", "canonical", "core", "error", "evidence", "inputs", "kernel_rows",
-                 "kernel_source", "kpm", "local", "map_args", "module", "ops", "path", "projection", "query", "refusals",
-                 "refusals_source", "targets")  # fmt: skip
+    __slots__ = ("ask_refusals", "attn_mask", "backend", "canonical", "core", "error", "evidence", "inputs",
+                 "kernel_rows", "kernel_source", "kpm", "local", "map_args", "module", "ops", "path", "projection",
+                 "query", "refusals", "refusals_source", "targets")  # fmt: skip
 
     def __init__(self, module: nn.Module, targets: list[Target]) -> None:
         self.module = module
@@ -87,6 +90,8 @@ class OpenMHA:
         self.canonical: bool = False
         self.refusals: dict[str, list[str]] | None = None
         self.refusals_source: str | None = None
+        #: asks PyTorch's reasons for the kernel's call once a record is made (``refusals``, ``refusals_source``)
+        self.ask_refusals: Callable[[], tuple[dict[str, list[str]] | None, str | None]] | None = None
         self.error: str | None = None
         self.projection: Projection | str | None = None
         #: the backward side of the call, from its SDPA kernel's output when one ran
@@ -335,27 +340,35 @@ def _finish(ctx: OpenMHA, out: Any) -> None:
     inputs = ctx.inputs
     rows: Any = 0
     kpm_c = attn_c = None
-    if ctx.error is not None:  # the inputs were refused: record them as given, measure nothing
-        rows = None
-        inputs["key_padding_mask"] = _mask_info(ctx.kpm, None)
-        inputs["attn_mask"] = _mask_info(ctx.attn_mask, None)
-    elif ctx.kpm is None and ctx.attn_mask is None:
-        inputs["key_padding_mask"] = inputs["attn_mask"] = None
-    else:
+    masked = ctx.error is None and (ctx.kpm is not None or ctx.attn_mask is not None)
+    if masked:
         if ctx.canonical:
             kpm_c = _canonical(ctx.kpm, "key_padding_mask", query)
             attn_c = _canonical(ctx.attn_mask, "attn_mask", query)
         else:  # masks as PyTorch's own _canonical_mask left them in forward's frame (additive floats)
             kpm_c, attn_c = local.get("key_padding_mask"), local.get("attn_mask")
-        inputs["key_padding_mask"] = _mask_info(ctx.kpm, kpm_c)
-        inputs["attn_mask"] = _mask_info(ctx.attn_mask, attn_c)
         if ctx.kernel_rows is not None:  # PyTorch may drop a mask (is_causal without padding or weights)
             rows = ctx.kernel_rows
         elif isinstance(query, torch.Tensor) and not query.is_nested:
             rows = _fully_masked(ctx, query, kpm_c, attn_c)
+    layer_reason = _layer_reason(module) if any(t.has_layers for t, _, _ in ctx.targets) else None
+    if ctx.error is None and _counted_again(ctx, out, rows, layer_reason):
+        ctx.query = ctx.kpm = ctx.attn_mask = ctx.map_args = ctx.kernel_source = ctx.ask_refusals = None
+        return
+    if ctx.ask_refusals is not None:  # asked now that a record is made (a steady-state call needs none)
+        ctx.refusals, ctx.refusals_source = ctx.ask_refusals()
+        ctx.ask_refusals = None
+    if ctx.error is not None:  # the inputs were refused: record them as given, measure nothing
+        rows = None
+        inputs["key_padding_mask"] = _mask_info(ctx.kpm, None)
+        inputs["attn_mask"] = _mask_info(ctx.attn_mask, None)
+    elif not masked:
+        inputs["key_padding_mask"] = inputs["attn_mask"] = None
+    else:
+        inputs["key_padding_mask"] = _mask_info(ctx.kpm, kpm_c)
+        inputs["attn_mask"] = _mask_info(ctx.attn_mask, attn_c)
     first = ctx.targets[0][0]
     projection = ctx.projection if ctx.projection is not None else first.projection(module)
-    layer_reason = _layer_reason(module) if any(t.has_layers for t, _, _ in ctx.targets) else None
     call = AttentionCall(
         index=-1,
         module="",
@@ -388,6 +401,20 @@ def _finish(ctx: OpenMHA, out: Any) -> None:
     ctx.local = {}
     ctx.core = None
     deliver(call, ctx.targets, module, projection, core, source)
+
+
+def _counted_again(ctx: OpenMHA, out: Any, rows: Any, layer_reason: str | None) -> bool:
+    """In long runs, a call with its module's previous combination is counted with no record built."""
+    if not counts_only(ctx.targets):
+        return False
+    path = ctx.path or "unknown"
+    inputs = ctx.inputs
+    key = combination_key(path, ctx.backend, None if path == "fast" else ctx.local.get("why_not_fast_path"),
+                          layer_reason, inputs.get("dtype"), inputs.get("training"), mask_kind(ctx.attn_mask),
+                          mask_kind(ctx.kpm))  # fmt: skip
+    result = out[0] if isinstance(out, tuple) else out
+    return count_again(ctx.targets, key, ctx.backend, lambda: {"nan_count": nan_count(result),
+                                                               "fully_masked_rows": rows})  # fmt: skip
 
 
 def _map_source(ctx: OpenMHA, kpm_c: Any, attn_c: Any) -> Any:

@@ -29,10 +29,22 @@ import torch
 from torch import nn
 
 from qkvtrace import maps, masks, paths, refusals, replay
+from qkvtrace.monitor import combination_key, mask_kind
 from qkvtrace.records import AttentionCall
 from qkvtrace.slices import Projection
 from qkvtrace.tracer import registry, routes
-from qkvtrace.tracer.build import Target, deliver, modes, nan_count, qkv_info, shape, wants_backward, wants_maps
+from qkvtrace.tracer.build import (
+    Target,
+    count_again,
+    counts_only,
+    deliver,
+    modes,
+    nan_count,
+    qkv_info,
+    shape,
+    wants_backward,
+    wants_maps,
+)
 from qkvtrace.tracer.install import redispatch_sdpa, relevant_overrides
 from qkvtrace.tracer.observers.mha import OpenMHA, arg
 
@@ -135,21 +147,43 @@ def observe_sdpa(original: Callable[..., Any], args: tuple[Any, ...], kwargs: di
     targets = [(t, name, t.take_index()) for t, name in covering]
     a = _Args(args, kwargs)
     backend = a.backend()
-    refused = a.refusals(targets[0][0], backend)
+    # a long run's call with its module's previous combination is only counted: no reasons asked, no record
+    steady = _combination(owner, a, backend) if counts_only(targets) else None
+    refused = a.refusals(targets[0][0], backend) if steady is None else (None, None)
     sig = ("sdpa", a.q.device.type, a.q.dtype, backend, None if a.mask is None else a.mask.dtype,
            a.is_causal, a.dropout_p > 0, a.grad(), a.q.is_nested)  # fmt: skip
     try:
         out, ops, evidence = _EVIDENCE.run(sig, original, *args, **kwargs)
     except BaseException as exc:  # record the refused call, then let the error go on unchanged
+        if steady is not None:
+            refused = a.refusals(targets[0][0], backend)
         call = _record(owner, targets, a, backend, None, "unavailable: the call raised", None, refused)
         call.error = f"{type(exc).__name__}: {exc}"
         _deliver(call, owner, targets, a)
         raise
     _learn(a, backend, ops)
+    if steady is not None:
+        if count_again(targets, steady, backend, lambda: _measured(a, out)):
+            return out
+        refused = a.refusals(targets[0][0], backend)
     core = routes.sdpa_core(out, a.q, a.k, a.v, key=sig) if wants_backward(targets) else None
     record = _record(owner, targets, a, backend, ops, evidence, out, refused)
     _deliver(record, owner, targets, a, core, a.map_source(targets))
     return out
+
+
+def _combination(owner: nn.Module, a: _Args, backend: str | None) -> tuple[Any, ...]:
+    """The key of the combination the record of this call would have (:func:`~qkvtrace.monitor.combination`)."""
+    mask = a.mask
+    kind = (type(mask).__name__ if _overrides(mask) else mask_kind(mask)) if isinstance(mask, torch.Tensor) else None
+    return combination_key("sdpa", backend, None, None, str(a.q.dtype), bool(owner.training), kind, None)
+
+
+def _measured(a: _Args, out: Any) -> dict[str, Any]:
+    """A call's NaN count and fully-masked rows, as :func:`_record` measures them."""
+    with torch.no_grad():
+        rows = fully_masked_rows(a.q, a.k, None if _overrides(a.mask) else a.mask, a.is_causal)
+    return {"nan_count": nan_count(out), "fully_masked_rows": rows}
 
 
 def _learn(a: _Args, backend: str | None, ops: list[str] | None) -> None:
@@ -163,7 +197,8 @@ def _kernel_of_mha(ctx: OpenMHA, original: Callable[..., Any], args: tuple[Any, 
     a = _Args(args, kwargs)
     backend = a.backend()
     ctx.backend = backend
-    ctx.refusals, ctx.refusals_source = a.refusals(ctx.targets[0][0], backend)
+    owner = ctx.targets[0][0]
+    ctx.ask_refusals = lambda: a.refusals(owner, backend)
     ctx.inputs["dropout_p"] = a.dropout_p  # what the fallback handed its kernel
     ctx.inputs.update(a.decisive())
     if a.mask is None:  # PyTorch dropped the masks it was given (is_causal, no padding mask, no weights)
