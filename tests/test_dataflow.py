@@ -779,3 +779,49 @@ def test_an_nf_module_whose_weight_is_not_in_out_is_no_projection() -> None:
     model = OutInAttention()
     found = dataflow.derive_projection(_seen(model, _x(2, 5, E)), [model])
     assert isinstance(found, str) and found.startswith("not derived: no nn.Linear or Conv1D weight"), found
+
+
+class Flipped(nn.Module):
+    """The packed Linear applied with its rows reversed (``weight.flip(0)``): output feature ``j`` is row
+    ``3E-1-j``, so Q (the first third of the output) is made of rows ``[2E, 3E)``, V of ``[0, E)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(E, 3 * E)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = F.linear(x, self.qkv.weight.flip(0), self.qkv.bias.flip(0)).chunk(3, -1)
+        self.seen = (q, k, v)
+        return F.scaled_dot_product_attention(q, k, v)
+
+
+def test_a_weight_reordered_before_its_matmul_is_never_named_with_the_matmuls_rows() -> None:
+    """Witness: rows by construction through the flip (class docstring).
+
+    Only transposes and casts may stand between a weight and its matmul; a reordering op would make the
+    matmul's output feature ``j`` some other row of the weight. Catches the walk to the weight going
+    through any single-input node (Q would then be named rows ``[0, E)``).
+    """
+    model = Flipped()
+    found = dataflow.derive_projection(_seen(model, _x(2, 5, E)), [model])
+    assert isinstance(found, str) or _rows(found) == (_third(2), _third(1), _third(0)), found
+
+
+@pytest.mark.parametrize(("steps", "derived"), [(509, True), (510, False)])
+def test_the_search_stops_at_its_bound(steps: int, derived: bool) -> None:
+    """Witness: Q is the first third of a packed Linear, then ``steps`` additions (one autograd node each):
+    the Linear's matmul is node ``steps + 2`` counting from Q's own. The reason gives the bound, 512
+    nodes: the walk stops once it has seen 512, so the matmul is read as node 511 and not as node 512.
+
+    Catches the bound moved by one.
+    """
+    model = Packed()
+    q, k, v = _seen(model, _x(5, E))
+    for _ in range(steps):
+        q = q + 1
+    found = dataflow.derive_projection((q, k, v), [model])
+    if derived:
+        assert _rows(found) == _by_order((0, 1, 2))
+    else:
+        assert found == ("not derived: no nn.Linear or Conv1D weight of this module or its parents is consumed on "
+                         "the way back from Q (within 512 autograd nodes)")  # fmt: skip
