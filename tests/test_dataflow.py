@@ -825,3 +825,31 @@ def test_the_search_stops_at_its_bound(steps: int, derived: bool) -> None:
     else:
         assert found == ("not derived: no nn.Linear or Conv1D weight of this module or its parents is consumed on "
                          "the way back from Q (within 512 autograd nodes)")  # fmt: skip
+
+
+class Tied(nn.Module):
+    """Q and K projected by one weight held by two Linears (``k.weight`` is ``q.weight``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(E, E, bias=False), nn.Linear(E, E, bias=False), nn.Linear(E, E, bias=False)
+        self.k.weight = self.q.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        self.seen = (q, k, v)
+        return F.scaled_dot_product_attention(q, k, v)
+
+
+def test_a_shared_weight_is_named_as_pytorch_names_it() -> None:
+    """Witness: ``named_parameters()``, which names a parameter shared by two modules once, by the first.
+
+    Catches the shared weight named by the last module holding it.
+    """
+    model = Tied()
+    name = {id(p): n for n, p in model.named_parameters()}
+    found = dataflow.derive_projection(_seen(model, _x(2, 5, E)), [model])
+    assert isinstance(found, qkvtrace.slices.Projection), found
+    assert [p.param for _, p in found.spec.parts()] == [name[id(model.q.weight)], name[id(model.q.weight)],
+                                                       name[id(model.v.weight)]]  # fmt: skip
+    assert name[id(model.k.weight)] == "q.weight"  # the witness itself: PyTorch names it by ``q``
