@@ -78,7 +78,7 @@ MUTANT_OWNERS: dict[str, list[str]] = {
                 "tests/test_monitor.py::test_a_long_run_reports_exactly_the_steps_where_attention_changed"],
     "paths": ["tests/test_paths.py"],
     "slices": ["tests/test_slices.py"],
-    "dataflow": ["tests/test_slices.py", "tests/test_hand_written.py"],
+    "dataflow": ["tests/test_slices.py", "tests/test_hand_written.py", "tests/test_dataflow.py"],
     "maps": ["tests/test_maps.py"],
     "advise": ["tests/test_advise.py"],
 }  # fmt: skip
