@@ -153,6 +153,11 @@ WITNESSED: list[tuple[str, str, list[str]]] = [
      "step, hold under 2 MB, measured with `tracemalloc` in the tests, and hundreds of optimizer steps leave no "
      "more live tensor storages than they found",
      ["tests/test_monitor.py::test_a_long_run_reports_exactly_the_steps_where_attention_changed"]),
+    ("docs/long-runs.md", "same path, backend, reasons, dtype, masks\nand mode as its module's previous call — is "
+     "counted and builds no record", ["tests/test_steady_state.py::test_a_steady_call_builds_no_record_and_is_counted",
+                                      "tests/test_steady_state.py::test_steady_counts_nans_and_masked_rows_equal_the_tests_own"]),
+    ("docs/long-runs.md", "What 1,000 such calls leave behind does not grow with the calls.",
+     ["tests/test_steady_state.py::test_a_steady_state_keeps_no_more_python_objects_the_longer_it_runs"]),
     ("docs/long-runs.md", "20,000 calls of a module that changes twice, with backward and an SGD step (momentum) "
      "after each training step, hold under 2 MB",
      ["tests/test_monitor.py::test_a_long_run_reports_exactly_the_steps_where_attention_changed"]),
