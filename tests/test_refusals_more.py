@@ -296,3 +296,22 @@ def test_an_answer_is_not_reused_once_the_backend_is_switched_off() -> None:
         torch.backends.cuda.enable_flash_sdp(True)
     assert second is not None and second["FLASH_ATTENTION"] != expected
     assert any("flash_sdp_enabled()" in line for line in second["FLASH_ATTENTION"])
+
+
+def test_a_caller_changing_a_records_reasons_does_not_change_the_next_trace() -> None:
+    """Two traces of the same call; between them the caller edits the first record's reasons in place (appends a
+    line, empties another backend's list). The second record still holds PyTorch's words. Witness: forcing each
+    better backend on the untraced tensors here. Fault caught: the cache handing out its own lists (a copy of
+    the dict alone shares them), so one caller's edit shows in every later record of that signature."""
+    q, k, v = _gqa(b=2, hq=2, hk=2, lq=13, lk=13, d=8)
+    model = Direct(lambda: (q, k, v), dropout_p=0.3)
+    expected = {b: _pytorch_words(b, q, k, v, dropout_p=0.3) for b in _ranked_above("MATH")}
+    with qkvtrace.trace(model) as first:
+        model()
+    edited = first.calls[0].sdpa_refusals
+    assert edited == expected
+    edited["FLASH_ATTENTION"].append("a line of the caller's")
+    edited["EFFICIENT_ATTENTION"].clear()
+    with qkvtrace.trace(model) as second:
+        model()
+    assert second.calls[0].sdpa_refusals == expected
