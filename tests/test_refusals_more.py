@@ -9,6 +9,7 @@ chosen backend is ``torch._fused_sdp_choice`` on the same tensors, and "ranks ab
 
 from __future__ import annotations
 
+import importlib
 import re
 import sys
 import warnings
@@ -280,11 +281,13 @@ def test_releases_without_a_priority_order_ask_every_fused_backend_when_math_ran
 def test_an_answer_is_not_reused_once_the_backend_is_switched_off() -> None:
     """The same call (dropout, so MATH runs either way) asked with FLASH_ATTENTION enabled, then with
     ``torch.backends.cuda.enable_flash_sdp(False)``: the second answer is not the first one kept (forcing FLASH
-    would switch it back on, so the answer says it is off). Witness: PyTorch's own switch,
-    ``torch.backends.cuda.flash_sdp_enabled()``, and forcing FLASH on the tensors here while it is on. Fault
-    caught: a cache key blind to PyTorch's run-time switches."""
+    would switch it back on, so the answer says it is off). The module reads which switches PyTorch has when it
+    is imported, so it is imported afresh here (``importlib.reload``) before it is asked. Witness: PyTorch's own
+    switch, ``torch.backends.cuda.flash_sdp_enabled()``, and forcing FLASH on the tensors here while it is on.
+    Fault caught: a cache key blind to PyTorch's run-time switches (the switches not found, or none kept)."""
+    fresh = importlib.reload(refusals)
     q, k, v = _gqa(b=1, hq=3, hk=3, lq=11, lk=11, d=8)
-    cache = refusals.RefusalCache()
+    cache = fresh.RefusalCache()
     expected = _pytorch_words("FLASH_ATTENTION", q, k, v, dropout_p=0.3)
     first = cache.get(q, k, v, None, 0.3, False, None, False, "MATH")[0]
     assert first is not None and first["FLASH_ATTENTION"] == expected
