@@ -278,7 +278,7 @@ def test_releases_without_a_priority_order_ask_every_fused_backend_when_math_ran
     assert refusals.better_backends(None) == []
 
 
-def test_an_answer_is_not_reused_once_the_backend_is_switched_off() -> None:
+def test_after_a_fresh_import_an_answer_is_not_reused_once_the_backend_is_switched_off() -> None:
     """The same call (dropout, so MATH runs either way) asked with FLASH_ATTENTION enabled, then with
     ``torch.backends.cuda.enable_flash_sdp(False)``: the second answer is not the first one kept (forcing FLASH
     would switch it back on, so the answer says it is off). The module reads which switches PyTorch has when it
