@@ -218,14 +218,16 @@ def test_a_not_asked_answer_is_not_kept() -> None:
 
 
 def test_the_cache_tells_apart_what_changes_pytorchs_answer() -> None:
-    """Through one cache, calls that differ only in the mask, in ``enable_gqa`` or in the backend that ran each
-    get PyTorch's own answer for themselves. Witness: forcing each backend ranked above the chosen one on the
-    tensors here (a 3-D mask refuses FLASH where no mask lets it run; without ``enable_gqa`` FLASH refuses two
-    head counts it runs with it), and ``_get_sdp_priority_order`` for which backends are asked. Faults caught:
-    the key or the question blind to the mask, to ``enable_gqa`` or to the chosen backend."""
+    """Through one cache, calls that differ only in the mask, in ``enable_gqa``, in the backend that ran, or in
+    ``is_causal`` each get PyTorch's own answer for themselves. Witness: forcing each backend ranked above the
+    chosen one on the tensors here (a 3-D mask refuses FLASH where no mask lets it run; without ``enable_gqa``
+    FLASH refuses two head counts it runs with it; asked as if CUDNN_ATTENTION had run, MATH is asked too, and
+    refuses a mask with ``is_causal`` that it runs without), and ``_get_sdp_priority_order`` for which backends
+    are asked. Faults caught: the key or the question blind to the mask, to ``enable_gqa``, to the chosen
+    backend or to ``is_causal``."""
     q, k, v = _gqa()
     same = _gqa(hk=4)
-    mask = torch.zeros(4, 8, 8)
+    mask, flat = torch.zeros(4, 8, 8), torch.zeros(8, 8)
     cache = refusals.RefusalCache()
     asks: list[tuple[tuple[Any, ...], dict[str, Any], str]] = [
         ((same[0], same[1], same[2], None, 0.0, False, None, False), {}, "MATH"),
@@ -233,7 +235,10 @@ def test_the_cache_tells_apart_what_changes_pytorchs_answer() -> None:
         ((q, k, v, None, 0.0, False, None, True), {"enable_gqa": True}, "MATH"),
         ((q, k, v, None, 0.0, False, None, False), {}, "MATH"),
         ((q, k, v, None, 0.0, False, None, False), {}, "EFFICIENT_ATTENTION"),
-    ]
+        ((same[0], same[1], same[2], flat, 0.0, False, None, False), {"attn_mask": flat}, "CUDNN_ATTENTION"),
+        ((same[0], same[1], same[2], flat, 0.0, True, None, False), {"attn_mask": flat, "is_causal": True},
+         "CUDNN_ATTENTION"),
+    ]  # fmt: skip
     answers = []
     for args, kwargs, chosen in asks:
         expected = {b: _pytorch_words(b, *args[:3], **kwargs) for b in _ranked_above(chosen)}
@@ -241,6 +246,7 @@ def test_the_cache_tells_apart_what_changes_pytorchs_answer() -> None:
         assert answer == (expected, refusals.SOURCE_FORCED), (kwargs, chosen)
         answers.append(answer[0])
     assert answers[0] != answers[1] and answers[2] != answers[3] and answers[3] != answers[4]  # the premise
+    assert answers[5] != answers[6]
 
 
 def test_the_stand_in_is_built_on_the_calls_device_whatever_the_default_device() -> None:
@@ -318,3 +324,19 @@ def test_a_caller_changing_a_records_reasons_does_not_change_the_next_trace() ->
     with qkvtrace.trace(model) as second:
         model()
     assert second.calls[0].sdpa_refusals == expected
+
+
+def test_a_bool_masks_stand_in_is_on_the_calls_device_whatever_the_default_device() -> None:
+    """Asked as if CUDNN_ATTENTION had run (as on a CUDA machine), so that MATH is among the backends asked:
+    MATH runs a call whose bool mask is on the call's device, and refuses one whose mask is elsewhere. Under
+    another default device (``with torch.device("meta")``) the answer is still the one for the CPU tensors.
+    Witness: forcing each backend ranked above CUDNN_ATTENTION on the CPU tensors and mask here, outside the
+    default-device context (MATH runs them). Fault caught: a bool mask's stand-in built on the default device
+    instead of the mask's."""
+    q, k, v = _gqa(hk=4)
+    mask = torch.ones(8, 8, dtype=torch.bool)
+    expected = {b: _pytorch_words(b, q, k, v, attn_mask=mask) for b in _ranked_above("CUDNN_ATTENTION")}
+    assert expected["MATH"] == []  # the premise: MATH runs it
+    with torch.device("meta"):
+        answer = refusals.refusals(q, k, v, mask, 0.0, False, None, False, "CUDNN_ATTENTION")
+    assert answer == (expected, refusals.SOURCE_FORCED)
