@@ -72,7 +72,7 @@ def tests(session: nox.Session, torch_version: str) -> None:
 #: test_health.py is monitor's too: its health lines and scalars are written by the monitor.
 MUTANT_OWNERS: dict[str, list[str]] = {
     "masks": ["tests/test_records.py", "tests/test_hand_written.py"],
-    "refusals": ["tests/test_refusals.py"],
+    "refusals": ["tests/test_refusals.py", "tests/test_refusals_more.py"],
     "tracediff": ["tests/test_tracediff.py"],
     "monitor": ["tests/test_monitor.py", "tests/test_health.py", "--deselect",
                 "tests/test_monitor.py::test_a_long_run_reports_exactly_the_steps_where_attention_changed"],

@@ -248,7 +248,8 @@ class RefusalCache:
             if found[0] is not None:  # "not asked" answers depend on the moment, not the signature
                 with self._lock:
                     self._known[key] = found
-        return (dict(found[0]) if found[0] is not None else None), found[1]
+        answer = found[0]  # a copy, lists included: a caller editing its record must not edit the next one
+        return ({b: list(w) for b, w in answer.items()} if answer is not None else None), found[1]
 
 
 _CACHE = RefusalCache()
