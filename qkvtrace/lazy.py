@@ -91,7 +91,7 @@ def resolve(roots: Iterable[Any]) -> None:
 
     Integer and boolean tensors become ``int``, floating ones ``float``; a
     0-dim tensor becomes a number, any other a flat list. The tensors of one
-    device are read back together.
+    device are read back together; those on the ``meta`` device hold no data and become ``None``.
     """
     tensors: list[tuple[_Slot, torch.Tensor]] = []
     deferred: list[tuple[_Slot, Deferred]] = []
@@ -101,7 +101,11 @@ def resolve(roots: Iterable[Any]) -> None:
     by_device: dict[torch.device, list[tuple[_Slot, torch.Tensor]]] = {}
     for slot, t in tensors:
         by_device.setdefault(t.device, []).append((slot, t))
-    for group in by_device.values():
+    for device, group in by_device.items():
+        if device.type == "meta":  # shapes without data (a model built on the meta device): nothing to read
+            for slot, _ in group:
+                _store(slot, None)
+            continue
         numbers = [(slot, t) for slot, t in group if t.dim() == 0]
         others = [(slot, t) for slot, t in group if t.dim() != 0]
         with torch.no_grad():

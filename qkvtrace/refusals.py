@@ -37,7 +37,8 @@ import torch
 
 from qkvtrace import compat, paths
 
-__all__ = ["SOURCE_CAN_USE", "SOURCE_FORCED", "better_backends", "priority_order", "refusals", "signature"]
+__all__ = ["NOT_ASKED_NESTED", "SOURCE_CAN_USE", "SOURCE_FORCED", "better_backends", "priority_order", "refusals",
+           "signature"]
 
 SOURCE_FORCED = "forced on a stand-in of the call (torch.nn.attention.sdpa_kernel)"
 SOURCE_CAN_USE = "torch.backends.cuda.can_use_*(debug=True)"
@@ -199,7 +200,7 @@ def refusals(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, dropo
     asked, and ``source`` then says why.
     """
     if any(t.is_nested for t in (q, k, v)):
-        return None, "not asked: nested inputs (no stand-in is built for them)"
+        return None, NOT_ASKED_NESTED
     if q.device.type not in ("cpu", "cuda"):
         return None, f"not asked: no stand-in is built on {q.device.type}"
     why_not = _disturbs_the_user()
@@ -228,6 +229,10 @@ def refusals(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, dropo
                     out[backend] += [w for w in words if w not in out[backend]]
             source = f"{SOURCE_FORCED}; {SOURCE_CAN_USE}"
     return out, source
+
+
+#: why nothing is asked for a call on nested tensors
+NOT_ASKED_NESTED = "not asked: nested inputs (no stand-in is built for them)"
 
 
 class RefusalCache:

@@ -340,3 +340,28 @@ def test_a_bool_masks_stand_in_is_on_the_calls_device_whatever_the_default_devic
     with torch.device("meta"):
         answer = refusals.refusals(q, k, v, mask, 0.0, False, None, False, "CUDNN_ATTENTION")
     assert answer == (expected, refusals.SOURCE_FORCED)
+
+
+def test_traced_calls_on_nested_and_meta_tensors_say_why_nothing_was_asked() -> None:
+    """A model's SDPA call on jagged nested tensors (run by their own ``__torch_function__``, which makes no call
+    through SDPA's entry) and one on the ``meta`` device (shapes, no data): each record says why no reasons were
+    asked, and the trace closes. Witness: PyTorch's ``Tensor.is_nested`` and ``Tensor.device`` of the tensors
+    built here. Faults caught: an empty ``sdpa_refusals_source`` on nested calls; a trace that cannot close
+    because it tries to read numbers out of meta tensors."""
+    nested = torch.nested.nested_tensor([torch.randn(3, 2, 8), torch.randn(5, 2, 8)], layout=torch.jagged)
+    q = nested.transpose(1, 2)
+    assert q.is_nested
+    model = Direct(lambda: (q, q, q))
+    with qkvtrace.trace(model) as t:
+        model()
+    call = t.calls[0]
+    assert call.sdpa_refusals is None
+    assert call.sdpa_refusals_source is not None and call.sdpa_refusals_source.startswith("not asked: nested")
+    meta = torch.randn(2, 2, 4, 8, device="meta")
+    assert meta.device.type == "meta"
+    model = Direct(lambda: (meta, meta, meta))
+    with qkvtrace.trace(model) as t:
+        model()
+    call = t.calls[0]
+    assert call.sdpa_refusals_source == f"not asked: no stand-in is built on {meta.device.type}"
+    assert call.output["nan_count"] is None  # no data to count in

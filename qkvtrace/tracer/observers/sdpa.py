@@ -242,10 +242,20 @@ def _observe_override(
     backend = ctx.backend
     if backend is None and ops is not None:
         backend = _EVIDENCE.backend_of(a.q.device.type, ops)
+    if ctx.refusals == (None, None) and ctx.owner_trace.record_refusals:  # the override made no SDPA call
+        ctx.refusals = (None, _not_asked(a, relevant))
     core = routes.sdpa_core(out, a.q, a.k, a.v, key=sig) if wants_backward(targets) else None
     record = _record(owner, targets, a, backend, ops, evidence, out, ctx.refusals)
     _deliver(record, owner, targets, a, core, a.map_source(targets, override=_overrides(a.mask)))
     return out
+
+
+def _not_asked(a: _Args, relevant: tuple[Any, ...]) -> str:
+    """Why no reasons were asked for a call its ``__torch_function__`` override ran without SDPA's entry."""
+    if any(isinstance(t, torch.Tensor) and t.is_nested for t in (a.q, a.k, a.v)):
+        return refusals.NOT_ASKED_NESTED
+    kind = next((type(x).__name__ for x in relevant if _overrides(x)), "an override")
+    return f"not asked: {kind}'s __torch_function__ ran the call without SDPA's own entry"
 
 
 def _pop(stack: list[Any], ctx: Any) -> None:
