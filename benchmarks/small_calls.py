@@ -56,6 +56,7 @@ def main() -> None:
         ("records, routes on", {}, contextlib.nullcontext),
         ("routes=False", {"routes": False}, contextlib.nullcontext),
         ("gradients=False, routes=False", {"gradients": False, "routes": False}, contextlib.nullcontext),
+        ('long run (keep="changes"), steady state', {"keep": "changes"}, contextlib.nullcontext),
     ]
     if "--parts" in sys.argv:
         arms += [(f"routes on, without {part}", {}, off) for part, off in _parts().items()]

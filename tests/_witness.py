@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
@@ -187,3 +188,28 @@ def dynamo_graph(model: torch.nn.Module, *args: Any, **kwargs: Any) -> list[tupl
         torch.compile(model, backend=backend)(*args, **kwargs)
     torch._dynamo.reset()
     return nodes
+
+
+def sdpa_choice(*args: Any, **kwargs: Any) -> str:
+    """The backend PyTorch's own chooser picks for these SDPA arguments (``torch._fused_sdp_choice``), by name."""
+    value = torch._fused_sdp_choice(*args, **kwargs)
+    return {int(b): n for n, b in SDPBackend.__members__.items()}[int(value)]
+
+
+def ranked_above(chosen: str) -> list[str]:
+    """The SDPA backends PyTorch ranks above ``chosen`` (its own priority order)."""
+    names = {int(b): n for n, b in SDPBackend.__members__.items()}
+    order = [names[int(v)] for v in torch._C._get_sdp_priority_order()]
+    return order[: order.index(chosen)]
+
+
+class DirectSDPA(nn.Module):
+    """A model whose forward is one SDPA call on the tensors ``make()`` gives, with ``kwargs``."""
+
+    def __init__(self, make: Callable[[], tuple[Any, ...]], **kwargs: Any) -> None:
+        super().__init__()
+        self.make = make
+        self.kwargs = kwargs
+
+    def forward(self) -> torch.Tensor:
+        return F.scaled_dot_product_attention(*self.make(), **self.kwargs)

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
+from _witness import DirectSDPA, ranked_above, sdpa_choice
 from torch import nn
 
 import qkvtrace
@@ -39,27 +39,6 @@ def _pytorch_reasons(backend: str, *args: Any, **kwargs: Any) -> list[str]:
             torch._C._nn.scaled_dot_product_attention(*args, **kwargs)
     lines = [re.sub(r"\s*\(Triggered internally at .*\)\s*$", "", str(w.message)).strip() for w in caught]
     return [line for line in lines if line and not line.endswith("because:")]
-
-
-def _chosen(*args: Any, **kwargs: Any) -> str:
-    value = torch._fused_sdp_choice(*args, **kwargs)
-    return {int(b): n for n, b in SDPBackend.__members__.items()}[int(value)]
-
-
-def _ranked_above(chosen: str) -> list[str]:
-    names = {int(b): n for n, b in SDPBackend.__members__.items()}
-    order = [names[int(v)] for v in torch._C._get_sdp_priority_order()]
-    return order[: order.index(chosen)]
-
-
-class Direct(nn.Module):
-    def __init__(self, make: Callable[[], tuple[Any, ...]], **kwargs: Any) -> None:
-        super().__init__()
-        self.make = make
-        self.kwargs = kwargs
-
-    def forward(self) -> torch.Tensor:
-        return F.scaled_dot_product_attention(*self.make(), **self.kwargs)
 
 
 def _qkv(q_shape: tuple[int, ...] = (2, 4, 8, 16), v_dim: int = 16, kv_heads: int = 4) -> tuple[torch.Tensor, ...]:
@@ -90,12 +69,12 @@ def test_cpu_refusal_is_pytorchs_own_warning(case: str) -> None:
     """
     make, kwargs = CASES[case]
     args = make()
-    chosen = _chosen(*args, kwargs.get("attn_mask"), kwargs.get("dropout_p", 0.0), False)
+    chosen = sdpa_choice(*args, kwargs.get("attn_mask"), kwargs.get("dropout_p", 0.0), False)
     if chosen != "MATH":  # the premise: PyTorch falls back here (releases differ: 2.14 runs 3-D inputs on FLASH)
         pytest.skip(f"torch {torch.__version__} does not refuse FLASH_ATTENTION for {case}: ran {chosen}")
     expected = _pytorch_reasons("FLASH_ATTENTION", *args, **kwargs)
     assert expected, "PyTorch gave no reason when forced (the witness is empty)"
-    model = Direct(make, **kwargs)
+    model = DirectSDPA(make, **kwargs)
     torch.manual_seed(0)
     plain = model()
     with qkvtrace.trace(model) as t:
@@ -104,7 +83,7 @@ def test_cpu_refusal_is_pytorchs_own_warning(case: str) -> None:
     assert torch.equal(plain, traced)
     [call] = t.calls
     assert call.sdpa_backend == chosen
-    assert list(call.sdpa_refusals) == _ranked_above(chosen)
+    assert list(call.sdpa_refusals) == ranked_above(chosen)
     got = call.sdpa_refusals["FLASH_ATTENTION"]
     for line in expected:
         assert line in got
@@ -142,9 +121,9 @@ def test_multihead_attention_in_training_says_dropout() -> None:
 def test_no_refusal_when_pytorch_chose_its_first_choice() -> None:
     """Eval, no dropout: PyTorch's first-ranked backend ran (witness: _fused_sdp_choice), nothing to explain."""
     q, k, v = _qkv()
-    chosen = _chosen(q, k, v)
-    assert _ranked_above(chosen) == []
-    model = Direct(lambda: (q, k, v))
+    chosen = sdpa_choice(q, k, v)
+    assert ranked_above(chosen) == []
+    model = DirectSDPA(lambda: (q, k, v))
     with qkvtrace.trace(model) as t:
         model()
     assert t.calls[0].sdpa_refusals == {}
@@ -153,10 +132,10 @@ def test_no_refusal_when_pytorch_chose_its_first_choice() -> None:
 def test_a_backend_switched_off_says_so() -> None:
     """``torch.backends.cuda.enable_flash_sdp(False)``: PyTorch then picks MATH (its own choice is the witness)."""
     q, k, v = _qkv()
-    model = Direct(lambda: (q, k, v))
+    model = DirectSDPA(lambda: (q, k, v))
     torch.backends.cuda.enable_flash_sdp(False)
     try:
-        chosen = _chosen(q, k, v)
+        chosen = sdpa_choice(q, k, v)
         with qkvtrace.trace(model) as t:
             model()
     finally:
@@ -170,7 +149,7 @@ def test_a_backend_switched_off_says_so() -> None:
 def test_not_asked_inside_a_users_profiler() -> None:
     """A user's profiler must not see the stand-in: its recorded ops are those of the untraced run (witness)."""
     q, k, v = _qkv((3, 2, 7, 12), v_dim=12, kv_heads=2)  # a signature no other test asks about
-    model = Direct(lambda: (q, k, v), dropout_p=0.3)
+    model = DirectSDPA(lambda: (q, k, v), dropout_p=0.3)
 
     def ops(trace: bool) -> list[str]:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -227,7 +206,7 @@ def _env() -> dict[str, str]:
 def test_assert_backend_failure_says_why() -> None:
     """``assert_backend("FLASH_ATTENTION")`` on a MATH call: the message carries PyTorch's reason (witness: forcing)."""
     q, k, v = _qkv()
-    model = Direct(lambda: (q, k, v), dropout_p=0.3)
+    model = DirectSDPA(lambda: (q, k, v), dropout_p=0.3)
     with qkvtrace.trace(model) as t:
         model()
     [reason] = _pytorch_reasons("FLASH_ATTENTION", q, k, v, dropout_p=0.3)

@@ -13,14 +13,13 @@ import importlib
 import re
 import sys
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
+from _witness import DirectSDPA, ranked_above, sdpa_choice
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import qkvtrace
@@ -52,25 +51,6 @@ def _pytorch_words(backend: str, *args: Any, **kwargs: Any) -> list[str]:
     return [line for line in lines if line]
 
 
-def _chosen(*args: Any, **kwargs: Any) -> str:
-    return SDPBackend(int(torch._fused_sdp_choice(*args, **kwargs))).name
-
-
-def _ranked_above(chosen: str) -> list[str]:
-    order = [SDPBackend(int(v)).name for v in torch._C._get_sdp_priority_order()]
-    return order[: order.index(chosen)]
-
-
-class Direct(nn.Module):
-    def __init__(self, make: Callable[[], tuple[Any, ...]], **kwargs: Any) -> None:
-        super().__init__()
-        self.make = make
-        self.kwargs = kwargs
-
-    def forward(self) -> torch.Tensor:
-        return F.scaled_dot_product_attention(*self.make(), **self.kwargs)
-
-
 def _gqa(b: int = 2, hq: int = 4, hk: int = 2, lq: int = 8, lk: int = 8, d: int = 16) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(0)
     return (torch.randn(b, hq, lq, d, generator=g), torch.randn(b, hk, lk, d, generator=g),
@@ -88,12 +68,12 @@ def test_a_traced_gqa_call_with_a_three_dimensional_mask_and_a_scale_gets_pytorc
     q, k, v = _gqa()
     mask = torch.zeros(4, 8, 8)
     kwargs: dict[str, Any] = {"attn_mask": mask, "scale": 0.5, "enable_gqa": True}
-    chosen = _chosen(q, k, v, mask, 0.0, False, scale=0.5, enable_gqa=True)
+    chosen = sdpa_choice(q, k, v, mask, 0.0, False, scale=0.5, enable_gqa=True)
     assert chosen == "MATH", chosen
-    expected = {b: _pytorch_words(b, q, k, v, **kwargs) for b in _ranked_above(chosen)}
+    expected = {b: _pytorch_words(b, q, k, v, **kwargs) for b in ranked_above(chosen)}
     assert any("attn mask" in line for line in expected["FLASH_ATTENTION"]), expected  # the premise
     assert expected["FLASH_ATTENTION"][-1].startswith("RuntimeError: ")
-    model = Direct(lambda: (q, k, v), **kwargs)
+    model = DirectSDPA(lambda: (q, k, v), **kwargs)
     with qkvtrace.trace(model) as t:
         model()
     [call] = t.calls
@@ -109,7 +89,7 @@ def test_a_better_backend_that_would_run_the_call_has_no_words() -> None:
     ``enable_gqa`` not handed on (FLASH would refuse the head counts)."""
     for q, k, v, gqa in ((*_gqa(hk=4), False), (*_gqa(), True)):
         extra = {"enable_gqa": True} if gqa else {}
-        expected = {b: _pytorch_words(b, q, k, v, **extra) for b in _ranked_above("MATH")}
+        expected = {b: _pytorch_words(b, q, k, v, **extra) for b in ranked_above("MATH")}
         assert expected["FLASH_ATTENTION"] == []  # the premise: forced FLASH runs it
         assert refusals.refusals(q, k, v, None, 0.0, False, None, gqa, "MATH") == (expected, refusals.SOURCE_FORCED)
 
@@ -146,7 +126,7 @@ def test_not_asked_inside_a_users_dispatch_mode() -> None:
     holds it) and ``TorchDispatchMode.__name__``. Faults caught: asking only when more than one mode is active,
     the reason's text garbled or re-cased."""
     q, k, v = _gqa(b=3, hq=5, hk=5, lq=7, lk=7, d=12)  # a signature no other test asks about
-    model = Direct(lambda: (q, k, v), dropout_p=0.3)
+    model = DirectSDPA(lambda: (q, k, v), dropout_p=0.3)
     with _Ops() as mode:
         assert torch._C._len_torch_dispatch_stack() == 1
         with qkvtrace.trace(model) as t:
@@ -195,7 +175,7 @@ def test_each_signature_is_asked_once_and_the_answer_handed_out_is_a_copy() -> N
     an answer handed out by reference."""
     q, k, v = _gqa(hk=4)
     cache = refusals.RefusalCache()
-    expected = {b: _pytorch_words(b, q, k, v, dropout_p=0.3) for b in _ranked_above("MATH")}
+    expected = {b: _pytorch_words(b, q, k, v, dropout_p=0.3) for b in ranked_above("MATH")}
     with _sdpa_entries() as first:
         answer = cache.get(q, k, v, None, 0.3, False, None, False, "MATH")
     assert answer == (expected, refusals.SOURCE_FORCED) and first[0] == len(expected)
@@ -213,7 +193,7 @@ def test_a_not_asked_answer_is_not_kept() -> None:
     cache = refusals.RefusalCache()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
         assert cache.get(q, k, v, None, 0.3, False, None, False, "MATH")[0] is None
-    expected = {b: _pytorch_words(b, q, k, v, dropout_p=0.3) for b in _ranked_above("MATH")}
+    expected = {b: _pytorch_words(b, q, k, v, dropout_p=0.3) for b in ranked_above("MATH")}
     assert cache.get(q, k, v, None, 0.3, False, None, False, "MATH") == (expected, refusals.SOURCE_FORCED)
 
 
@@ -241,7 +221,7 @@ def test_the_cache_tells_apart_what_changes_pytorchs_answer() -> None:
     ]  # fmt: skip
     answers = []
     for args, kwargs, chosen in asks:
-        expected = {b: _pytorch_words(b, *args[:3], **kwargs) for b in _ranked_above(chosen)}
+        expected = {b: _pytorch_words(b, *args[:3], **kwargs) for b in ranked_above(chosen)}
         answer = cache.get(*args, chosen)
         assert answer == (expected, refusals.SOURCE_FORCED), (kwargs, chosen)
         answers.append(answer[0])
@@ -259,7 +239,7 @@ def test_the_stand_in_is_built_on_the_calls_device_whatever_the_default_device()
     q, k, v = _gqa(hk=4)
     strided = torch.randn(2, 4, 8, 32)[..., ::2]  # last stride 2
     for args in ((q, k, v), (strided, k, v)):
-        expected = {b: _pytorch_words(b, *args, dropout_p=0.3) for b in _ranked_above("MATH")}
+        expected = {b: _pytorch_words(b, *args, dropout_p=0.3) for b in ranked_above("MATH")}
         assert expected["FLASH_ATTENTION"]  # the premise: PyTorch refuses FLASH on CPU here
         with torch.device("meta"):
             answer = refusals.refusals(*args, None, 0.3, False, None, False, "MATH")
@@ -313,8 +293,8 @@ def test_a_caller_changing_a_records_reasons_does_not_change_the_next_trace() ->
     better backend on the untraced tensors here. Fault caught: the cache handing out its own lists (a copy of
     the dict alone shares them), so one caller's edit shows in every later record of that signature."""
     q, k, v = _gqa(b=2, hq=2, hk=2, lq=13, lk=13, d=8)
-    model = Direct(lambda: (q, k, v), dropout_p=0.3)
-    expected = {b: _pytorch_words(b, q, k, v, dropout_p=0.3) for b in _ranked_above("MATH")}
+    model = DirectSDPA(lambda: (q, k, v), dropout_p=0.3)
+    expected = {b: _pytorch_words(b, q, k, v, dropout_p=0.3) for b in ranked_above("MATH")}
     with qkvtrace.trace(model) as first:
         model()
     edited = first.calls[0].sdpa_refusals
@@ -335,7 +315,7 @@ def test_a_bool_masks_stand_in_is_on_the_calls_device_whatever_the_default_devic
     instead of the mask's."""
     q, k, v = _gqa(hk=4)
     mask = torch.ones(8, 8, dtype=torch.bool)
-    expected = {b: _pytorch_words(b, q, k, v, attn_mask=mask) for b in _ranked_above("CUDNN_ATTENTION")}
+    expected = {b: _pytorch_words(b, q, k, v, attn_mask=mask) for b in ranked_above("CUDNN_ATTENTION")}
     assert expected["MATH"] == []  # the premise: MATH runs it
     with torch.device("meta"):
         answer = refusals.refusals(q, k, v, mask, 0.0, False, None, False, "CUDNN_ATTENTION")
@@ -351,7 +331,7 @@ def test_traced_calls_on_nested_and_meta_tensors_say_why_nothing_was_asked() -> 
     nested = torch.nested.nested_tensor([torch.randn(3, 2, 8), torch.randn(5, 2, 8)], layout=torch.jagged)
     q = nested.transpose(1, 2)
     assert q.is_nested
-    model = Direct(lambda: (q, q, q))
+    model = DirectSDPA(lambda: (q, q, q))
     with qkvtrace.trace(model) as t:
         model()
     call = t.calls[0]
@@ -359,7 +339,7 @@ def test_traced_calls_on_nested_and_meta_tensors_say_why_nothing_was_asked() -> 
     assert call.sdpa_refusals_source is not None and call.sdpa_refusals_source.startswith("not asked: nested")
     meta = torch.randn(2, 2, 4, 8, device="meta")
     assert meta.device.type == "meta"
-    model = Direct(lambda: (meta, meta, meta))
+    model = DirectSDPA(lambda: (meta, meta, meta))
     with qkvtrace.trace(model) as t:
         model()
     call = t.calls[0]
