@@ -69,9 +69,9 @@ def arg(args: tuple[Any, ...], kwargs: dict[str, Any], names: tuple[str, ...], n
 class OpenMHA:
     """A multi-head attention call that has started and not yet ended (on this thread)."""
 
-    __slots__ = ("ask_refusals", "attn_mask", "backend", "canonical", "core", "error", "evidence", "inputs",
-                 "kernel_rows", "kernel_source", "kpm", "local", "map_args", "module", "ops", "path", "projection",
-                 "query", "refusals", "refusals_source", "targets")  # fmt: skip
+    __slots__ = ("ask_refusals", "attn_mask", "backend", "batch_first", "bound", "canonical", "core", "error",
+                 "evidence", "inputs", "kernel_rows", "kernel_source", "kpm", "local", "map_args", "module", "ops",
+                 "path", "projection", "query", "refusals", "refusals_source", "targets")  # fmt: skip
 
     def __init__(self, module: nn.Module, targets: list[Target]) -> None:
         self.module = module
@@ -82,7 +82,11 @@ class OpenMHA:
         self.backend: str | None = None
         self.ops: list[str] | None = []
         self.evidence = EVIDENCE_WITNESSED
+        #: what the record's ``inputs`` gets beside what :func:`_inputs` reads from ``bound`` (made with the record)
         self.inputs: dict[str, Any] = {}
+        #: the call's arguments bound to their names, and whether its tensors are batch-first
+        self.bound: dict[str, Any] = {}
+        self.batch_first = False
         self.query: Any = None
         self.kpm: Any = None
         self.attn_mask: Any = None
@@ -170,7 +174,7 @@ def observe_forward(original: Callable[..., Any], args: tuple[Any, ...], kwargs:
     ctx = OpenMHA(module, _targets(found))
     a = _bind(_MHA_NAMES, _MHA_DEFAULTS, args[1:], kwargs)
     ctx.query, ctx.kpm, ctx.attn_mask = a["query"], a["key_padding_mask"], a["attn_mask"]
-    ctx.inputs = _inputs(module, a, batch_first=bool(module.batch_first))
+    ctx.bound, ctx.batch_first = a, bool(module.batch_first)
     if wants_maps(ctx.targets):
         ctx.map_args = a
     return _run(ctx, original, args, kwargs)
@@ -250,7 +254,7 @@ def observe_function(original: Callable[..., Any], args: tuple[Any, ...], kwargs
     ctx.canonical = True
     ctx.query, ctx.kpm, ctx.attn_mask = a["query"], a["key_padding_mask"], a["attn_mask"]
     ctx.projection = _passed_projection(module, a)
-    ctx.inputs = _inputs(module, a, batch_first=False)  # this function takes (L, N, E) or (L, E)
+    ctx.bound = a  # batch_first stays False: this function takes (L, N, E) or (L, E)
     ctx.inputs["num_heads"] = a["num_heads"]
     ctx.inputs["training"] = bool(a["training"])  # the argument, not the module's flag
     if wants_maps(ctx.targets):
@@ -294,7 +298,7 @@ _PASSED = "by definition: F.multi_head_attention_forward (in_proj_weight chunked
 def _fully_masked(ctx: OpenMHA, query: torch.Tensor, kpm_c: Any, attn_c: Any) -> Any:
     """Query rows of an MHA call whose keys are all blocked by PyTorch's canonical masks."""
     module = ctx.module
-    batch_first = bool(ctx.inputs.get("batch_first"))
+    batch_first = ctx.batch_first
     if query.dim() == 3:
         b, length = (query.shape[0], query.shape[1]) if batch_first else (query.shape[1], query.shape[0])
     else:
@@ -337,7 +341,6 @@ def _finish(ctx: OpenMHA, out: Any) -> None:
     local = ctx.local
     path = ctx.path
     query = ctx.query
-    inputs = ctx.inputs
     rows: Any = 0
     kpm_c = attn_c = None
     masked = ctx.error is None and (ctx.kpm is not None or ctx.attn_mask is not None)
@@ -354,7 +357,11 @@ def _finish(ctx: OpenMHA, out: Any) -> None:
     layer_reason = _layer_reason(module) if any(t.has_layers for t, _, _ in ctx.targets) else None
     if ctx.error is None and _counted_again(ctx, out, rows, layer_reason):
         ctx.query = ctx.kpm = ctx.attn_mask = ctx.map_args = ctx.kernel_source = ctx.ask_refusals = None
+        ctx.bound = {}
         return
+    inputs = _inputs(module, ctx.bound, batch_first=ctx.batch_first)  # read now that a record is made
+    inputs.update(ctx.inputs)
+    ctx.inputs = inputs
     if ctx.ask_refusals is not None:  # asked now that a record is made (a steady-state call needs none)
         ctx.refusals, ctx.refusals_source = ctx.ask_refusals()
         ctx.ask_refusals = None
@@ -398,6 +405,7 @@ def _finish(ctx: OpenMHA, out: Any) -> None:
         core = routes.find_core(result, (query,), heads=int(heads) if heads else None, key=key)
     source = _map_source(ctx, kpm_c, attn_c) if ctx.map_args is not None else None
     ctx.query = ctx.kpm = ctx.attn_mask = ctx.map_args = ctx.kernel_source = None
+    ctx.bound = {}
     ctx.local = {}
     ctx.core = None
     deliver(call, ctx.targets, module, projection, core, source)
@@ -408,10 +416,11 @@ def _counted_again(ctx: OpenMHA, out: Any, rows: Any, layer_reason: str | None) 
     if not counts_only(ctx.targets):
         return False
     path = ctx.path or "unknown"
-    inputs = ctx.inputs
+    extra = ctx.inputs  # as the record's inputs would say them (:func:`_inputs`, then what the call added)
+    training = extra["training"] if "training" in extra else bool(ctx.module.training)
     key = combination_key(path, ctx.backend, None if path == "fast" else ctx.local.get("why_not_fast_path"),
-                          layer_reason, inputs.get("dtype"), inputs.get("training"), mask_kind(ctx.attn_mask),
-                          mask_kind(ctx.kpm))  # fmt: skip
+                          layer_reason, dtype_name(getattr(ctx.query, "dtype", None)), training,
+                          mask_kind(ctx.attn_mask), mask_kind(ctx.kpm))  # fmt: skip
     result = out[0] if isinstance(out, tuple) else out
     return count_again(ctx.targets, key, ctx.backend, lambda: {"nan_count": nan_count(result),
                                                                "fully_masked_rows": rows})  # fmt: skip
