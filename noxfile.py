@@ -74,7 +74,7 @@ MUTANT_OWNERS: dict[str, list[str]] = {
     "masks": ["tests/test_records.py", "tests/test_hand_written.py"],
     "refusals": ["tests/test_refusals.py", "tests/test_refusals_more.py"],
     "tracediff": ["tests/test_tracediff.py"],
-    "monitor": ["tests/test_monitor.py", "tests/test_health.py", "--deselect",
+    "monitor": ["tests/test_monitor.py", "tests/test_health.py", "tests/test_steady_state.py", "--deselect",
                 "tests/test_monitor.py::test_a_long_run_reports_exactly_the_steps_where_attention_changed"],
     "paths": ["tests/test_paths.py"],
     "slices": ["tests/test_slices.py"],
