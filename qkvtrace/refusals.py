@@ -246,6 +246,8 @@ class RefusalCache:
             scale: Any, gqa: bool, chosen: str | None) -> tuple[dict[str, list[str]] | None, str]:  # fmt: skip
         if not better_backends(chosen):  # PyTorch's first choice ran: nothing to ask, and no signature to build
             return {}, SOURCE_FORCED
+        if any(t.is_nested for t in (q, k, v)):  # no signature of ragged sizes, and nothing asked of them
+            return None, NOT_ASKED_NESTED
         key = signature(q, k, v, mask, dropout_p, is_causal, scale, gqa, chosen)
         found = self._known.get(key)
         if found is None:

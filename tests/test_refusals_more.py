@@ -326,7 +326,8 @@ def test_traced_calls_on_nested_and_meta_tensors_say_why_nothing_was_asked() -> 
     """A model's SDPA call on jagged nested tensors (run by their own ``__torch_function__``, which makes no call
     through SDPA's entry) and one on the ``meta`` device (shapes, no data): each record says why no reasons were
     asked, and the trace closes. Witness: PyTorch's ``Tensor.is_nested`` and ``Tensor.device`` of the tensors
-    built here. Faults caught: an empty ``sdpa_refusals_source`` on nested calls; a trace that cannot close
+    built here. Faults caught: an empty ``sdpa_refusals_source`` on nested calls, a strided nested call given up
+    on (its sizes read for a signature); a trace that cannot close
     because it tries to read numbers out of meta tensors."""
     nested = torch.nested.nested_tensor([torch.randn(3, 2, 8), torch.randn(5, 2, 8)], layout=torch.jagged)
     q = nested.transpose(1, 2)
@@ -337,6 +338,13 @@ def test_traced_calls_on_nested_and_meta_tensors_say_why_nothing_was_asked() -> 
     call = t.calls[0]
     assert call.sdpa_refusals is None
     assert call.sdpa_refusals_source is not None and call.sdpa_refusals_source.startswith("not asked: nested")
+    strided = torch.nested.nested_tensor([torch.randn(2, 3, 8), torch.randn(2, 5, 8)])  # the older layout
+    assert strided.is_nested and strided.layout == torch.strided
+    model = DirectSDPA(lambda: (strided, strided, strided))
+    with qkvtrace.trace(model) as t:
+        model()
+    assert not t.result.warnings  # recorded, not given up on
+    assert t.calls[0].sdpa_refusals_source.startswith("not asked: nested")
     meta = torch.randn(2, 2, 4, 8, device="meta")
     assert meta.device.type == "meta"
     model = DirectSDPA(lambda: (meta, meta, meta))
