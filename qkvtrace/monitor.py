@@ -72,12 +72,12 @@ def mask_kind(mask: Any) -> str | None:
 
 def combination_key(path: str, backend: str | None, why_not_fast_path: str | None,
                     why_not_fused_layer: str | None, dtype: str | None, training: bool | None,
-                    attn_mask: str | None, key_padding_mask: str | None) -> tuple[Any, ...]:  # fmt: skip
-    """The key :func:`combination` gives the record of a call that did not raise, from its facts alone
-    (``attn_mask``/``key_padding_mask`` as :func:`mask_kind` names them): the steady state asks it before any
-    record is built."""
+                    attn_mask: str | None, key_padding_mask: str | None,
+                    merged_mask: str | None = None) -> tuple[Any, ...]:  # fmt: skip
+    """The key :func:`combination` gives the record of a call that did not raise, from its facts alone (the
+    masks as :func:`mask_kind` names them): the steady state asks it before any record is built."""
     return (path, backend, why_not_fast_path, why_not_fused_layer, dtype, training, attn_mask, key_padding_mask,
-            None, False)  # fmt: skip
+            merged_mask, False)  # fmt: skip
 
 
 @dataclass

@@ -139,3 +139,32 @@ def test_a_steady_state_keeps_no_more_python_objects_the_longer_it_runs() -> Non
     # a record kept per call would be tens of blocks a call (tens of thousands here); the interpreter's own
     # caches move a few dozen either way
     assert max(grown) < 300, grown
+
+
+def test_a_fused_encoder_layers_steady_calls_are_counted_with_their_masked_rows() -> None:
+    """An eval ``TransformerEncoderLayer`` under ``inference_mode`` (PyTorch's fused layer), with and without a
+    padding mask. Witness: PyTorch's profiler sees its fused op (``aten::_transformer_encoder_layer_fwd``) in the
+    untraced call, the number of record objects made (one per combination), and the test's own count of calls and
+    of fully-masked rows (batch item 1 fully padded: its 6 query rows in each of 2 heads)."""
+    from torch.profiler import profile
+
+    torch.manual_seed(3)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True).eval()
+    x = torch.randn(2, 6, 16)
+    pad = torch.zeros(2, 6, dtype=torch.bool)
+    pad[1, :] = True
+    pad[0, 5] = True
+    with torch.inference_mode(), profile() as prof:
+        layer(x, src_key_padding_mask=pad)
+    assert "aten::_transformer_encoder_layer_fwd" in {e.name for e in prof.events()}
+    with torch.inference_mode(), qkvtrace.trace(layer, keep="changes") as t:
+
+        def run() -> None:
+            for i in range(60):
+                layer(x, src_key_padding_mask=pad if i >= 40 else None)
+
+        built = _built(run)
+    assert built == 2  # the first call, and the change to a padding mask
+    (module,) = t.summary()["modules"].values()
+    assert sorted(c["calls"] for c in module["combinations"]) == [20, 40]
+    assert module["fully_masked_rows"] == 20 * 2 * 6
