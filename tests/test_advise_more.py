@@ -516,12 +516,17 @@ def _call_of_root(model: nn.Module, x: torch.Tensor) -> Any:
     return t.result.calls[0]
 
 
-def test_a_generous_budget_measures_everything() -> None:
-    """Witness: a budget of 1000 s, far more than the test model needs: nothing may be left unmeasured. Catches the
-    time spent computed as the clock plus the start."""
-    advice = advise(_SoftCapFree().eval(), torch.randn(2, 8, E), repeats=2, budget=1000.0)
-    assert advice.measured and not advice.unmeasured
-    assert all(not m.verdict.startswith("not measured") and m.verdict for m in advice.measured)
+def test_a_generous_budget_measures_everything_and_a_training_step_compares_gradients() -> None:
+    """Witness: a budget of 1000 s, far more than the test model needs: nothing may be left unmeasured; ``train=True``
+    asks for a training step, so the gradients are compared too; the model calls its hand-written attention once, so
+    that code's share of the model is above zero and its whole-model estimate is not exactly 1. Catches the time
+    spent computed as the clock plus the start, ``train`` lost on the way to the attention core's measurement, the
+    verdict lost, and the calls of the same code counted among the others."""
+    advice = advise(_SoftCapFree().train(), torch.randn(2, 8, E), train=True, repeats=2, budget=1000.0)
+    (row,) = advice.measured
+    assert not advice.unmeasured and row.verdict and not row.verdict.startswith("not measured")
+    assert row.measured_on == "core" and row.max_abs_grad_diff is not None
+    assert row.core_share is not None and row.core_share > 0 and all(r != 1.0 for r in row.model_ratios)
 
 
 class _SoftCapFree(_SoftCap):
@@ -532,3 +537,42 @@ class _SoftCapFree(_SoftCap):
         q, k, v = self.qkv(x).view(b, t, 3, H, E // H).permute(2, 0, 3, 1, 4)
         scores = q @ k.transpose(-2, -1) / (E // H) ** 0.5
         return (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, t, E)
+
+
+class _ThirdMasked(nn.Module):
+    """One MultiheadAttention called three times: twice on an unbatched query (no fast path, and no change for it),
+    then batched with a float causal mask of zeros and -inf (a boolean mask would take the fast path)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.attn = nn.MultiheadAttention(E, H, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        causal = torch.full((x.shape[1], x.shape[1]), float("-inf")).triu(1)
+        a = self.attn(x[0], x[0], x[0], need_weights=False)[0] + self.attn(x[1], x[1], x[1], need_weights=False)[0]
+        return self.attn(x, x, x, attn_mask=causal, need_weights=False)[0] + a
+
+
+def test_a_change_is_read_back_from_the_same_occurrence_of_the_call() -> None:
+    """Witness: the profiler on a copy of the module called here batched with the boolean mask (PyTorch's fused kernel
+    runs, so the third call's path after the change is the fast one), and on the unbatched calls (it does not run:
+    those stay where they were). The change's row must be read from the third call of the module. Catches the
+    occurrence counted from 1, by steps of 2, backwards, not at all, or not passed on."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = _ThirdMasked().eval()
+    x = torch.randn(2, 8, E)
+    mask = torch.ones(8, 8, dtype=torch.bool).triu(1)
+
+    def ops(fn: Any) -> set[str]:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            fn()
+        return {e.name for e in prof.events()}
+
+    with torch.no_grad():
+        assert "aten::_native_multi_head_attention" in ops(lambda: model.attn(x, x, x, attn_mask=mask))
+        assert "aten::_native_multi_head_attention" not in ops(lambda: model.attn(x[0], x[0], x[0]))
+        advice = advise(model, x, repeats=2)
+    (row,) = [m for m in advice.measured if m.change.startswith("a boolean mask")]
+    assert row.call == 2 and row.path_after == "fast", (row.call, row.path_after)
