@@ -576,3 +576,43 @@ def test_a_change_is_read_back_from_the_same_occurrence_of_the_call() -> None:
         advice = advise(model, x, repeats=2)
     (row,) = [m for m in advice.measured if m.change.startswith("a boolean mask")]
     assert row.call == 2 and row.path_after == "fast", (row.call, row.path_after)
+
+
+class _PacedModes(nn.MultiheadAttention):
+    """A MultiheadAttention whose time the test sets: 60 ms a call as called (weights asked for), 2 ms without the
+    weights, 1 ms under inference_mode -- where it also adds 1 to its output (so that change alters the results)."""
+
+    def forward(self, query: Any, key: Any, value: Any, key_padding_mask: Any = None, need_weights: bool = True,
+                attn_mask: Any = None, average_attn_weights: bool = True, is_causal: bool = False) -> Any:  # fmt: skip
+        out, weights = super().forward(query, key, value, key_padding_mask, need_weights, attn_mask,
+                                       average_attn_weights, is_causal)  # fmt: skip
+        if torch.is_inference_mode_enabled():
+            time.sleep(0.001)
+            return out + 1.0, weights
+        time.sleep(0.06 if need_weights else 0.002)
+        return out, weights
+
+
+def test_recommended_changes_come_first_even_when_another_was_faster() -> None:
+    """Witness: the sleeps and the +1 written here: need_weights=False is 30x faster with the same results
+    (recommended), inference_mode 60x faster but it changes the output by 1 (not recommended); the schema says
+    recommended ones come first, then by median ratio. Catches the recommended rank lost in the sort."""
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.attn = _PacedModes(E, H, batch_first=True)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.attn(x, x, x)[0]
+
+    advice = advise(Model().eval(), torch.randn(2, 8, E), repeats=2)
+    verdicts = [(m.change, m.verdict) for m in advice.measured]
+    assert advice.measured[0].change == "need_weights=False" and advice.measured[0].verdict == RECOMMENDED, verdicts
+    fast_other = [m for m in advice.measured if m.change == "run the forward under torch.inference_mode()"]
+    assert fast_other and fast_other[0].verdict.startswith("changes results"), verdicts
+    assert fast_other[0].median is not None and advice.measured[0].median is not None
+    assert fast_other[0].median < advice.measured[0].median, verdicts
+    rest = [m.model_median for m in advice.measured[1:]]
+    assert rest == sorted(rest, key=lambda r: 9e9 if r is None else r), verdicts
