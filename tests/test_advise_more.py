@@ -616,3 +616,37 @@ def test_recommended_changes_come_first_even_when_another_was_faster() -> None:
     assert fast_other[0].median < advice.measured[0].median, verdicts
     rest = [m.model_median for m in advice.measured[1:]]
     assert rest == sorted(rest, key=lambda r: 9e9 if r is None else r), verdicts
+
+
+class _Three(nn.Module):
+    """Three MultiheadAttention modules, each called once: each has its own change (need_weights=False) and one
+    change reaches all three (inference_mode, made to the whole model)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = (nn.MultiheadAttention(E, H, batch_first=True) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x, x, x)[0] + self.b(x, x, x)[0] + self.c(x, x, x)[0]
+
+
+def test_a_change_that_reaches_several_calls_is_listed_once_and_the_rest_still_are() -> None:
+    """Witness: the rules module's candidates for each of the three calls traced here, taken in call order and kept
+    once per (scope, change) -- a change made to the whole model is the same change whichever call asked for it.
+    With a budget spent at once, each is listed under the module of the first call that asked for it. Catches a stop
+    at the first repeated change, candidates skipped, and the module names in the list."""
+    import qkvtrace
+
+    model = _Three().eval()
+    x = torch.randn(2, 8, E)
+    with qkvtrace.trace(model, gradients=False, routes=False) as t:
+        model(x)
+    want: dict[tuple[str | None, str], tuple[int, str]] = {}
+    for call in t.result.calls:
+        for c in candidates_for(call, model, False)[0]:
+            want.setdefault((c.scope, c.change), (call.index, call.module))
+    assert len(want) == 4 and len(t.result.calls) == 3
+    advice = advise(model, x, repeats=2, budget=1e-9)
+    assert [((m.scope, m.change), (m.call, m.module)) for m in advice.measured] == list(want.items())
+    assert advice.unmeasured == [f"{module}: {change}" for (_, change), (_, module) in want.items()]
