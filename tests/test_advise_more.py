@@ -650,3 +650,26 @@ def test_a_change_that_reaches_several_calls_is_listed_once_and_the_rest_still_a
     advice = advise(model, x, repeats=2, budget=1e-9)
     assert [((m.scope, m.change), (m.call, m.module)) for m in advice.measured] == list(want.items())
     assert advice.unmeasured == [f"{module}: {change}" for (_, change), (_, module) in want.items()]
+
+
+def test_progress_counts_each_measurement_once_under_the_roots_name() -> None:
+    """Witness: the rules module's candidates for the call traced here (a root MultiheadAttention, whose name is
+    empty, shown as "(root)"): the progress lines name them in that order, numbered 1, 2, ... (the callback refuses a
+    number it has seen, so a count that stops moving fails at once instead of looping). Catches the count reset or
+    stepped by 2, the line lost, and the root's name."""
+    model = nn.MultiheadAttention(E, H, batch_first=True).eval()
+    x = torch.randn(2, 8, E)
+    call = _call_of_root(model, x)
+    cands = candidates_for(call, model, False)[0]
+    said: list[str] = []
+
+    def say(text: str) -> None:
+        counts = [line.split("/")[0] for line in said if line.startswith("measuring ")]
+        assert text.split("/")[0] not in counts, (text, said)  # each measurement gets its own number
+        said.append(text)
+
+    advise(model, x, x, x, repeats=2, progress=say)
+    assert said[0] == "tracing a copy as given"
+    lines = said[1 : 1 + len(cands)]
+    assert [line.split("/")[0] for line in lines] == [f"measuring {i}" for i in range(1, len(cands) + 1)]
+    assert [line.split(": ", 1)[1] for line in lines] == [f"{c.change} on (root)" for c in cands]
