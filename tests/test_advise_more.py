@@ -127,8 +127,7 @@ def test_a_training_unit_returns_its_own_gradients() -> None:
     assert torch.allclose(outs[0], o1.detach()) and torch.allclose(outs[1], o2.detach())
     assert len(grads) == len(want) and all(torch.allclose(g, w, atol=1e-5) for g, w in zip(grads, want, strict=True))
     kept = [g.clone() for g in grads]
-    with torch.no_grad():
-        model.a.weight.mul_(2.0)
+    run.args = (2.0 * x,)  # the next unit's gradients differ
     run()
     assert all(torch.equal(g, k) for g, k in zip(grads, kept, strict=True))
 
@@ -323,21 +322,21 @@ def test_verdict_boundaries() -> None:
 
 def test_a_change_that_raises_is_the_finding() -> None:
     """Witness: the exceptions the test's own changes raise: the verdict names the type and the first line of the
-    message, or the type alone when the message is empty. Catches the wrong line, a missing or mangled verdict and
-    the separator left when there is no message."""
+    message, or the type alone when the message is empty. Catches the wrong line, a missing or mangled verdict, the
+    separator left when there is no message, and more than the separator stripped from the end."""
     model = nn.Sequential(nn.Linear(4, 4))
     x = torch.randn(2, 4)
     base = _Run(model, (x,), {}, False)
 
     def two_lines(_m: nn.Module) -> Any:
-        raise ValueError("first line\nsecond line")
+        raise ValueError("first line of size X\nsecond line")
 
     def silent(_m: nn.Module) -> Any:
         raise KeyError()
 
     m = _row()
     _measure(m, _cand(apply=two_lines), base, model, (x,), {}, False, 2, 0)
-    assert m.verdict == "raised ValueError: first line"
+    assert m.verdict == "raised ValueError: first line of size X"
     m = _row()
     _measure(m, _cand(apply=silent), base, model, (x,), {}, False, 2, 0)
     assert m.verdict == "raised KeyError"
@@ -557,8 +556,9 @@ class _ThirdMasked(nn.Module):
 def test_a_change_is_read_back_from_the_same_occurrence_of_the_call() -> None:
     """Witness: the profiler on a copy of the module called here batched with the boolean mask (PyTorch's fused kernel
     runs, so the third call's path after the change is the fast one), and on the unbatched calls (it does not run:
-    those stay where they were). The change's row must be read from the third call of the module. Catches the
-    occurrence counted from 1, by steps of 2, backwards, not at all, or not passed on."""
+    those stay where they were); with the float mask an SDPA kernel runs (the row's backend today). The change's row
+    must be read from the third call of the module. Catches the occurrence counted from 1, by steps of 2, backwards,
+    not at all, or not passed on, and today's backend lost."""
     from torch.profiler import ProfilerActivity, profile
 
     model = _ThirdMasked().eval()
@@ -574,8 +574,11 @@ def test_a_change_is_read_back_from_the_same_occurrence_of_the_call() -> None:
         assert "aten::_native_multi_head_attention" in ops(lambda: model.attn(x, x, x, attn_mask=mask))
         assert "aten::_native_multi_head_attention" not in ops(lambda: model.attn(x[0], x[0], x[0]))
         advice = advise(model, x, repeats=2)
+        flash = ops(lambda: model.attn(x, x, x, attn_mask=mask.float().masked_fill(mask, float("-inf")),
+                                       need_weights=False))  # fmt: skip
     (row,) = [m for m in advice.measured if m.change.startswith("a boolean mask")]
     assert row.call == 2 and row.path_after == "fast", (row.call, row.path_after)
+    assert row.backend is not None and any(row.backend.split("_")[0].lower() in o for o in flash if "scaled_dot" in o)
 
 
 class _PacedModes(nn.MultiheadAttention):
