@@ -113,7 +113,7 @@ class _TwoOut(nn.Module):
 
 def test_a_training_unit_returns_its_own_gradients() -> None:
     """Witness: the gradients of sum(out * probe) computed here with ``torch.autograd.grad`` (probes: N(0, 1) from a
-    generator seeded 0, per output shape). Outputs of two shapes each get their own probe; the keyword argument is
+    generator set to 0, per output shape). Outputs of two shapes each get their own probe; the keyword argument is
     passed; the gradients one unit returned are not overwritten by the next unit. Catches kwargs dropped, a probe
     shared by every shape, no backward, gradients not returned or the wrong ones, and zero_grad keeping the tensors."""
     model = _TwoOut()
@@ -232,9 +232,9 @@ class _Sleeper:
 def test_judge_times_whole_samples_and_estimates_the_model() -> None:
     """Witness: the sleeps written here. Today 18 ms a unit (advise's 50 ms sample: 2 units), the change 9 ms, the
     whole model 18 ms (2 units a sample): each ratio ≈ 0.5, the model's estimate (18 - (18 - 9)) / 18 ≈ 0.5 with one
-    call of the code, the core's share 18/18 = 1; both outputs are N(0, 1) drawn after torch.manual_seed(0), so equal.
+    call of the code, the core's share 18/18 = 1; both outputs are N(0, 1) drawn with torch's RNG set to 0, so equal.
     Catches the sample's loop count wrong on either side or for the model, the estimate's formula, the share's
-    formula, the default of one call, and a seed other than 0 on either side."""
+    formula, the default of one call, and the RNG set to anything but 0 on either side."""
     today, changed, model = _Sleeper(0.018), _Sleeper(0.009), _Sleeper(0.018)
     m = _row()
     _judge(m, _cand(), today, changed, 3, False, model=model)  # type: ignore[arg-type]
@@ -255,9 +255,9 @@ def test_judge_with_a_slow_model_times_it_once_a_sample() -> None:
     assert model.calls == 1 + 2
 
 
-def test_judge_compares_outputs_drawn_after_seed_zero() -> None:
-    """Witness: torch.randn(4) after torch.manual_seed(0), drawn here, against the changed side's own draw (the
-    changed side adds 1 to it): the difference is exactly 1 only when both sides were seeded with 0."""
+def test_judge_compares_outputs_drawn_with_the_rng_at_zero() -> None:
+    """Witness: torch.randn(4) with torch's RNG set to 0, drawn here, against the changed side's own draw (the
+    changed side adds 1 to it): the difference is exactly 1 only when both sides drew with the RNG set to 0."""
     torch.manual_seed(0)
     want = torch.randn(4)
 
