@@ -80,7 +80,7 @@ MUTANT_OWNERS: dict[str, list[str]] = {
     "slices": ["tests/test_slices.py"],
     "dataflow": ["tests/test_slices.py", "tests/test_hand_written.py", "tests/test_dataflow.py"],
     "maps": ["tests/test_maps.py"],
-    "advise": ["tests/test_advise.py"],
+    "advise": ["tests/test_advise.py", "tests/test_advise_more.py"],
 }  # fmt: skip
 
 
