@@ -241,8 +241,9 @@ def test_judge_times_whole_samples_and_estimates_the_model() -> None:
     assert m.max_abs_diff == 0.0
     assert (today.calls, changed.calls, model.calls) == (2 + 3 * 2, 1 + 3 * 2, 1 + 3 * 2)
     assert len(m.ratios) == len(m.model_ratios) == 3
-    assert all(r == pytest.approx(0.5, abs=0.15) for r in m.ratios), m.ratios
-    assert all(r == pytest.approx(0.5, abs=0.2) for r in m.model_ratios), m.model_ratios
+    # tolerances leave a sleep's wake-up on a loaded machine several milliseconds (a wrong loop count is 0.25 or 1)
+    assert all(r == pytest.approx(0.5, abs=0.2) for r in m.ratios), m.ratios
+    assert all(r == pytest.approx(0.5, abs=0.25) for r in m.model_ratios), m.model_ratios
     assert m.core_share == pytest.approx(1.0, abs=0.3)
 
 
