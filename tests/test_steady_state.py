@@ -168,3 +168,26 @@ def test_a_fused_encoder_layers_steady_calls_are_counted_with_their_masked_rows(
     (module,) = t.summary()["modules"].values()
     assert sorted(c["calls"] for c in module["combinations"]) == [20, 40]
     assert module["fully_masked_rows"] == 20 * 2 * 6
+
+
+def test_steady_calls_with_a_mask_build_no_record_either() -> None:
+    """A model's own SDPA call with a float (additive) mask, then with a boolean one, 50 calls each. Witness: the
+    number of record objects made — one per mask kind, the first call of each — and the test's own count of
+    calls per kind."""
+    torch.manual_seed(4)
+    direct = Direct()
+    q = k = v = torch.randn(1, 2, 4, 8)
+    additive = torch.zeros(4, 4)
+    additive[0, 3] = float("-inf")
+    attend = torch.ones(4, 4, dtype=torch.bool)
+    with qkvtrace.trace(direct, keep="changes") as t:
+
+        def run() -> None:
+            for mask in (additive, attend):
+                for _ in range(50):
+                    direct(q, k, v, mask)
+
+        assert _built(run) == 2
+    (module,) = t.summary()["modules"].values()
+    by_mask = {c["combo"]["attn_mask"]: c["calls"] for c in module["combinations"]}
+    assert by_mask == {f"float {additive.dtype}": 50, f"bool {attend.dtype}": 50}
