@@ -45,17 +45,22 @@ def dynamo_compiled_code_ids() -> frozenset[int]:
 
 
 def sdp_backend_names() -> dict[int, str]:
-    """``SDPBackend`` member values mapped to their names, read from PyTorch (once per enum: read per call)."""
+    """``SDPBackend`` member values mapped to their names, read from PyTorch."""
+    return dict(_backend_names())
+
+
+_BACKEND_NAMES: dict[Any, dict[int, str]] = {}
+
+
+def _backend_names() -> dict[int, str]:
+    """:func:`sdp_backend_names`, read once per enum (it is asked per call): not to be changed by callers."""
     enum = _sdp_backend_enum()
     if enum is None:
         return {}
     found = _BACKEND_NAMES.get(enum)
     if found is None:
         found = _BACKEND_NAMES[enum] = {int(member.value): name for name, member in enum.__members__.items()}
-    return dict(found)
-
-
-_BACKEND_NAMES: dict[Any, dict[int, str]] = {}
+    return found
 
 
 def _sdp_backend_enum() -> Any:
@@ -68,9 +73,7 @@ def _sdp_backend_enum() -> Any:
 
 def sdp_backend_name(value: int) -> str | None:
     """The member name for a backend number, ``None`` for ``ERROR``/unknown."""
-    enum = _sdp_backend_enum()
-    names = _BACKEND_NAMES.get(enum) if enum is not None else None
-    name = (names if names is not None else sdp_backend_names()).get(int(value))
+    name = _backend_names().get(int(value))
     return None if name in (None, "ERROR") else name
 
 

@@ -106,26 +106,23 @@ def resolve(roots: Iterable[Any]) -> None:
             for slot, _ in group:
                 _store(slot, None)
             continue
-        numbers = [(slot, t) for slot, t in group if t.dim() == 0]
-        others = [(slot, t) for slot, t in group if t.dim() != 0]
+        # the 0-dim ones (almost all) stacked in one op per dtype, the others flattened: one read in all
+        numbers: dict[torch.dtype, list[tuple[_Slot, torch.Tensor]]] = {}
+        others = []
+        for slot, t in group:
+            if t.dim() == 0:
+                numbers.setdefault(t.dtype, []).append((slot, t))
+            else:
+                others.append((slot, t))
         with torch.no_grad():
-            # the 0-dim ones (almost all) stacked in one op per dtype, the others flattened: one read in all
-            dtypes: dict[torch.dtype, list[torch.Tensor]] = {}
-            for _, t in numbers:
-                dtypes.setdefault(t.dtype, []).append(t)
-            order = {dtype: i for i, dtype in enumerate(dtypes)}
-            parts = [torch.stack(ts).detach().to(torch.float64) for ts in dtypes.values()]
+            parts = [torch.stack([t for _, t in same]).detach().to(torch.float64) for same in numbers.values()]
             parts += [t.detach().reshape(-1).to(torch.float64) for _, t in others]
             flat = torch.cat(parts).tolist() if parts else []
-        starts, at = {}, 0
-        for dtype, ts in dtypes.items():
-            starts[dtype] = at
-            at += len(ts)
-        taken = dict.fromkeys(order, 0)
-        for slot, t in numbers:
-            value = flat[starts[t.dtype] + taken[t.dtype]]
-            taken[t.dtype] += 1
-            _store(slot, float(value) if t.is_floating_point() or t.is_complex() else int(value))
+        at = 0
+        for same in numbers.values():  # in the order they were stacked
+            for slot, t in same:
+                _store(slot, float(flat[at]) if t.is_floating_point() or t.is_complex() else int(flat[at]))
+                at += 1
         for slot, t in others:
             n = t.numel()
             is_int = not (t.is_floating_point() or t.is_complex())
