@@ -44,6 +44,8 @@ _PENDING = 256
 _FIELDS = ("path", "sdpa_backend", "why_not_fast_path", "why_not_fused_layer")
 _INPUTS = ("dtype", "training")
 _MASKS = ("attn_mask", "key_padding_mask", "merged_mask")
+#: the order of a combination's facts, in its dict and in its key
+_ORDER = (*_FIELDS, *_INPUTS, *_MASKS, "error")
 
 
 def combination(call: AttentionCall) -> dict[str, Any]:
@@ -55,7 +57,7 @@ def combination(call: AttentionCall) -> dict[str, Any]:
     for key in _MASKS:
         mask = inputs.get(key)
         combo[key] = None if not isinstance(mask, dict) else f"{mask.get('kind')} {mask.get('dtype') or ''}".strip()
-    combo["error"] = call.error is not None
+    combo["error"] = call.error is not None  # built in _ORDER's order
     return combo
 
 
@@ -70,14 +72,18 @@ def mask_kind(mask: Any) -> str | None:
     return f"{'bool' if mask.dtype == torch.bool else 'float'} {mask.dtype}"
 
 
-def combination_key(path: str, backend: str | None, why_not_fast_path: str | None,
-                    why_not_fused_layer: str | None, dtype: str | None, training: bool | None,
-                    attn_mask: str | None, key_padding_mask: str | None,
+def combination_key(*, path: str, sdpa_backend: str | None, dtype: str | None, training: bool | None,
+                    why_not_fast_path: str | None = None, why_not_fused_layer: str | None = None,
+                    attn_mask: str | None = None, key_padding_mask: str | None = None,
                     merged_mask: str | None = None) -> tuple[Any, ...]:  # fmt: skip
-    """The key :func:`combination` gives the record of a call that did not raise, from its facts alone (the
-    masks as :func:`mask_kind` names them): the steady state asks it before any record is built."""
-    return (path, backend, why_not_fast_path, why_not_fused_layer, dtype, training, attn_mask, key_padding_mask,
-            merged_mask, False)  # fmt: skip
+    """The key :func:`combination` gives the record of a call that did not raise, from its facts alone (each
+    named as in the combination, the masks as :func:`mask_kind` names them): the steady state asks it before any
+    record is built."""
+    facts = {"path": path, "sdpa_backend": sdpa_backend, "why_not_fast_path": why_not_fast_path,
+             "why_not_fused_layer": why_not_fused_layer, "dtype": dtype, "training": training,
+             "attn_mask": attn_mask, "key_padding_mask": key_padding_mask, "merged_mask": merged_mask,
+             "error": False}  # fmt: skip
+    return tuple(facts[name] for name in _ORDER)
 
 
 @dataclass

@@ -77,12 +77,12 @@ def observe_layer(original: Callable[..., Any], args: tuple[Any, ...], kwargs: d
             attn = blocked if mask_type != 1 else None
             rows = masks.count_fully_masked((src.shape[0], mha.num_heads, length), kpm, attn)
     if counts_only(targets):  # a long run: a call with the layer's previous combination is only counted
-        combo = combination_key("fused_encoder_layer", backend, None, None, str(src.dtype), bool(layer.training),
-                                None, None, mask_kind(mask))  # fmt: skip
+        combo = combination_key(path="fused_encoder_layer", sdpa_backend=backend, dtype=str(src.dtype),
+                                training=bool(layer.training), merged_mask=mask_kind(mask))
         if count_again(targets, combo, backend, lambda: {"nan_count": nan_count(out), "fully_masked_rows": rows}):
             return out
     mask_record = None
-    if isinstance(mask, torch.Tensor) and blocked is not None:
+    if blocked is not None:  # a mask was given
         with torch.no_grad():
             mask_record = asdict(masks.mask_info(mask, blocked, None))
     first = targets[0][0]

@@ -356,8 +356,7 @@ def _finish(ctx: OpenMHA, out: Any) -> None:
             rows = _fully_masked(ctx, query, kpm_c, attn_c)
     layer_reason = _layer_reason(module) if any(t.has_layers for t, _, _ in ctx.targets) else None
     if ctx.error is None and _counted_again(ctx, out, rows, layer_reason):
-        ctx.query = ctx.kpm = ctx.attn_mask = ctx.map_args = ctx.kernel_source = ctx.ask_refusals = None
-        ctx.bound = {}
+        _release(ctx)
         return
     inputs = _inputs(module, ctx.bound, batch_first=ctx.batch_first)  # read now that a record is made
     inputs.update(ctx.inputs)
@@ -404,11 +403,15 @@ def _finish(ctx: OpenMHA, out: Any) -> None:
         key = ("mha", path, inputs.get("need_weights"), inputs.get("self_attention"), given)
         core = routes.find_core(result, (query,), heads=int(heads) if heads else None, key=key)
     source = _map_source(ctx, kpm_c, attn_c) if ctx.map_args is not None else None
-    ctx.query = ctx.kpm = ctx.attn_mask = ctx.map_args = ctx.kernel_source = None
+    _release(ctx)
+    deliver(call, ctx.targets, module, projection, core, source)
+
+
+def _release(ctx: OpenMHA) -> None:
+    """Let go of the call's tensors and frame locals once its record is made, or it was counted."""
+    ctx.query = ctx.kpm = ctx.attn_mask = ctx.map_args = ctx.kernel_source = ctx.ask_refusals = ctx.core = None
     ctx.bound = {}
     ctx.local = {}
-    ctx.core = None
-    deliver(call, ctx.targets, module, projection, core, source)
 
 
 def _counted_again(ctx: OpenMHA, out: Any, rows: Any, layer_reason: str | None) -> bool:
@@ -418,9 +421,11 @@ def _counted_again(ctx: OpenMHA, out: Any, rows: Any, layer_reason: str | None) 
     path = ctx.path or "unknown"
     extra = ctx.inputs  # as the record's inputs would say them (:func:`_inputs`, then what the call added)
     training = extra["training"] if "training" in extra else bool(ctx.module.training)
-    key = combination_key(path, ctx.backend, None if path == "fast" else ctx.local.get("why_not_fast_path"),
-                          layer_reason, dtype_name(getattr(ctx.query, "dtype", None)), training,
-                          mask_kind(ctx.attn_mask), mask_kind(ctx.kpm))  # fmt: skip
+    key = combination_key(path=path, sdpa_backend=ctx.backend, dtype=dtype_name(getattr(ctx.query, "dtype", None)),
+                          training=training,
+                          why_not_fast_path=None if path == "fast" else ctx.local.get("why_not_fast_path"),
+                          why_not_fused_layer=layer_reason, attn_mask=mask_kind(ctx.attn_mask),
+                          key_padding_mask=mask_kind(ctx.kpm))  # fmt: skip
     result = out[0] if isinstance(out, tuple) else out
     return count_again(ctx.targets, key, ctx.backend, lambda: {"nan_count": nan_count(result),
                                                                "fully_masked_rows": rows})  # fmt: skip

@@ -147,25 +147,22 @@ def observe_sdpa(original: Callable[..., Any], args: tuple[Any, ...], kwargs: di
     targets = [(t, name, t.take_index()) for t, name in covering]
     a = _Args(args, kwargs)
     backend = a.backend()
-    # a long run's call with its module's previous combination is only counted: no reasons asked, no record
-    steady = _combination(owner, a, backend) if counts_only(targets) else None
-    refused = a.refusals(targets[0][0], backend) if steady is None else (None, None)
     sig = ("sdpa", a.q.device.type, a.q.dtype, backend, None if a.mask is None else a.mask.dtype,
            a.is_causal, a.dropout_p > 0, a.grad(), a.q.is_nested)  # fmt: skip
     try:
         out, ops, evidence = _EVIDENCE.run(sig, original, *args, **kwargs)
     except BaseException as exc:  # record the refused call, then let the error go on unchanged
-        if steady is not None:
-            refused = a.refusals(targets[0][0], backend)
+        refused = a.refusals(targets[0][0], backend)
         call = _record(owner, targets, a, backend, None, "unavailable: the call raised", None, refused)
         call.error = f"{type(exc).__name__}: {exc}"
         _deliver(call, owner, targets, a)
         raise
     _learn(a, backend, ops)
-    if steady is not None:
-        if count_again(targets, steady, backend, lambda: _measured(a, out)):
-            return out
-        refused = a.refusals(targets[0][0], backend)
+    # a long run's call with its module's previous combination is only counted: no reasons asked, no record
+    if counts_only(targets) and count_again(targets, _combination(owner, a, backend), backend,
+                                            lambda: _measured(a, out)):  # fmt: skip
+        return out
+    refused = a.refusals(targets[0][0], backend)  # asked once a record is made, as for a fallback's kernel
     core = routes.sdpa_core(out, a.q, a.k, a.v, key=sig) if wants_backward(targets) else None
     record = _record(owner, targets, a, backend, ops, evidence, out, refused)
     _deliver(record, owner, targets, a, core, a.map_source(targets))
@@ -176,7 +173,8 @@ def _combination(owner: nn.Module, a: _Args, backend: str | None) -> tuple[Any, 
     """The key of the combination the record of this call would have (:func:`~qkvtrace.monitor.combination`)."""
     mask = a.mask
     kind = (type(mask).__name__ if _overrides(mask) else mask_kind(mask)) if isinstance(mask, torch.Tensor) else None
-    return combination_key("sdpa", backend, None, None, str(a.q.dtype), bool(owner.training), kind, None)
+    return combination_key(path="sdpa", sdpa_backend=backend, dtype=str(a.q.dtype), training=bool(owner.training),
+                           attn_mask=kind)
 
 
 def _measured(a: _Args, out: Any) -> dict[str, Any]:
