@@ -138,3 +138,72 @@ def test_mha_key_padding_mask(mode: str) -> None:
     (call,) = t.calls
     assert call.path == mode
     assert call.output["fully_masked_rows"] == int(kpm.all(-1).sum()) * T * H == T * H
+
+
+def test_a_mask_changed_in_place_or_made_anew_is_counted_again() -> None:
+    """A count made for one mask is shared only with later calls of the very same, unchanged mask: a mask changed
+    in place, new masks of the same shape (each old one freed, its memory free to be handed out again) and the
+    same mask with and without ``is_causal`` each get their own. Witness: the rows each mask built here blocks,
+    counted in the test by construction, times the B·H (batch, head) pairs it is broadcast over."""
+    torch.manual_seed(3)
+    model, x = _SDPA(), torch.randn(B, T, E)
+    attend = ~BLOCKED  # rows 1 and 3 see no key
+    first_key_blocked = torch.ones(T, T, dtype=torch.bool)
+    first_key_blocked[:, 0] = False  # with is_causal, row 0 keeps only key 0: then it sees none
+    with torch.no_grad(), qkvtrace.trace(model) as t:
+        model(x, attend)
+        model(x, attend)
+        attend[1] = True  # in place: row 1 sees every key again
+        model(x, attend)
+        del attend
+        for n in (1, 3, 2):
+            fresh = torch.ones(T, T, dtype=torch.bool)
+            fresh[:n] = False  # the first n rows see no key
+            model(x, fresh)
+            del fresh
+        model(x, first_key_blocked)
+        model(x, first_key_blocked, causal=True)
+        model(x, first_key_blocked)
+    want = [2, 2, 1, 1, 3, 2, 0, 1, 0]
+    assert [c.output["fully_masked_rows"] for c in t.calls] == [n * B * H for n in want]
+
+
+def test_a_mask_met_again_is_not_counted_again() -> None:
+    """The second call with the very same mask reuses the first one's count: it runs no counting operation.
+    Witness: ``torch.profiler``'s ``aten::all`` operations (the reduction that finds rows with no key) in the
+    traced call, against the same call untraced -- one more for a new mask, none more for the same mask again."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(4)
+    model, x = _SDPA(), torch.randn(B, T, E)
+
+    def reductions(mask: torch.Tensor) -> int:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            model(x, mask)
+        return sum(e.count for e in prof.key_averages() if e.key == "aten::all")
+
+    with torch.no_grad():
+        untraced = reductions(~BLOCKED)
+        with qkvtrace.trace(model) as t:
+            model(x, ~BLOCKED)  # the signature's first call: its kernels are learned here, not profiled below
+            mask = ~BLOCKED
+            new, again = reductions(mask), reductions(mask)
+    assert (new, again) == (untraced + 1, untraced)
+    assert [c.output["fully_masked_rows"] for c in t.calls] == [ROWS_BLOCKED * B * H] * 3
+
+
+def test_masks_made_anew_for_each_trace_are_each_counted() -> None:
+    """One trace per step, each with a new mask of the same shape (the old one freed with its trace: CPython
+    hands its address to the next tensor object, so the new mask often has the old one's ``id``). Witness: the
+    rows each mask built here blocks, by construction, times B·H."""
+    torch.manual_seed(5)
+    model, x = _SDPA(), torch.randn(B, T, E)
+    seen = []
+    for n in (1, 3, 2, 4, 1):
+        mask = torch.ones(T, T, dtype=torch.bool)
+        mask[:n] = False  # the first n rows see no key
+        with torch.no_grad(), qkvtrace.trace(model) as t:
+            model(x, mask)
+        seen.append(t.calls[0].output["fully_masked_rows"])
+        del mask, t
+    assert seen == [n * B * H for n in (1, 3, 2, 4, 1)]

@@ -21,6 +21,7 @@ behalf report their kernel to it.
 from __future__ import annotations
 
 import sys
+import weakref
 from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
@@ -292,9 +293,18 @@ def fully_masked_rows(q: Any, k: Any, mask: Any, is_causal: bool) -> Any:
 
     Counted as the kernel sees them: one per (batch, head, query) row of ``q``,
     whatever the mask's own shape (a ``[T, T]`` mask blocking one row counts ``B * H``).
+    The count depends only on the shapes, ``is_causal`` and the mask: a call
+    with the same ones as an earlier call (the very mask tensor, unchanged
+    since) shares that call's count instead of counting again (:class:`_Counted`).
     """
     if q.is_nested:
         return None
+    if mask is None and not is_causal:
+        return 0
+    key = _COUNTED.key(q, k, mask, is_causal)
+    found = _COUNTED.get(key, mask)
+    if found is not None:
+        return found
     with torch.no_grad():
         blocked = None
         if isinstance(mask, torch.Tensor):
@@ -309,7 +319,50 @@ def fully_masked_rows(q: Any, k: Any, mask: Any, is_causal: bool) -> Any:
             return 0
         fully = blocked.all(dim=-1)  # what the mask blocks, per query row of its own shape
         rows = torch.broadcast_shapes(fully.shape, q.shape[:-1])  # every (batch..., head, query) row of the kernel
-        return fully.expand(rows).sum()
+        count = fully.expand(rows).sum()
+    _COUNTED.put(key, mask, count)
+    return count
+
+
+class _Counted:
+    """Fully-masked row counts made, by what decides them: the query's rows, the keys' length, ``is_causal``
+    and the mask -- the very tensor (held weakly: a freed mask's entry is never read again) at the same
+    storage and version (an in-place change moves the version). A mask made under ``inference_mode`` keeps
+    no version: its calls are counted each time. Bounded: emptied when full."""
+
+    MAX = 256
+
+    def __init__(self) -> None:
+        self._held: dict[tuple[Any, ...], tuple[weakref.ref[torch.Tensor] | None, torch.Tensor]] = {}
+
+    @staticmethod
+    def key(q: torch.Tensor, k: torch.Tensor, mask: Any, is_causal: bool) -> tuple[Any, ...] | None:
+        if not isinstance(mask, torch.Tensor):
+            return (tuple(q.shape[:-1]), k.shape[-2], q.device, is_causal)
+        try:
+            version = mask._version
+        except RuntimeError:  # an inference tensor
+            return None
+        return (tuple(q.shape[:-1]), k.shape[-2], q.device, is_causal, id(mask), version, mask.data_ptr())
+
+    def get(self, key: tuple[Any, ...] | None, mask: Any) -> torch.Tensor | None:
+        held = self._held.get(key) if key is not None else None
+        if held is None:
+            return None
+        ref, count = held
+        if ref is not None and ref() is not mask:  # another tensor at a freed mask's address
+            return None
+        return count
+
+    def put(self, key: tuple[Any, ...] | None, mask: Any, count: torch.Tensor) -> None:
+        if key is None:
+            return
+        if len(self._held) >= self.MAX:
+            self._held.clear()
+        self._held[key] = (weakref.ref(mask) if isinstance(mask, torch.Tensor) else None, count)
+
+
+_COUNTED = _Counted()
 
 
 def _record(
