@@ -66,8 +66,13 @@ def qkv_info(trace: Trace, projection: Projection | str, tensors: tuple[Any, Any
         for part, t in zip(("q", "k", "v"), tensors, strict=True):
             norm = None if t.is_nested else torch.linalg.vector_norm(t.detach().float())
             info = getattr(base, part) or SliceInfo(None, None, None, None)
-            parts[part] = dataclasses.replace(info, activation_norm=norm)  # type: ignore[arg-type]  # resolved later
+            values = {name: getattr(info, name) for name in _SLICE_FIELDS}  # dataclasses.replace: 10x slower
+            values["activation_norm"] = norm
+            parts[part] = SliceInfo(**values)
     return QKVInfo(layout=base.layout, holder=base.holder, reason=base.reason, **parts)
+
+
+_SLICE_FIELDS = tuple(f.name for f in dataclasses.fields(SliceInfo))
 
 
 _SHARED: dict[tuple[Any, ...], dict[str, Any]] = {}
