@@ -46,6 +46,7 @@ __all__ = [
     "guess_projection",
     "layout_of",
     "mha_projection",
+    "norm_of",
     "rows_of",
     "slice_norms_of",
     "whole",
@@ -227,9 +228,22 @@ def _rows(t: torch.Tensor, rows: Rows, dim: int = 0) -> torch.Tensor:
     return torch.cat([t.narrow(dim, a, b - a) for a, b in rows], dim)
 
 
-def _norm(t: torch.Tensor) -> torch.Tensor:
-    """A 0-dim float tensor on ``t``'s device (no host read)."""
-    return torch.linalg.vector_norm(t.detach().float())
+def norm_of(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s 2-norm as a 0-dim float32 tensor on its device (no host read), computed in float32.
+
+    A view whose rows are apart in memory (the Q, K and V an attention call
+    receives, a column slice of a weight) is reduced row by row first: one
+    reduction over such a view walks it element by element, several times
+    slower than the norm of each row and then of the rows' norms (the same
+    number, with the rows summed apart).
+    """
+    t = t.detach()
+    if t.dtype != torch.float32:
+        t = t.float()
+    if t.dim() > 1 and t.stride(-1) == 1 and not t.is_contiguous():
+        return torch.linalg.vector_norm(torch.linalg.vector_norm(t, dim=-1))
+    return torch.linalg.vector_norm(t)
+
 
 
 _MAX_CACHED = 4096
@@ -270,7 +284,7 @@ class NormCache:
         if held is not None and held[0] == version:
             return held[1]
         with torch.no_grad():
-            value = _norm(_rows(param, rows, dim))
+            value = norm_of(_rows(param, rows, dim))
         self._cache[key] = (version, value)
         return value
 
@@ -344,7 +358,7 @@ def grad_slices(
         if name is None or not rows:
             return None
         grad = param_of(module, name).grad
-        return None if grad is None else _norm(_rows(compat.whole(grad), rows, dim))
+        return None if grad is None else norm_of(_rows(compat.whole(grad), rows, dim))
 
     # a part made from several weights (PartSpec.also): the norm over all the rows it names
     return {
@@ -361,4 +375,4 @@ def grad_slices(
 
 def slice_norms_of(grad: torch.Tensor, rows_list: list[tuple[Rows, int]]) -> list[torch.Tensor]:
     """Norms of several ``(rows, dim)`` ranges of one gradient tensor (0-dim tensors)."""
-    return [_norm(_rows(grad, rows, dim)) for rows, dim in rows_list]
+    return [norm_of(_rows(grad, rows, dim)) for rows, dim in rows_list]

@@ -18,7 +18,7 @@ from torch import nn
 
 from qkvtrace import compat
 from qkvtrace.records import AttentionCall, QKVInfo, SliceInfo
-from qkvtrace.slices import Projection
+from qkvtrace.slices import Projection, norm_of
 from qkvtrace.tracer import routes
 
 if TYPE_CHECKING:
@@ -64,7 +64,7 @@ def qkv_info(trace: Trace, projection: Projection | str, tensors: tuple[Any, Any
     with torch.no_grad():
         base = trace.norms.qkv(projection)
         for part, t in zip(("q", "k", "v"), tensors, strict=True):
-            norm = None if t.is_nested else torch.linalg.vector_norm(t.detach().float())
+            norm = None if t.is_nested else norm_of(t)
             info = getattr(base, part) or SliceInfo(None, None, None, None)
             values = {name: getattr(info, name) for name in _SLICE_FIELDS}  # dataclasses.replace: 10x slower
             values["activation_norm"] = norm

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from qkvtrace.slices import norm_of
+
 __all__ = [
     "Core", "Source", "find_core", "grad_norms", "head_norms", "no_graph_reason", "register", "sdpa_core",
     "tensor_sources",
@@ -371,7 +373,7 @@ def grad_norms(grad: torch.Tensor, layout: Layout) -> tuple[torch.Tensor, torch.
     """The norm of a route's gradient and its norms per head (``None`` when heads cannot be read), on its device."""
     with torch.no_grad():
         heads = head_norms(grad, layout)
-        norm = heads.square().sum().sqrt() if heads is not None else torch.linalg.vector_norm(grad.detach().float())
+        norm = heads.square().sum().sqrt() if heads is not None else norm_of(grad)
     return norm, heads
 
 
