@@ -77,7 +77,7 @@ MUTANT_OWNERS: dict[str, list[str]] = {
     "monitor": ["tests/test_monitor.py", "tests/test_health.py", "tests/test_steady_state.py", "--deselect",
                 "tests/test_monitor.py::test_a_long_run_reports_exactly_the_steps_where_attention_changed"],
     "paths": ["tests/test_paths.py"],
-    "slices": ["tests/test_slices.py"],
+    "slices": ["tests/test_slices.py", "tests/test_norms.py"],
     "dataflow": ["tests/test_slices.py", "tests/test_hand_written.py", "tests/test_dataflow.py"],
     "maps": ["tests/test_maps.py"],
     "advise": ["tests/test_advise.py", "tests/test_advise_more.py"],
