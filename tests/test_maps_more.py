@@ -288,6 +288,24 @@ def test_a_causal_call_flags_no_row() -> None:
     assert torch.equal(c.attention_map_fully_masked, torch.zeros(B, H, L, dtype=torch.bool))
 
 
+def test_a_boolean_mask_with_is_causal_removes_the_keys_of_both() -> None:
+    """PyTorch's CPU kernel takes attn_mask and is_causal=True together and removes the keys of both. Witness: the
+    float64 softmax written here with the union of the mask built here and the causal triangle, checked here
+    against the call's own output (that softmax times V) before the map is compared with it."""
+    torch.manual_seed(29)
+    q, k, v = torch.randn(B, H, L, D), torch.randn(B, H, L, D), torch.randn(B, H, L, D)
+    attend = torch.rand(B, H, L, L) > 0.3
+    attend[..., 0] = True
+    model = SDPAModule()
+    with qkvtrace.trace(model, attention_maps=True) as t, torch.no_grad():
+        out = model(q, k, v, attn_mask=attend, is_causal=True)
+    want = _softmax64(q, k, blocked=~attend, causal=True)
+    torch.testing.assert_close(out.double(), want @ v.double(), rtol=0, atol=1e-6)  # the kernel removed both
+    (c,) = t.calls
+    torch.testing.assert_close(c.attention_map, want.float(), **TOL)
+    assert torch.equal(c.attention_map_fully_masked, torch.zeros(B, H, L, dtype=torch.bool))
+
+
 # -- direct SDPA: the shapes maps take, and why others have none ------------------------------------------------
 
 
@@ -581,17 +599,19 @@ def test_direct_mha_forward_maps_equal_its_returned_weights(case: str, masked: b
 
 
 def test_direct_mha_forward_in_training_notes_its_dropout_only_then() -> None:
-    """Witness: the same call with training=False (PyTorch drops nothing then) for the weights, and the
-    dropout_p=0.3 given here for the note."""
+    """Witness: the same call with training=False (PyTorch drops nothing then) for the weights of both calls, and
+    the dropout_p=0.3 given here for the note of the training call alone."""
     model = Direct(dropout=0.3)
     x = torch.randn(L, B, E)
-    with torch.no_grad():
-        _, want = model.eval()(x)
-    with qkvtrace.trace(model.train(), attention_maps=True) as t, torch.no_grad():
+    with qkvtrace.trace(model.eval(), attention_maps=True) as t, torch.no_grad():
+        _, want = model(x)
+    with qkvtrace.trace(model.train(), attention_maps=True) as t2, torch.no_grad():
         model(x)
-    (c,) = t.calls
-    torch.testing.assert_close(c.attention_map, want, **TOL)
-    assert c.attention_map_notes == [
+    (evaluated,), (trained,) = t.calls, t2.calls
+    torch.testing.assert_close(evaluated.attention_map, want, **TOL)
+    torch.testing.assert_close(trained.attention_map, want, **TOL)
+    assert evaluated.attention_map_notes is None
+    assert trained.attention_map_notes == [
         "dropout_p=0.3: the kernel dropped weights at random; this is the weighting before dropout"
     ]
 
@@ -625,6 +645,10 @@ def test_direct_mha_forward_causal_source_applies_the_triangle() -> None:
     q, k = _heads(F.linear(x, w[:E], b[:E])), _heads(F.linear(x, w[E : 2 * E], b[E : 2 * E]))
     result = maps.function_source(a, None, None, True).compute(_budget(), "f")
     torch.testing.assert_close(result.weights, _softmax64(q, k, causal=True).float(), **TOL)
+    inputs = maps.function_source(a, None, None, True).scores()  # what attention health reads
+    assert isinstance(inputs, maps.ScoreInputs) and inputs.causal is True
+    torch.testing.assert_close(inputs.q, q, rtol=0, atol=1e-6)
+    torch.testing.assert_close(inputs.k, k, rtol=0, atol=1e-6)
 
 
 # -- the fused encoder layer ------------------------------------------------------------------------------------
@@ -712,6 +736,22 @@ def test_a_boolean_mask_given_to_the_fused_builtin_blocks_where_true(mask_type: 
     assert isinstance(inputs, maps.ScoreInputs)
     s = (inputs.q.double() @ inputs.k.double().transpose(-2, -1)) * inputs.scale + inputs.additive.double()
     torch.testing.assert_close(torch.softmax(s, -1).float(), want, **TOL)
+
+
+def test_a_fused_layer_without_biases() -> None:
+    """An encoder layer built with bias=False (its qkv_bias is None), given to LayerSource directly. Witness: the
+    layer's own self_attn with need_weights=True on the same input, and Q and K projected here without a bias."""
+    torch.manual_seed(23)
+    layer = nn.TransformerEncoderLayer(E, H, 32, dropout=0.0, batch_first=True, bias=False).eval()
+    x = torch.randn(B, L, E)
+    source = maps.LayerSource(x, H, layer.self_attn.in_proj_weight, None, False, 1e-5, None, None, None, None)
+    result = source.compute(_budget(), "layer")
+    torch.testing.assert_close(result.weights, _mha_witness(layer.self_attn, x), **TOL)
+    inputs = source.scores()
+    assert isinstance(inputs, maps.ScoreInputs)
+    w = layer.self_attn.in_proj_weight.detach()
+    torch.testing.assert_close(inputs.q, _heads(F.linear(x, w[:E])), rtol=0, atol=1e-6)
+    torch.testing.assert_close(inputs.k, _heads(F.linear(x, w[E : 2 * E])), rtol=0, atol=1e-6)
 
 
 def test_a_nested_src_with_a_padding_mask_of_its_own_keeps_both() -> None:
@@ -825,6 +865,7 @@ def test_hand_written_map_without_a_mask_flags_no_row() -> None:
         model(x)
     (c,) = t.calls
     torch.testing.assert_close(c.attention_map, model.probs, rtol=0, atol=0)
+    assert c.attention_map_fully_masked.dtype == torch.bool
     assert torch.equal(c.attention_map_fully_masked, torch.zeros(HB, HH, HT, dtype=torch.bool))
     assert c.attention_map_heads == [0, 1] and c.attention_map_batch == [0, 1]
 
