@@ -67,7 +67,6 @@ def _budget(**options: Any) -> maps.MapBudget:
 
 def _mha(**kwargs: Any) -> nn.MultiheadAttention:
     """A MultiheadAttention whose in_proj_bias is random (PyTorch initialises it to zeros)."""
-    torch.manual_seed(11)
     mha = nn.MultiheadAttention(E, H, batch_first=True, **kwargs).eval()
     if mha.in_proj_bias is not None:
         with torch.no_grad():
@@ -231,7 +230,6 @@ def test_selected_heads_and_items_read_their_own_slice_of_a_per_head_mask(
     """A mask that differs per batch item and per head: the map of the asked items and heads reads their slice
     of it. Witness: the float64 softmax written here on the full Q, K and mask, cut here to the asked items and
     heads; the fully-masked rows are the rows of the mask built here that attend to nothing."""
-    torch.manual_seed(5)
     q, k = torch.randn(B, H, L, D), torch.randn(B, H, L, D)
     attend = torch.rand(B, H, L, L) > 0.4
     attend[..., 0] = True
@@ -292,7 +290,6 @@ def test_a_boolean_mask_with_is_causal_removes_the_keys_of_both() -> None:
     """PyTorch's CPU kernel takes attn_mask and is_causal=True together and removes the keys of both. Witness: the
     float64 softmax written here with the union of the mask built here and the causal triangle, checked here
     against the call's own output (that softmax times V) before the map is compared with it."""
-    torch.manual_seed(29)
     q, k, v = torch.randn(B, H, L, D), torch.randn(B, H, L, D), torch.randn(B, H, L, D)
     attend = torch.rand(B, H, L, L) > 0.3
     attend[..., 0] = True
@@ -534,7 +531,6 @@ class Direct(nn.Module):
     def __init__(self, separate: bool = False, bias: bool = True, bias_kv: bool = False, zero_attn: bool = False,
                  dropout: float = 0.0) -> None:  # fmt: skip
         super().__init__()
-        torch.manual_seed(13)
         self.separate, self.zero_attn, self.dropout = separate, zero_attn, dropout
         if separate:
             self.q_proj_weight, self.k_proj_weight, self.v_proj_weight = (
@@ -657,7 +653,6 @@ def test_direct_mha_forward_causal_source_applies_the_triangle() -> None:
 def _layer(norm_first: bool) -> nn.TransformerEncoderLayer:
     """An encoder layer with random norm1 weight and bias, a random in_proj_bias and a large layer_norm_eps (so
     that each of them changes the map)."""
-    torch.manual_seed(17)
     layer = nn.TransformerEncoderLayer(E, H, 32, dropout=0.0, batch_first=True, norm_first=norm_first,
                                        layer_norm_eps=0.5).eval()  # fmt: skip
     with torch.no_grad():
@@ -741,7 +736,6 @@ def test_a_boolean_mask_given_to_the_fused_builtin_blocks_where_true(mask_type: 
 def test_a_fused_layer_without_biases() -> None:
     """An encoder layer built with bias=False (its qkv_bias is None), given to LayerSource directly. Witness: the
     layer's own self_attn with need_weights=True on the same input, and Q and K projected here without a bias."""
-    torch.manual_seed(23)
     layer = nn.TransformerEncoderLayer(E, H, 32, dropout=0.0, batch_first=True, bias=False).eval()
     x = torch.randn(B, L, E)
     source = maps.LayerSource(x, H, layer.self_attn.in_proj_weight, None, False, 1e-5, None, None, None, None)
@@ -806,7 +800,6 @@ class HandWritten(nn.Module):
 
     def __init__(self, mask: torch.Tensor | None = None, dropout: float = 0.0) -> None:
         super().__init__()
-        torch.manual_seed(19)
         self.qkv = nn.Linear(HH * HD, 3 * HH * HD)
         self.mask, self.drop = mask, nn.Dropout(dropout)
         self.probs: torch.Tensor | None = None
