@@ -79,7 +79,7 @@ MUTANT_OWNERS: dict[str, list[str]] = {
     "paths": ["tests/test_paths.py"],
     "slices": ["tests/test_slices.py", "tests/test_norms.py"],
     "dataflow": ["tests/test_slices.py", "tests/test_hand_written.py", "tests/test_dataflow.py"],
-    "maps": ["tests/test_maps.py"],
+    "maps": ["tests/test_maps.py", "tests/test_maps_more.py"],
     "advise": ["tests/test_advise.py", "tests/test_advise_more.py"],
 }  # fmt: skip
 

@@ -176,7 +176,7 @@ def _weights(
         return admitted
     batch, heads = admitted
     group = h // hk
-    every_item, every_head = len(batch) == b, heads == list(range(h))
+    every_item, every_head = batch == list(range(b)), heads == list(range(h))
     bi = None if every_item else torch.tensor(batch, device=q.device)
     qi = None if every_head else torch.tensor(heads, device=q.device)
     qs, ks = q, k
