@@ -115,7 +115,8 @@ class MapResult:
 
     #: CPU float32 ``[B, H, T_q, T_k]`` (only the asked batch items and heads).
     weights: torch.Tensor | None = None
-    #: CPU bool ``[B, H, T_q]``: query rows whose keys were all blocked (their weights are 0, not NaN).
+    #: CPU bool ``[B, H, T_q]``: query rows whose keys were all blocked (their weights are 0 in the maps made here;
+    #: a hand-written call's map is its own probabilities, NaN there when its softmax saw only -inf).
     fully_masked: torch.Tensor | None = None
     heads: list[int] | None = None
     batch: list[int] | None = None

@@ -846,7 +846,10 @@ def test_hand_written_map_is_the_models_own_probabilities(
     torch.testing.assert_close(c.attention_map, want, rtol=0, atol=0, equal_nan=True)
     rows = mask.all(-1)
     rows = (rows if dims == 4 else rows.expand(HB, 1, HT)).expand(HB, HH, HT)
-    assert torch.equal(c.attention_map_fully_masked, rows.index_select(0, idx_b).index_select(1, idx_h))
+    flagged = rows.index_select(0, idx_b).index_select(1, idx_h)
+    assert torch.equal(c.attention_map_fully_masked, flagged)
+    # the model's own softmax over a row of -inf is NaN, and the map keeps the model's values as they are
+    assert bool(flagged.any()) and bool(torch.isnan(c.attention_map[flagged]).all())
     assert c.attention_map_notes == [OWN_SOFTMAX]
 
 
