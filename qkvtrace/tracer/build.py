@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import types
+from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -19,7 +20,7 @@ from torch import nn
 from qkvtrace import compat
 from qkvtrace.records import AttentionCall, QKVInfo, SliceInfo
 from qkvtrace.slices import Projection, norm_of
-from qkvtrace.tracer import routes
+from qkvtrace.tracer import again, routes
 
 if TYPE_CHECKING:
     from qkvtrace.tracer.session import Trace
@@ -174,12 +175,15 @@ def deliver(
     projection: Projection | str,
     core: routes.Core | None = None,
     maps: Any = None,
+    built_from: tuple[Hashable, tuple[Any, ...]] | None = None,
 ) -> None:
     """Hand one observed call to every trace that records it (``core``: its backward side).
 
     ``maps``: where the call's attention map comes from (a source of
     :mod:`qkvtrace.maps`, or a string saying why there is none), for the
     traces that asked for maps; each computes its own from it, now, after the call.
+    ``built_from``: the key and refs the record was built from, kept with it as its module's previous
+    record so that a call like it is recorded from it (:mod:`qkvtrace.tracer.again`).
     """
     call.inputs = shared_inputs(call.inputs)
     call.thread = threading.current_thread().name
@@ -189,7 +193,7 @@ def deliver(
         core = routes.Core(None, why)
     core.stamp(call)
     for i, (trace, name, index) in enumerate(targets):
-        record = call if i == 0 else dataclasses.replace(call)
+        record = call if i == 0 else again.clone(call)
         record.index, record.module = index, name
         if core.deferred is not None:
             core.deferred.records.append(record)
@@ -199,3 +203,5 @@ def deliver(
             holder = trace.name_of(projection.holder)
             record.qkv = dataclasses.replace(record.qkv, holder=holder)
         trace.add_call(record, owner, projection, core)
+        if built_from is not None:
+            trace.remember(owner, again.Last(built_from[0], built_from[1], record))

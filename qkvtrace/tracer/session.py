@@ -34,9 +34,9 @@ from qkvtrace.records import (
     squared_shares,
 )
 from qkvtrace.slices import NormCache, Projection
+from qkvtrace.tracer import again, compiled_before, registry, structure
 from qkvtrace.tracer import candidates as found_candidates
 from qkvtrace.tracer import compiled as compiled_log
-from qkvtrace.tracer import compiled_before, registry, structure
 from qkvtrace.tracer.gradients import GradientRecorder
 from qkvtrace.tracer.install import code_globals, installation
 from qkvtrace.tracer.observers import handwritten
@@ -123,6 +123,8 @@ class Trace:
         self._ended = False
         self._unresolved = False
         self._seen: set[int] = set()
+        #: per module (by id, while the trace holds it): its previous record and what it was built from
+        self._last: dict[int, again.Last] = {}
         #: code objects torch.compile had compiled frames of when the trace opened (their graphs are not in its log)
         self._compiled_before: frozenset[int] = frozenset()
         self._noted: set[str] = set()
@@ -224,6 +226,7 @@ class Trace:
                 self._names.clear()
                 self._by_name.clear()
                 self._projections.clear()
+                self._last.clear()
                 self.norms = NormCache()
                 self._model = self._walked = None
 
@@ -278,6 +281,13 @@ class Trace:
             if warning not in self._noted:
                 self._noted.add(warning)
                 self._result.warnings.append(warning)
+
+    def last_record(self, module: nn.Module) -> again.Last | None:
+        """``module``'s previous record in this trace, when it was kept with what it was built from."""
+        return self._last.get(id(module))
+
+    def remember(self, module: nn.Module, last: again.Last) -> None:
+        self._last[id(module)] = last
 
     def take_index(self) -> int:
         return next(self._counter)

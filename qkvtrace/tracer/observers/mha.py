@@ -19,7 +19,7 @@ import contextlib
 import inspect
 import sys
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import asdict
 from typing import Any
 
@@ -31,7 +31,7 @@ from qkvtrace import maps, masks, paths
 from qkvtrace.monitor import combination_key, mask_kind
 from qkvtrace.records import EVIDENCE_WITNESSED, AttentionCall
 from qkvtrace.slices import PartSpec, Projection, ProjectionSpec, Rows, whole
-from qkvtrace.tracer import registry, routes
+from qkvtrace.tracer import again, registry, routes
 from qkvtrace.tracer.build import (
     Target,
     count_again,
@@ -358,6 +358,21 @@ def _finish(ctx: OpenMHA, out: Any) -> None:
     if ctx.error is None and _counted_again(ctx, out, rows, layer_reason):
         _release(ctx)
         return
+    built_from = None
+    if ctx.error is None and not masked and again.plain(ctx.targets) and _plain_tensor(query):
+        # a call like its module's previous one is recorded from that record (:mod:`qkvtrace.tracer.again`)
+        first = ctx.targets[0][0]
+        projection = ctx.projection if ctx.projection is not None else first.projection(module)
+        built_from = _built_from(ctx, layer_reason, projection, first)
+        found = again.previous(ctx.targets, module, *built_from)
+        if found is not None:
+            result = out[0] if isinstance(out, tuple) else out
+            training = ctx.inputs["training"] if "training" in ctx.inputs else bool(module.training)
+            core = _core(ctx, result, ctx.inputs.get("num_heads"), (True, True, training))
+            output = {"nan_count": nan_count(result), "fully_masked_rows": rows}
+            _release(ctx)
+            again.repeat(found, ctx.targets, module, projection, core, output)
+            return
     inputs = _inputs(module, ctx.bound, batch_first=ctx.batch_first)  # read now that a record is made
     inputs.update(ctx.inputs)
     ctx.inputs = inputs
@@ -396,15 +411,53 @@ def _finish(ctx: OpenMHA, out: Any) -> None:
         evidence=ctx.evidence,
     )
     core = ctx.core
-    if core is None and ctx.error is None and wants_backward(ctx.targets):
+    if core is None and ctx.error is None:
         result = out[0] if isinstance(out, tuple) else out
-        heads = getattr(module, "num_heads", None) or inputs.get("num_heads")
         given = (inputs.get("key_padding_mask") is None, inputs.get("attn_mask") is None, inputs.get("training"))
-        key = ("mha", path, inputs.get("need_weights"), inputs.get("self_attention"), given)
-        core = routes.find_core(result, (query,), heads=int(heads) if heads else None, key=key)
+        core = _core(ctx, result, inputs.get("num_heads"), given)
     source = _map_source(ctx, kpm_c, attn_c) if ctx.map_args is not None else None
+    if call.sdpa_refusals is None and call.sdpa_refusals_source is not None:  # "not asked" depends on the moment
+        built_from = None
     _release(ctx)
-    deliver(call, ctx.targets, module, projection, core, source)
+    deliver(call, ctx.targets, module, projection, core, source, built_from)
+
+
+def _core(ctx: OpenMHA, result: Any, num_heads: Any, given: tuple[Any, ...]) -> routes.Core | None:
+    """The call's backward side: its SDPA kernel's, or found from its output (``given``: which masks it was
+    given, and its training flag); ``None`` where no trace wants it."""
+    if ctx.core is not None or not wants_backward(ctx.targets):
+        return ctx.core
+    heads = getattr(ctx.module, "num_heads", None) or num_heads
+    a = ctx.bound
+    key = ("mha", ctx.path or "unknown", bool(a["need_weights"]), a["query"] is a["key"] and a["key"] is a["value"],
+           given)  # fmt: skip
+    return routes.find_core(result, (ctx.query,), heads=int(heads) if heads else None, key=key)
+
+
+def _plain_tensor(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and not t.is_nested
+
+
+def _built_from(ctx: OpenMHA, layer_reason: str | None, projection: Projection | str,
+                first: Any) -> tuple[Hashable, tuple[Any, ...]]:  # fmt: skip
+    """Everything an unmasked call's record is made from (:func:`_inputs` and what its kernel added, the path,
+    reasons, backend and kernels, the slices) and what PyTorch's refusals for its kernel are asked from, but
+    the per-call numbers: a call with the same key and refs is recorded from its module's previous record.
+    The kernel's tensors follow from the query's shape, dtype and device, the module and the modes; the
+    facts that decide its backend beyond those (dropout, scale, head size, grad, strides) are in
+    ``ctx.inputs``."""
+    a, module, path = ctx.bound, ctx.module, ctx.path or "unknown"
+    q, k, v = a["query"], a["key"], a["value"]
+    added = tuple((n, tuple(x) if type(x) is list else x) for n, x in ctx.inputs.items())
+    key = (path, None if path == "fast" else ctx.local.get("why_not_fast_path"), layer_reason, ctx.backend,
+           None if ctx.ops is None else tuple(ctx.ops), ctx.evidence, q.shape, shape(k), shape(v), q.dtype, q.device,
+           ctx.batch_first, bool(a["need_weights"]), bool(a["average_attn_weights"]), bool(a["is_causal"]),
+           q is k and k is v, bool(module.training), torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
+           torch.is_autocast_enabled(), paths.sdp_flags(), added,
+           projection if isinstance(projection, str) else None)  # fmt: skip
+    if isinstance(projection, str):
+        return key, (module,)
+    return key, (module, projection, first.norms.qkv(projection))
 
 
 def _release(ctx: OpenMHA) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import sys
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import asdict
 from typing import Any
 
@@ -32,8 +32,8 @@ from torch import nn
 from qkvtrace import maps, masks, paths, refusals, replay
 from qkvtrace.monitor import combination_key, mask_kind
 from qkvtrace.records import AttentionCall
-from qkvtrace.slices import Projection
-from qkvtrace.tracer import registry, routes
+from qkvtrace.slices import Projection, norm_of
+from qkvtrace.tracer import again, registry, routes
 from qkvtrace.tracer.build import (
     Target,
     count_again,
@@ -75,7 +75,7 @@ def _overrides(value: Any) -> bool:
 
 
 class _Args:
-    __slots__ = ("dropout_p", "gqa", "is_causal", "k", "mask", "projection", "q", "scale", "v")
+    __slots__ = ("dropout_p", "gqa", "is_causal", "k", "mask", "projection", "projection_of", "q", "scale", "v")
 
     def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self.q = arg(args, kwargs, _SDPA_ARGS, "query")
@@ -88,6 +88,8 @@ class _Args:
         self.gqa = bool(kwargs.get("enable_gqa", False))
         #: where the call's Q/K/V rows live (set by ``_record``)
         self.projection: Projection | str = "not derived: the call was not recorded"
+        #: the module ``projection`` was read for, once it was
+        self.projection_of: nn.Module | None = None
 
     def backend(self) -> str | None:
         return paths.sdpa_backend(self.q, self.k, self.v, self.mask, self.dropout_p, self.is_causal, self.scale,
@@ -163,11 +165,45 @@ def observe_sdpa(original: Callable[..., Any], args: tuple[Any, ...], kwargs: di
     if counts_only(targets) and count_again(targets, _combination(owner, a, backend), backend,
                                             lambda: _measured(a, out)):  # fmt: skip
         return out
-    refused = a.refusals(targets[0][0], backend)  # asked once a record is made, as for a fallback's kernel
     core = routes.sdpa_core(out, a.q, a.k, a.v, key=sig) if wants_backward(targets) else None
+    built_from = None
+    if again.plain(targets) and a.mask is None and not a.q.is_nested and type(a.scale) in _PLAIN_SCALES:
+        # a call like its module's previous one is recorded from that record (:mod:`qkvtrace.tracer.again`)
+        first = targets[0][0]
+        projection = a.projection = first.projection(owner, (a.q, a.k, a.v))
+        a.projection_of = owner
+        base = None if isinstance(projection, str) else first.norms.qkv(projection)
+        built_from = _built_from(owner, a, backend, ops, evidence, projection, base)
+        previous = again.previous(targets, owner, *built_from)
+        if previous is not None:
+            output = {"nan_count": nan_count(out), "fully_masked_rows": fully_masked_rows(a.q, a.k, None, a.is_causal)}
+            again.repeat(previous, targets, owner, projection, core, output, (norm_of(a.q), norm_of(a.k), norm_of(a.v)))
+            return out
+    refused = a.refusals(targets[0][0], backend)  # asked once a record is made, as for a fallback's kernel
     record = _record(owner, targets, a, backend, ops, evidence, out, refused)
-    _deliver(record, owner, targets, a, core, a.map_source(targets))
+    if refused[0] is None and refused[1] is not None:  # "not asked" depends on the moment: not a record to copy
+        built_from = None
+    _deliver(record, owner, targets, a, core, a.map_source(targets), built_from)
     return out
+
+
+#: the types of ``scale`` whose value a record's key compares (a tensor's ``==`` is not a truth value)
+_PLAIN_SCALES = frozenset((type(None), float, int))
+
+
+def _built_from(owner: nn.Module, a: _Args, backend: str | None, ops: list[str] | None, evidence: str,
+                projection: Projection | str, base: Any) -> tuple[Hashable, tuple[Any, ...]]:  # fmt: skip
+    """Everything an unmasked call's record (:func:`_record`) and PyTorch's refusals for it
+    (:func:`qkvtrace.refusals.signature`) are made from, but the per-call numbers: a call with the same key
+    and refs is recorded from its module's previous record."""
+    q, k, v = a.q, a.k, a.v
+    # (one dtype and one device: SDPA refuses Q, K and V of different ones, and such a call is never copied)
+    key = (backend, evidence, None if ops is None else tuple(ops), q.shape, k.shape, v.shape, q.dtype, q.device,
+           q.stride(-1), k.stride(-1), v.stride(-1), q.requires_grad, k.requires_grad, v.requires_grad, a.is_causal,
+           a.dropout_p, a.scale, a.gqa, bool(owner.training), torch.is_grad_enabled(),
+           torch.is_inference_mode_enabled(), torch.is_autocast_enabled(), paths.sdp_flags(),
+           projection if isinstance(projection, str) else None)  # fmt: skip
+    return key, (owner,) if isinstance(projection, str) else (owner, projection, base)
 
 
 def _combination(owner: nn.Module, a: _Args, backend: str | None) -> tuple[Any, ...]:
@@ -264,9 +300,10 @@ def _pop(stack: list[Any], ctx: Any) -> None:
 
 
 def _deliver(call: AttentionCall, owner: nn.Module, targets: list[Target], a: _Args, core: routes.Core | None = None,
-             source: maps.SDPASource | None = None) -> None:  # fmt: skip
+             source: maps.SDPASource | None = None,
+             built_from: tuple[Hashable, tuple[Any, ...]] | None = None) -> None:  # fmt: skip
     """Hand the call to its traces, with the projection :func:`_record` found for it (asked once a call)."""
-    deliver(call, targets, owner, a.projection, core, source)
+    deliver(call, targets, owner, a.projection, core, source, built_from)
 
 
 def _override_mask(mask: Any, device: torch.device) -> dict[str, Any]:
@@ -372,7 +409,9 @@ def _record(
     q, k, v, mask = a.q, a.k, a.v, a.mask
     mask_record: dict[str, Any] | None = None
     first = targets[0][0]
-    projection = a.projection = first.projection(owner, (q, k, v))  # read from the call's graph: outside no_grad
+    projection = a.projection
+    if a.projection_of is not owner:  # read from the call's graph (outside no_grad), once a call
+        projection = a.projection = first.projection(owner, (q, k, v))
     with torch.no_grad():
         if isinstance(mask, torch.Tensor) and _overrides(mask):
             mask_record = _override_mask(mask, q.device)
