@@ -13,7 +13,8 @@ same with every head's attention weights computed beside the call (the least a
 map costs), next to the records with ``attention_maps=True``.
 
 One ``nn.MultiheadAttention(64, 8)`` in training mode on a ``(2, 10, 64)`` input,
-``need_weights`` left at its default: 200 calls per sample, 25 samples per arm,
+``need_weights`` left at its default, then a model's own SDPA call with dropout on
+``(2, 4, 16, 32)`` (``overhead.py``'s W5): 200 calls per sample, 25 samples per arm,
 interleaved untraced / traced; the CPU time of the fastest sample of each arm (the
 one least disturbed by the machine) gives the cost per call in microseconds.
 """
@@ -64,13 +65,39 @@ def main() -> None:
         arms.append(("floor: reason and NaN count only, no qkvtrace", {"floor": True}, _floor))
         arms.append(("floor with a map: + softmax(QKᵀ) on the side", {"floor": True}, lambda: _floor(maps=True)))
         arms.append(("records with maps (attention_maps=True)", {"attention_maps": True}, contextlib.nullcontext))
+    _measure(arms, mha, work, cpu, lambda: mha(x, x, x))
+    # a model's own SDPA call (benchmarks/overhead.py's W5): dropout, so PyTorch refuses its first choice
+    sdpa = _DropoutAttention().train()
+    q, k, v = (torch.randn(2, 4, 16, 32) for _ in range(3))
+
+    def sdpa_work() -> None:
+        for _ in range(CALLS):
+            sdpa(q, k, v)
+
+    print("  a model's own F.scaled_dot_product_attention call (W5's: (2, 4, 16, 32), dropout 0.1):")
+    sdpa_arms: list[tuple[str, dict[str, Any], Callable[[], Any]]] = [
+        ("records (SDPA)", {}, contextlib.nullcontext),
+        ('long run (keep="changes"), steady state (SDPA)', {"keep": "changes"}, contextlib.nullcontext),
+    ]
+    _measure(sdpa_arms, sdpa, sdpa_work, cpu, lambda: sdpa(q, k, v))
+
+
+class _DropoutAttention(torch.nn.Module):
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.1 if self.training else 0.0)
+
+
+def _measure(arms: list[tuple[str, dict[str, Any], Callable[[], Any]]], model: torch.nn.Module,
+             work: Callable[[], None], cpu: Callable[[Callable[[], None]], float],
+             first: Callable[[], Any]) -> None:  # fmt: skip
+    """Each arm against the untraced calls, interleaved: the fastest sample of each, per call."""
     for label, options, context in arms:
         plain, traced = [], []
         for _ in range(SAMPLES):
             plain.append(cpu(work))
-            observer = contextlib.nullcontext() if "floor" in options else qkvtrace.trace(mha, **options)
+            observer = contextlib.nullcontext() if "floor" in options else qkvtrace.trace(model, **options)
             with context(), observer:
-                mha(x, x, x)  # the first call of a signature: its kernels profiled once, not timed
+                first()  # the first call of a signature: its kernels profiled once, not timed
                 traced.append(cpu(work))
         base, with_trace = min(plain), min(traced)
         print(f"  {label:48s} +{(with_trace - base) / CALLS * 1e6:4.0f} us a call "
