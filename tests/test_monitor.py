@@ -15,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 import tracemalloc
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -496,3 +497,26 @@ def test_a_mask_object_is_named_by_its_type() -> None:
         model(q, q, q, bias)
     [first] = t.changes
     assert first.became["attn_mask"] == type(bias).__name__
+
+
+def test_a_long_run_with_maps_keeps_the_records_of_firsts_and_changes_only() -> None:
+    """``keep="changes"`` with ``attention_maps=True`` (every call then builds its record and its map): seven
+    calls, the last three with a padding mask. Only the first call and the change keep their records, each
+    with its map; the five others are counted.
+
+    Witness: the calls the test makes and the one change it makes (the mask given from the fifth call on),
+    tallied here. Catches a call that changes nothing kept anyway, and with it a map per call."""
+    mha = nn.MultiheadAttention(E, H, batch_first=True)
+    x = torch.randn(B, L, E)
+    pad = torch.zeros(B, L, dtype=torch.bool)
+    pad[:, -1] = True
+    made: Counter[bool] = Counter()
+    with qkvtrace.trace(mha, keep="changes", attention_maps=True) as t:
+        for i in range(7):
+            masked = i >= 4
+            mha(x, x, x, key_padding_mask=pad if masked else None)
+            made[masked] += 1
+    assert [c.index for c in t.calls] == [0, 4]
+    assert all(c.attention_map is not None for c in t.calls)
+    calls = [c["calls"] for c in t.summary()["modules"][""]["combinations"]]
+    assert calls == [made[False], made[True]] == [4, 3]

@@ -542,3 +542,31 @@ def test_appeared_and_vanished_calls_in_call_order() -> None:
     b = {"schema": "qkvtrace.trace/3", "torch_version": "2.0", "calls": [shared]}
     assert [c["index"] for c in diff_traces(a, b)["vanished"]] == list(range(30))
     assert [c["index"] for c in diff_traces(b, a)["appeared"]] == list(range(30))
+
+
+def test_changed_calls_in_call_order() -> None:
+    """Thirty calls on both sides, each on another path in B, listed in both documents against their order, their
+    modules named so that a set of them has no useful order. Witness: the call indices written here. Fault caught:
+    the changed calls given in a set's order rather than the order the model made them."""
+    names = [f"m{(i * 7919) % 101}" for i in range(30)]
+    calls = [{"index": i, "module": n, "sdpa_backend": "MATH"} for i, n in enumerate(names)]
+    a = {"schema": "qkvtrace.trace/3", "torch_version": "1.0", "calls": [{**c, "path": "sdpa"} for c in calls[::-1]]}
+    b = {"schema": "qkvtrace.trace/3", "torch_version": "2.0", "calls": [{**c, "path": "fast"} for c in calls[::-1]]}
+    changed = diff_traces(a, b)["changed"]
+    assert [(c["module"], c["index_a"], c["index_b"]) for c in changed] == [(n, i, i) for i, n in enumerate(names)]
+
+
+def test_the_note_on_an_older_trace_follows_the_whole_summary() -> None:
+    """A /2 trace against a /3 one: the summary says what changed, then why fully-masked rows were not compared.
+
+    Witness: the one call written here on each side (its path changed, its fully-masked rows too) and the rule
+    docs/json.md states for /3 (every (batch, head, query) row counted). Fault caught: the note replacing the
+    summary instead of following it, or its words changed."""
+    call = {"index": 0, "module": "m", "sdpa_backend": "MATH", "output": {"fully_masked_rows": 1}}
+    a = {"schema": "qkvtrace.trace/2", "torch_version": "1.0", "calls": [{**call, "path": "sdpa"}]}
+    b = {"schema": "qkvtrace.trace/3", "torch_version": "2.0",
+         "calls": [{**call, "path": "fast", "output": {"fully_masked_rows": 8}}]}  # fmt: skip
+    assert diff_traces(a, b)["summary"] == (
+        "torch 1.0 (1 call) → 2.0 (1 call): path changed in 1 call; fully-masked rows not compared: "
+        "qkvtrace.trace/2 and qkvtrace.trace/3 count them differently (since qkvtrace.trace/3 every (batch, head, "
+        "query) row)")  # fmt: skip
