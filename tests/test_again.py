@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from typing import Any
 from unittest import mock
 
@@ -120,6 +120,10 @@ def _same_with_and_without(make: Callable[[], tuple[nn.Module, Callable[[nn.Modu
     return copied
 
 
+#: ``enable_gqa`` (grouped-query attention) is an argument of SDPA from torch 2.5 on
+_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
+
+
 def _twice(states: list[str]) -> list[str]:
     """Each state of a plan for two calls in a row: the first call of a state differs from the call before it
     in what the state changes alone (its record must not be copied), the second is copied from the first."""
@@ -127,9 +131,11 @@ def _twice(states: list[str]) -> list[str]:
 
 
 _SDPA_CHANGES = _twice(["", "dtype", "", "length", "", "short q", "", "short k", "", "causal", "", "dropout",
-                        "dropout+flash off", "dropout", "dropout+strided", "dropout+more", "", "eval", "",
-                        "no_grad", "inference_mode", "", "flash off", "", "scale", "", "nan", "", "sgd step", "",
-                        "strided", "", "k grad", ""])  # fmt: skip
+                        "dropout+wide v", "dropout", "dropout+strided k", "dropout", "dropout+strided v", "dropout",
+                        "dropout+flash off", "dropout", "dropout+strided", "dropout+more", "", "eval", "", "no_grad",
+                        "inference_mode", "", "flash off", "", "scale", "", "nan", "", "sgd step", "", "strided", "",
+                        "q grad", "", "k grad", "", "v grad", "", "autocast", "",
+                        *(["gqa", ""] if _HAS_GQA else [])])  # fmt: skip
 
 
 def _sdpa_plan() -> tuple[nn.Module, Callable[[nn.Module, int], Any]]:
@@ -144,11 +150,11 @@ def _sdpa_plan() -> tuple[nn.Module, Callable[[nn.Module, int], Any]]:
         m.train(change != "eval")
         kwargs: dict[str, Any] = {}
         ctx: Any = nullcontext()
-        xi, qi, ki = x, q, q
+        xi, qi, ki, vi = x, q, q, q
         if change == "dtype":
-            qi = ki = q.double()
+            qi = ki = vi = q.double()
         elif change == "length":
-            xi, qi, ki = torch.randn(2, 7, 16), q[:, :, :3], q[:, :, :3]
+            xi, qi, ki, vi = torch.randn(2, 7, 16), q[:, :, :3], q[:, :, :3], q[:, :, :3]
         elif change == "causal":
             kwargs["is_causal"] = True
         elif "dropout" in parts:
@@ -156,7 +162,7 @@ def _sdpa_plan() -> tuple[nn.Module, Callable[[nn.Module, int], Any]]:
         elif change == "short q":
             qi = q[:, :, :3]  # three queries, five keys
         elif change == "short k":
-            ki = q[:, :, :3]
+            ki = vi = q[:, :, :3]
         elif change == "no_grad":
             ctx = torch.no_grad()
         elif change == "inference_mode":
@@ -168,15 +174,27 @@ def _sdpa_plan() -> tuple[nn.Module, Callable[[nn.Module, int], Any]]:
             xi[0, 1, 3] = float("nan")
         elif change == "sgd step":
             opt.step()  # the weights move: new weight norms
-        elif change == "k grad":
-            ki = q.clone().requires_grad_(True)  # K alone: V stays the plain tensor
+        if "wide v" in parts:  # V's head size is its own
+            vi = torch.randn(2, 2, 5, 12)
+        if change.endswith(" grad"):
+            grown = q.clone().requires_grad_(True)  # one of Q, K and V alone
+            qi, ki, vi = (grown if change[0] == n else t for n, t in zip("qkv", (qi, ki, vi), strict=True))
+        elif change == "autocast":
+            ctx = torch.autocast("cpu")
+        if change == "gqa":
+            kwargs["enable_gqa"] = True
+        strided = q.transpose(-1, -2).contiguous().transpose(-1, -2)  # its last dimension strided
         if "strided" in parts:
-            qi = q.transpose(-1, -2).contiguous().transpose(-1, -2)  # its last dimension strided
+            qi = strided
+        elif "strided k" in parts:
+            ki = strided
+        elif "strided v" in parts:
+            vi = strided
         if "flash off" in parts:
             ctx = _flash_off()
         with ctx:
             out = m["direct"](xi, **kwargs)
-            out2 = m["leaves"](qi, ki, q if change == "k grad" else ki, **kwargs)
+            out2 = m["leaves"](qi, ki, vi, **kwargs)
         if out.requires_grad and change != "nan":  # no NaN into the weights
             (out.sum() + out2.sum()).backward()
         return torch.cat([out.detach().flatten(), out2.detach().flatten().float()])
@@ -189,7 +207,8 @@ def test_sdpa_records_copied_equal_records_built_in_full() -> None:
     the call), and torch.equal on the outputs. Between plain calls the plan changes one thing at a time: the
     dtype, the length, the query's or the keys' length alone, is_causal, dropout and its value, the flash
     switch with and without dropout, the training flag, no_grad, inference_mode after no_grad, the scale,
-    the input's values (a NaN), the weights (an SGD step), the strides, and requires_grad of K alone."""
+    the input's values (a NaN), the weights (an SGD step), the strides and requires_grad of Q, K or V alone,
+    V's head size, autocast and (torch >= 2.5) enable_gqa."""
     out = _same_with_and_without(_sdpa_plan, len(_SDPA_CHANGES))
     assert {c["sdpa_backend"] for c in out["calls"]} >= {"FLASH_ATTENTION", "MATH"}
 
@@ -198,7 +217,11 @@ _MHA_CHANGES = _twice(["", "no weights", "", "per-head weights", "", "eval", "",
                        "inference_mode+no weights", "", "cross", "", "length", "", "sgd step", "", "no weights",
                        "no weights+frozen", "no weights", "no weights+flash off", "", "padding", "", "nan", "",
                        "direct eval", "", "direct weights", "", "short query", "", "fastpath off",
-                       "fastpath off+cross", "fastpath off+cross+short query", "", "train+no_grad", ""])  # fmt: skip
+                       "fastpath off+cross", "fastpath off+cross+short query", "fastpath off+cross",
+                       "fastpath off+cross+long key",
+                       "fastpath off", "fastpath off+eval", "fastpath off+eval+no_grad",
+                       "fastpath off+eval+inference_mode", "fastpath off", "fastpath off+autocast", "",
+                       "train+no_grad", ""])  # fmt: skip
 
 
 def _mha_plan() -> tuple[nn.Module, Callable[[nn.Module, int], Any]]:
@@ -213,25 +236,31 @@ def _mha_plan() -> tuple[nn.Module, Callable[[nn.Module, int], Any]]:
         change = _MHA_CHANGES[i]
         parts = set(change.split("+"))
         m.train("train" in parts or not parts & {"eval", "no_grad", "inference_mode"})
+        if "eval" in parts:
+            m.eval()
         for p in (mha.in_proj_weight, mha.in_proj_bias):
             p.requires_grad_("frozen" not in parts)  # the kernel's Q, K and V then need no grad
         kwargs: dict[str, Any] = {}
-        ctx: Any = nullcontext()
+        ctxs: list[Any] = []
         xi, key = x, x
         if "no weights" in parts:
             kwargs["need_weights"] = False
         if change == "per-head weights":
             kwargs["average_attn_weights"] = False
         elif "no_grad" in parts:
-            ctx = torch.no_grad()
+            ctxs.append(torch.no_grad())
         elif "inference_mode" in parts:
-            ctx = torch.inference_mode()  # eval, no grad, batch first: the fast path
+            ctxs.append(torch.inference_mode())  # eval, no grad, batch first: the fast path
         if "cross" in parts:
             key = x.clone()  # the query is not the key
         elif change == "length":
             xi = key = torch.randn(2, 7, 16)
         if "short query" in parts:
             xi = x[:, :3]  # three queries, five keys
+        if "long key" in parts:
+            key = torch.randn(2, 7, 16)
+        if "autocast" in parts:
+            ctxs.append(torch.autocast("cpu"))
         elif change == "sgd step":
             opt.step()
         elif change == "padding":
@@ -240,10 +269,12 @@ def _mha_plan() -> tuple[nn.Module, Callable[[nn.Module, int], Any]]:
             xi = key = x.clone()
             xi[1, 0, 2] = float("nan")
         if "flash off" in parts:
-            ctx = _flash_off()
+            ctxs.append(_flash_off())
         if "fastpath off" in parts:  # PyTorch's reason is then that switch, whatever else the call does
-            ctx = _fastpath_off()
-        with ctx:
+            ctxs.append(_fastpath_off())
+        with ExitStack() as stack:
+            for ctx in ctxs:
+                stack.enter_context(ctx)
             out, _ = m["mha"](xi, key, key, **kwargs)
             out2 = m["fn"](xf, training=change != "direct eval", need_weights=change == "direct weights")
         if out.requires_grad and change != "nan":  # no NaN into the weights
