@@ -67,23 +67,22 @@ class FunctionCall(nn.Module):
 
 
 @contextmanager
-def _flash_off() -> Iterator[None]:
-    before = torch.backends.cuda.flash_sdp_enabled()
-    torch.backends.cuda.enable_flash_sdp(False)
+def _switched_off(get: Callable[[], bool], set_to: Callable[[bool], None]) -> Iterator[None]:
+    """One of PyTorch's switches turned off for the block, then set back."""
+    before = get()
+    set_to(False)
     try:
         yield
     finally:
-        torch.backends.cuda.enable_flash_sdp(before)
+        set_to(before)
 
 
-@contextmanager
-def _fastpath_off() -> Iterator[None]:
-    before = torch.backends.mha.get_fastpath_enabled()
-    torch.backends.mha.set_fastpath_enabled(False)
-    try:
-        yield
-    finally:
-        torch.backends.mha.set_fastpath_enabled(before)
+def _flash_off() -> Any:
+    return _switched_off(torch.backends.cuda.flash_sdp_enabled, torch.backends.cuda.enable_flash_sdp)
+
+
+def _fastpath_off() -> Any:
+    return _switched_off(torch.backends.mha.get_fastpath_enabled, torch.backends.mha.set_fastpath_enabled)
 
 
 @contextmanager
