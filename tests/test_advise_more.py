@@ -677,3 +677,188 @@ def test_progress_counts_each_measurement_once_under_the_roots_name() -> None:
     lines = said[1 : 1 + len(cands)]
     assert [line.split("/")[0] for line in lines] == [f"measuring {i}" for i in range(1, len(cands) + 1)]
     assert [line.split(": ", 1)[1] for line in lines] == [f"{c.change} on (root)" for c in cands]
+
+
+# -- the order of the rows that are not recommended ------------------------------------------------------------
+
+
+class _PacedRefusals(nn.MultiheadAttention):
+    """A MultiheadAttention whose time the test sets: ``slow`` seconds a call as called (weights asked for), and
+    without the weights either ``fast`` seconds with 1 added to its output or, with ``fast=None``, a ValueError;
+    under inference_mode it sleeps ``inference`` seconds and adds 1 (so every change alters the results)."""
+
+    slow, fast, inference = 0.0, 0.0, 0.0
+
+    def forward(self, query: Any, key: Any, value: Any, key_padding_mask: Any = None, need_weights: bool = True,
+                attn_mask: Any = None, average_attn_weights: bool = True, is_causal: bool = False) -> Any:  # fmt: skip
+        out, weights = super().forward(query, key, value, key_padding_mask, need_weights, attn_mask,
+                                       average_attn_weights, is_causal)  # fmt: skip
+        if torch.is_inference_mode_enabled():
+            time.sleep(self.inference)
+            return out + 1.0, weights
+        if need_weights:
+            time.sleep(self.slow)
+            return out, weights
+        if self.fast is None:
+            raise ValueError("this module refuses need_weights=False")
+        time.sleep(self.fast)
+        return out + 1.0, weights
+
+
+def test_rows_that_are_not_recommended_are_ordered_by_their_time_and_untimed_ones_last() -> None:
+    """Witness: the sleeps written here. Module a sleeps 2 ms and raises without its weights (a row with no time),
+    module b sleeps 20 ms, 1 ms without its weights; under inference_mode a sleeps 2 ms and b 15 ms. Every change
+    adds 1 to an output, so none is recommended, and the schema orders them by median time ratio: b's need_weights
+    (3/22 of today's time) before inference_mode (17/22), the row with no time last -- the reverse of the order
+    they were found in (inference_mode, a's, b's). Catches the ratio left out of the order, and a row with no time
+    ranked as None beside timed ones (Python cannot order None and a float)."""
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.a, self.b = _PacedRefusals(E, H, batch_first=True), _PacedRefusals(E, H, batch_first=True)
+            self.a.slow, self.a.fast, self.a.inference = 0.002, None, 0.002
+            self.b.slow, self.b.fast, self.b.inference = 0.02, 0.001, 0.015
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.a(x, x, x)[0] + self.b(x, x, x)[0]
+
+    advice = advise(Model().eval(), torch.randn(2, 8, E), repeats=2)
+    rows = [(m.module, m.change, m.verdict.split(":")[0]) for m in advice.measured]
+    assert rows == [
+        ("b", "need_weights=False", "changes results"),
+        ("a", "run the forward under torch.inference_mode()", "changes results"),
+        ("a", "need_weights=False", "raised ValueError"),
+    ], (rows, [m.ratios for m in advice.measured])
+
+
+# -- the calls of the same code -------------------------------------------------------------------------------
+
+
+class _SlowSoftmax(torch.overrides.TorchFunctionMode):
+    """Every softmax called through torch's Python API sleeps 10 ms first; anything else runs as it is."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in (torch.softmax, torch.Tensor.softmax):
+            time.sleep(0.01)
+        return func(*args, **(kwargs or {}))
+
+
+class _ThreeCores(_SoftCap):
+    """The hand-written attention core computed three times in one forward (the same code, three calls)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, H, E // H).permute(2, 0, 3, 1, 4)
+        return sum((q @ k.transpose(-2, -1) * 0.25).softmax(-1) @ v for _ in range(3))
+
+
+def test_the_core_share_counts_every_call_of_the_same_code() -> None:
+    """Witness: the test's mode sleeps 10 ms in every softmax; the model computes its core three times, each with
+    one softmax, and PyTorch's SDPA calls no softmax (the functions the mode sees for it are listed here). So three
+    runs of the core as written take about the whole unit (30 ms of sleep, plus microseconds): the share is near 1,
+    not 1/3 (one call counted) nor 2 (each counted twice). Catches the calls of the same code miscounted, or not
+    passed on to the core's measurement."""
+    seen: list[Any] = []
+
+    class Watch(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    q = torch.randn(2, H, 8, E // H)
+    with Watch():
+        F.scaled_dot_product_attention(q, q, q)
+    assert seen == [F.scaled_dot_product_attention]
+    with _SlowSoftmax():
+        advice = advise(_ThreeCores().eval(), torch.randn(2, 8, E), repeats=3)
+    (row,) = advice.measured
+    assert row.measured_on == "core" and row.core_share is not None
+    assert 0.6 < row.core_share < 1.3, (row.core_share, row.ratios, row.model_ratios)
+
+
+# -- train=True all the way down --------------------------------------------------------------------------------
+
+
+class _FrozenAttention(nn.Module):
+    """Two MultiheadAttention modules that stay in eval while the rest trains (``train()`` puts them back): ``a``
+    batch-first, ``b`` not; neither is asked for its weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.MultiheadAttention(E, H, batch_first=True)
+        self.b = nn.MultiheadAttention(E, H, batch_first=False)
+        self.head = nn.Linear(E, E)
+
+    def train(self, mode: bool = True) -> _FrozenAttention:
+        super().train(mode)
+        self.a.eval()
+        self.b.eval()
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xt = x.transpose(0, 1)
+        y = self.a(x, x, x, need_weights=False)[0] + self.b(xt, xt, xt, need_weights=False)[0].transpose(0, 1)
+        return self.head(y)
+
+
+def test_a_training_step_is_never_offered_inference_mode() -> None:
+    """Witness: PyTorch itself -- an output made under torch.inference_mode cannot be backpropagated (checked here),
+    so no training step can run under it -- and PyTorch's reasons for the two eval-mode modules inside a training
+    step: grad for ``a`` (nothing else to change, so it is settled as a training call), batch_first for ``b``,
+    then grad once batch_first is changed. The only change measured is b's batch_first, never inference_mode,
+    alone or with it. Catches ``train`` lost on the way to the first rules or to the next reason's."""
+    model = _FrozenAttention().train()
+    x = torch.randn(2, 8, E)
+    with torch.inference_mode():
+        out = model(x)
+    with pytest.raises(RuntimeError):
+        out.sum().backward()
+    advice = advise(model, x, train=True, repeats=2)
+    assert [(m.module, m.change) for m in advice.measured] == [
+        ("b", "batch_first=True for b (inputs as (batch, sequence, features))")
+    ]
+    (row,) = advice.measured
+    assert row.reason == "batch_first was not True" and "grad is enabled" in (row.reason_after or "")
+    (settled,) = advice.settled
+    assert settled["module"] == "a" and settled["why"].startswith("training: "), settled
+
+
+# -- the next reason after the encoder layer's ------------------------------------------------------------------
+
+
+def test_a_change_inside_an_encoder_layer_keeps_the_layers_own_reason() -> None:
+    """Witness: PyTorch's two reasons for the layer's attention call with a float mask and a hook on the layer (its
+    own fast path: the float mask; the layer's fused path: the hook), and the rules module's candidates for the
+    call traced on a copy whose attention is given the boolean mask by hand: PyTorch then names grad for the
+    attention and still the hook for the layer, so both of their changes are tried with the mask. Catches the
+    layer's reason dropped from, or replaced by the attention's in, the call the next changes are read from."""
+    import qkvtrace
+
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(E, H, 64, dropout=0.0, batch_first=True).eval()
+    layer.register_forward_hook(lambda _m, _i, _o: None)
+    x = torch.randn(2, 8, E)
+    mask = torch.full((8, 8), float("-inf")).triu(1)
+    changed = copy.deepcopy(layer)
+    mha = changed.self_attn
+
+    def bool_mask(*args: Any, attn_mask: Any = None, **kwargs: Any) -> Any:
+        return nn.MultiheadAttention.forward(mha, *args, attn_mask=attn_mask.isneginf(), **kwargs)
+
+    mha.forward = bool_mask  # type: ignore[method-assign]
+    with qkvtrace.trace(changed, gradients=False, routes=False) as t:
+        changed(x, src_mask=mask)
+    (after,) = t.result.calls
+    assert "grad is enabled" in after.why_not_fast_path and "hooks" in after.why_not_fused_layer
+    then = [c.change for c in candidates_for(after, changed, False)[0]]
+    assert len(then) == 2
+    advice = advise(layer, x, src_mask=mask, repeats=2)
+    first = "a boolean mask (True = blocked) instead of a float one"
+    assert first in [m.change for m in advice.measured]
+    (row,) = [m for m in advice.measured if m.change == first]
+    assert "floating-point masks" in (row.reason or "") and row.path_after == row.path
+    changes = [m.change for m in advice.measured]
+    assert all(f"{first} + {c}" in changes for c in then), (then, changes)
