@@ -124,6 +124,20 @@ class _Module:
                 values.clear()
 
 
+def _count(entry: _Module, name: str, value: Any) -> None:
+    """Add one call's ``name`` (a NaN count or fully-masked rows) to ``entry``'s: a tensor is summed on the device at
+    the step's end, or every ``_PENDING`` calls; a number at once."""
+    if isinstance(value, torch.Tensor):
+        waiting = entry.pending.get(name)
+        if waiting is None:
+            waiting = entry.pending[name] = []
+        waiting.append(value)
+        if len(waiting) >= _PENDING:
+            entry.collapse()
+    elif value is not None:
+        setattr(entry, name, getattr(entry, name) + value)
+
+
 class Monitor:
     """Counts and events of a long run; bounded by combinations and ``max_records``."""
 
@@ -202,23 +216,21 @@ class Monitor:
         """Count a call of ``module`` whose combination ``key`` is that of its previous call (:meth:`is_last`),
         without a record: the steady state of a long run. ``output``: its NaN count and fully-masked rows."""
         entry = self.modules[module]
-        seen = entry.seen[key]
+        self.count_steady(entry, entry.seen[key], backend, output.get("nan_count"), output.get("fully_masked_rows"))
+
+    def count_steady(self, entry: _Module, seen: _Seen, backend: str | None, nan_count: Any, rows: Any) -> None:
+        """:meth:`again` for a call its module's slot recognised (:mod:`qkvtrace.tracer.slots`): ``entry`` and
+        ``seen`` are the module's and its combination's counts, ``nan_count`` and ``rows`` the call's."""
         seen.calls += 1
         seen.last_step = self.step_number
         self._step_backends[backend or "none"] += 1
-        self._count_output(entry, output)
+        _count(entry, "nan_count", nan_count)
+        _count(entry, "fully_masked_rows", rows)
 
     @staticmethod
     def _count_output(entry: _Module, output: dict[str, Any]) -> None:
         for name in ("nan_count", "fully_masked_rows"):
-            value = output.get(name)
-            if isinstance(value, torch.Tensor):
-                waiting = entry.pending.setdefault(name, [])
-                waiting.append(value)  # summed on the device at the step's end, or every _PENDING calls
-                if len(waiting) >= _PENDING:
-                    entry.collapse()
-            elif value is not None:
-                setattr(entry, name, getattr(entry, name) + value)
+            _count(entry, name, output.get(name))
 
     @staticmethod
     def _combo_of(entry: _Module, key: tuple[Any, ...]) -> dict[str, Any]:

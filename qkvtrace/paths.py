@@ -250,18 +250,21 @@ def _ops_inside_mark(events: Any, select: Callable[[str], bool]) -> list[str]:
     return [e.name for e in inside]
 
 
+def _switch(name: str) -> Callable[[], bool | None]:
+    """``torch.backends.cuda.<name>`` (what reads PyTorch's switch), or a stand-in saying ``None`` where this
+    release has no such switch."""
+    fn = getattr(torch.backends.cuda, name, None)
+    return fn if fn is not None else lambda: None
+
+
+#: the switches read by :func:`sdp_flags`, looked up once: the key of every call reads them
+_FLASH, _EFFICIENT, _MATH, _CUDNN = (_switch(n) for n in ("flash_sdp_enabled", "mem_efficient_sdp_enabled",
+                                                         "math_sdp_enabled", "cudnn_sdp_enabled"))  # fmt: skip
+
+
 def sdp_flags() -> tuple[bool | None, ...]:
     """The SDPA backend switches in force (``torch.backends.cuda.*_sdp_enabled``)."""
-    cuda = torch.backends.cuda
-    return tuple(
-        fn() if fn is not None else None
-        for fn in (
-            getattr(cuda, "flash_sdp_enabled", None),
-            getattr(cuda, "mem_efficient_sdp_enabled", None),
-            getattr(cuda, "math_sdp_enabled", None),
-            getattr(cuda, "cudnn_sdp_enabled", None),
-        )
-    )
+    return _FLASH(), _EFFICIENT(), _MATH(), _CUDNN()
 
 
 _SHARED = KernelEvidence()

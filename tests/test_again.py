@@ -27,6 +27,7 @@ from torch import nn
 import qkvtrace
 from qkvtrace import paths
 from qkvtrace.tracer import again, build
+from qkvtrace.tracer.observers import sdpa as sdpa_observer
 
 
 class Direct(nn.Module):
@@ -87,8 +88,9 @@ def _fastpath_off() -> Any:
 
 @contextmanager
 def _no_shortcut() -> Iterator[None]:
-    """Every record built in full: no previous record is ever found."""
-    with mock.patch.object(again, "previous", lambda *a, **k: None):
+    """Every record built in full: no previous record is ever found, and no call has a key a slot could know."""
+    with mock.patch.object(again, "previous", lambda *a, **k: None), \
+            mock.patch.object(sdpa_observer, "steady_key", lambda *a, **k: None):  # fmt: skip
         yield
 
 
@@ -124,9 +126,10 @@ _HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
 
 def _twice(states: list[str]) -> list[str]:
-    """Each state of a plan for two calls in a row: the first call of a state differs from the call before it
-    in what the state changes alone (its record must not be copied), the second is copied from the first."""
-    return [state for state in states for _ in range(2)]
+    """Each state of a plan for three calls in a row: the first call of a state differs from the call before it
+    in what the state changes alone (its record must not be copied), the second is copied from the first, the
+    third (of a model's own SDPA call) is captured by its module's slot (:mod:`qkvtrace.tracer.slots`)."""
+    return [state for state in states for _ in range(3)]
 
 
 _SDPA_CHANGES = _twice(["", "dtype", "", "length", "", "short q", "", "short k", "", "causal", "", "dropout",

@@ -34,7 +34,7 @@ from qkvtrace.records import (
     squared_shares,
 )
 from qkvtrace.slices import NormCache, Projection
-from qkvtrace.tracer import again, compiled_before, registry, structure
+from qkvtrace.tracer import again, compiled_before, registry, slots, structure
 from qkvtrace.tracer import candidates as found_candidates
 from qkvtrace.tracer import compiled as compiled_log
 from qkvtrace.tracer.gradients import GradientRecorder
@@ -125,6 +125,10 @@ class Trace:
         self._seen: set[int] = set()
         #: per module (by id, while the trace holds it): its previous record and what it was built from
         self._last: dict[int, again.Last] = {}
+        #: per module (by id, while the trace holds it): what its steady calls share (:mod:`.slots`)
+        self.slots: dict[int, slots.Slot] = {}
+        #: calls captured by their slots, whose records are built when the records are read
+        self._captured: list[slots.Capture] = []
         #: code objects torch.compile had compiled frames of when the trace opened (their graphs are not in its log)
         self._compiled_before: frozenset[int] = frozenset()
         self._noted: set[str] = set()
@@ -219,6 +223,7 @@ class Trace:
                 self.monitor.health.unhook()  # the gradient hooks go on every exit
             self._ended = True
             try:
+                self._build_captured()
                 self._find_unobserved()
                 self._resolve()
             finally:
@@ -227,6 +232,7 @@ class Trace:
                 self._by_name.clear()
                 self._projections.clear()
                 self._last.clear()
+                self.slots.clear()
                 self.norms = NormCache()
                 self._model = self._walked = None
 
@@ -308,6 +314,14 @@ class Trace:
             self._grads.watch(owner, projection)
         if self.record_routes and core is not None:
             self._grads.watch_routes(call.index, call.module, core)
+
+    def capture(self, captured: slots.Capture, module: str) -> None:
+        """A call its slot captured (:mod:`.slots`): its record is built when the records are read."""
+        self._captured.append(captured)
+        self._unresolved = True
+        core = captured[-1]
+        if self.record_routes and core is not None:
+            self._grads.watch_routes(captured[1], module, core)
 
     def add_compiled(self, record: CompiledAttention) -> None:
         """An attention operation of a graph ``torch.compile`` made while this trace was open."""
@@ -402,6 +416,7 @@ class Trace:
     def _resolve(self) -> None:
         grads, found = self._grads.records, self._grads.routes
         result = self._result
+        self._build_captured()
         if not self._unresolved and len(grads) == len(result.gradients) and len(found) == len(result.routes):
             return
         result.gradients, result.routes = list(grads), list(found)
@@ -414,6 +429,12 @@ class Trace:
         result.gradients.sort(key=lambda g: (g.backward_index, g.module))
         result.routes.sort(key=lambda r: (r.backward_index, r.call))
         self._unresolved = False
+
+    def _build_captured(self) -> None:
+        """The records of the calls their slots captured, built now that they are read."""
+        if self._captured:
+            captured, self._captured = self._captured, []
+            self._result.calls += slots.build(captured)
 
     def _find_unobserved(self) -> None:
         """Attention-looking modules with no recorded call, and the compiled/scripted regions."""

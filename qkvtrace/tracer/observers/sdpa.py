@@ -21,6 +21,7 @@ behalf report their kernel to it.
 from __future__ import annotations
 
 import sys
+import threading
 import weakref
 from collections.abc import Callable, Hashable
 from dataclasses import asdict
@@ -29,11 +30,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from qkvtrace import maps, masks, paths, refusals, replay
+from qkvtrace import compat, maps, masks, paths, refusals, replay
+from qkvtrace.dataflow import lasting
 from qkvtrace.monitor import combination_key, mask_kind
-from qkvtrace.records import AttentionCall
+from qkvtrace.records import EVIDENCE_CACHED, AttentionCall
 from qkvtrace.slices import Projection, norm_of
-from qkvtrace.tracer import again, registry, routes
+from qkvtrace.tracer import again, registry, routes, slots
 from qkvtrace.tracer.build import (
     Target,
     count_again,
@@ -147,6 +149,12 @@ def observe_sdpa(original: Callable[..., Any], args: tuple[Any, ...], kwargs: di
     if found is None:  # not made by a traced model
         return original(*args, **kwargs)
     owner, covering = found
+    key = None
+    if len(covering) == 1:  # one trace records the call: its module's slot may know it (:mod:`..slots`)
+        key = steady_key(owner, args, kwargs)
+        slot = covering[0][0].slots.get(id(owner))
+        if key is not None and slot is not None and slot.key == key and _holds(slot, *covering[0]):
+            return _steady(slot, *covering[0], original, args, kwargs)
     targets = [(t, name, t.take_index()) for t, name in covering]
     a = _Args(args, kwargs)
     backend = a.backend()
@@ -155,15 +163,14 @@ def observe_sdpa(original: Callable[..., Any], args: tuple[Any, ...], kwargs: di
     try:
         out, ops, evidence = _EVIDENCE.run(sig, original, *args, **kwargs)
     except BaseException as exc:  # record the refused call, then let the error go on unchanged
-        refused = a.refusals(targets[0][0], backend)
-        call = _record(owner, targets, a, backend, None, "unavailable: the call raised", None, refused)
-        call.error = f"{type(exc).__name__}: {exc}"
-        _deliver(call, owner, targets, a)
+        _record_raised(owner, targets, a, backend, exc)
         raise
     _learn(a, backend, ops)
     # a long run's call with its module's previous combination is only counted: no reasons asked, no record
     if counts_only(targets) and count_again(targets, _combination(owner, a, backend), backend,
                                             lambda: _measured(a, out)):  # fmt: skip
+        if key is not None and evidence == EVIDENCE_CACHED:
+            _fill_counting(owner, covering[0], key, a, backend)
         return out
     core = routes.sdpa_core(out, a.q, a.k, a.v, key=sig) if wants_backward(targets) else None
     built_from = None
@@ -178,13 +185,111 @@ def observe_sdpa(original: Callable[..., Any], args: tuple[Any, ...], kwargs: di
         if previous is not None:
             output = {"nan_count": nan_count(out), "fully_masked_rows": fully_masked_rows(a.q, a.k, None, a.is_causal)}
             again.repeat(previous, targets, owner, projection, core, output, (norm_of(a.q), norm_of(a.k), norm_of(a.v)))
+            if key is not None and evidence == EVIDENCE_CACHED:
+                _fill_recording(owner, covering[0], key, a, sig, base)
             return out
     refused = a.refusals(targets[0][0], backend)  # asked once a record is made, as for a fallback's kernel
     record = _record(owner, targets, a, backend, ops, evidence, out, refused)
     if refused[0] is None and refused[1] is not None:  # "not asked" depends on the moment: not a record to copy
         built_from = None
     _deliver(record, owner, targets, a, core, a.map_source(targets), built_from)
+    if key is not None and built_from is not None and evidence == EVIDENCE_CACHED:
+        _fill_recording(owner, covering[0], key, a, sig, built_from[1][-1] if len(built_from[1]) == 3 else None)
     return out
+
+
+def _record_raised(owner: nn.Module, targets: list[Target], a: _Args, backend: str | None,
+                   exc: BaseException) -> None:  # fmt: skip
+    """Record a call that raised (its arguments as given, PyTorch's refusals, the error); measure nothing."""
+    refused = a.refusals(targets[0][0], backend)
+    call = _record(owner, targets, a, backend, None, "unavailable: the call raised", None, refused)
+    call.error = f"{type(exc).__name__}: {exc}"
+    _deliver(call, owner, targets, a)
+
+
+# -- a module's steady calls (:mod:`qkvtrace.tracer.slots`) --------------------------------------
+
+_KEYWORDS = frozenset(("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"))
+
+
+def steady_key(owner: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
+    """The facts of an unmasked call that decide everything its record says but its own numbers: what
+    :func:`_built_from`'s key holds (the backend, kernels and PyTorch's reasons follow from them), every
+    stride and storage offset (the rows' check of :class:`~qkvtrace.tracer.projections.Projections`, and
+    alignment) and the module's children; ``None`` for a call a slot does not take (a mask, nested tensors,
+    a tensor ``scale``, arguments passed by other names)."""
+    n = len(args)
+    if n < 3 or n > 6 or (kwargs and not _KEYWORDS.issuperset(kwargs)):
+        return None
+    q, k, v = args[0], args[1], args[2]
+    if (args[3] if n > 3 else kwargs.get("attn_mask")) is not None or q.is_nested or k.is_nested or v.is_nested:
+        return None
+    scale = kwargs.get("scale")
+    if type(scale) not in _PLAIN_SCALES:
+        return None
+    return (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, q.stride(),
+            k.stride(), v.stride(), q.storage_offset(), k.storage_offset(), v.storage_offset(), q.requires_grad,
+            k.requires_grad, v.requires_grad, args[4] if n > 4 else kwargs.get("dropout_p", 0.0),
+            args[5] if n > 5 else kwargs.get("is_causal", False), scale, kwargs.get("enable_gqa", False),
+            owner.training, torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.is_autocast_enabled(),
+            paths.sdp_flags(), tuple(map(id, owner._modules.values())))  # fmt: skip
+
+
+def _holds(slot: slots.Slot, trace: Any, name: str) -> bool:
+    """What ``slot`` relies on beyond its key still holds: in a long run, its combination is still the module's
+    last and no health is due; in a plain trace, the Q/K/V slice record is the one the weights' versions give
+    now."""
+    if slot.entry is not None:
+        return slot.entry.last is slot.combination and not trace.health_due(name)
+    return not isinstance(slot.projection, Projection) or trace.norms.qkv(slot.projection) is slot.base
+
+
+def _steady(slot: slots.Slot, trace: Any, name: str, original: Callable[..., Any], args: tuple[Any, ...],
+            kwargs: dict[str, Any]) -> Any:  # fmt: skip
+    """Run a call its module's slot knows, and capture only what is its own."""
+    index = trace.take_index()
+    try:
+        out = original(*args, **kwargs)
+    except BaseException as exc:
+        a = _Args(args, kwargs)
+        _record_raised(slot.owner, [(trace, name, index)], a, a.backend(), exc)
+        raise
+    if slot.entry is not None:  # a long run: counted, nothing else
+        trace.monitor.count_steady(slot.entry, slot.seen, slot.backend, nan_count(out), slot.rows)
+        return out
+    q, k, v = args[0], args[1], args[2]
+    core = routes.sdpa_core(out, q, k, v, key=slot.signature) if trace.record_routes else None
+    norms = (norm_of(q), norm_of(k), norm_of(v))
+    template = slot.last.record  # type: ignore[union-attr]
+    if core is not None and core.deferred is not None:  # its record may be corrected in the backward pass: made now
+        output = {"nan_count": nan_count(out), "fully_masked_rows": slot.rows}
+        again.repeat([template], [(trace, name, index)], slot.owner, slot.projection, core, output, norms)  # type: ignore[arg-type]
+        return out
+    rank, world = compat.distributed_rank()
+    trace.capture((template, index, threading.current_thread().name, rank, world, nan_count(out), slot.rows, norms,
+                   core), name)  # fmt: skip
+    return out
+
+
+def _fill_counting(owner: nn.Module, covering: tuple[Any, str], key: tuple[Any, ...], a: _Args,
+                   backend: str | None) -> None:  # fmt: skip
+    """Keep the slot of a long run's module whose call was just counted as its previous one."""
+    trace, name = covering
+    entry = trace.monitor.modules[name]
+    trace.slots[id(owner)] = slots.Slot(owner, key, name, rows=fully_masked_rows(a.q, a.k, None, a.is_causal),
+                                        entry=entry, combination=entry.last, seen=entry.seen[entry.last],
+                                        backend=backend)  # fmt: skip
+
+
+def _fill_recording(owner: nn.Module, covering: tuple[Any, str], key: tuple[Any, ...], a: _Args, sig: Any,
+                    base: Any) -> None:  # fmt: skip
+    """Keep the slot of a plain trace's module whose record was just remembered as its previous one."""
+    trace, name = covering
+    last = trace.last_record(owner)
+    if last is None or not lasting(a.projection):
+        return
+    trace.slots[id(owner)] = slots.Slot(owner, key, name, rows=fully_masked_rows(a.q, a.k, None, a.is_causal),
+                                        last=last, projection=a.projection, base=base, signature=sig)  # fmt: skip
 
 
 #: the types of ``scale`` whose value a record's key compares (a tensor's ``==`` is not a truth value)

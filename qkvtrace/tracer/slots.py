@@ -1,0 +1,100 @@
+"""A module's steady calls: checked first, against one key of the call's own facts, and captured lean.
+
+Most calls of a loop are their module's previous call again: the same
+shapes, dtypes, strides, flags and modes, so the same backend, kernels,
+reasons, Q/K/V rows and combination. The full observer finds all of that
+out anew on every call, in many small Python steps (:mod:`.observers.sdpa`);
+the record it builds is then equal to its module's previous one but for
+this call's own numbers (:mod:`qkvtrace.tracer.again`).
+
+A *slot* turns that around. Once a call's record could be copied (a plain
+trace) or its call was only counted (a long run), the observer keeps, per
+module and trace, the *key* of the facts that decide everything a record
+says -- read from the call's arguments alone, before the call runs -- with
+what those facts gave. The next call computes its key first (a tuple of
+attribute reads, about a microsecond) and, when it equals the slot's and
+what the slot relies on still holds, runs the call and captures only what is
+its own:
+
+* in a long run (``keep="changes"``): its NaN count, on the device, added to
+  the module's count; nothing else (no record, no key of the combination);
+* in a plain trace (``keep="all"``): its index, thread, NaN count, activation
+  norms and backward core, in a tuple; the record itself is built from the
+  slot's record when the trace's records are read (:meth:`Trace.result`), at
+  its end or in between.
+
+What a slot relies on is checked on every call: the key (so a new shape,
+stride, flag, mode or child module misses), that the slot's record is still
+its module's previous record (another way of calling it in between
+replaced it) and, for records, that the Q/K/V slice record is the one the
+weights' versions give now (so an optimizer step or a swapped weight
+misses). A miss takes the full observer, which fills the slot again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from qkvtrace.records import AttentionCall
+from qkvtrace.slices import Projection
+from qkvtrace.tracer import again, routes
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from qkvtrace.monitor import _Module, _Seen
+
+__all__ = ["Capture", "Slot", "build"]
+
+
+@dataclass(slots=True, eq=False)
+class Slot:
+    """What one module's steady calls share in one trace, and the key of the facts that decided it."""
+
+    owner: nn.Module
+    #: the call's facts that decide its record: shapes, dtypes, strides, flags, modes (:func:`sdpa_key`)
+    key: tuple[Any, ...]
+    #: the module's name in the trace
+    name: str
+    #: fully-masked query rows, decided by the key (shapes and ``is_causal``; no mask): shared by its calls
+    rows: Any = 0
+    # -- a long run's count
+    entry: _Module | None = None
+    combination: tuple[Any, ...] | None = None
+    seen: _Seen | None = None
+    backend: str | None = None
+    # -- a plain trace's record
+    last: again.Last | None = None
+    projection: Projection | str | None = None
+    #: the Q/K/V slice record the weights' versions gave (``None`` where no projection is known)
+    base: Any = None
+    #: the call signature routes are found by (:func:`qkvtrace.tracer.routes.sdpa_core`)
+    signature: Any = None
+
+
+#: one call captured in a plain trace: (its slot's record, index, thread, rank, world size, NaN count,
+#: fully-masked rows, the Q, K and V activation norms, backward core)
+Capture = tuple[AttentionCall, int, str, Any, Any, Any, Any, tuple[Any, Any, Any], "routes.Core | None"]
+
+
+def build(captured: list[Capture]) -> list[AttentionCall]:
+    """The records of calls captured by their slots, each made from its slot's record with its own numbers,
+    as :func:`qkvtrace.tracer.again.repeat` makes them."""
+    out = []
+    for template, index, thread, rank, world, nan, rows, norms, core in captured:
+        record = again.clone(template)
+        record.index = index
+        record.output = {"nan_count": nan, "fully_masked_rows": rows}
+        record.qkv = again.with_norms(template.qkv, norms)
+        if template.aten_ops is not None:
+            record.aten_ops = list(template.aten_ops)
+        if template.sdpa_refusals is not None:  # a caller editing its record must not edit the next one
+            record.sdpa_refusals = {b: list(w) for b, w in template.sdpa_refusals.items()}
+        record.thread, record.rank, record.world_size = thread, rank, world
+        (core or _NO_ROUTES).stamp(record)
+        out.append(record)
+    return out
+
+
+_NO_ROUTES = routes.Core(None, "not recorded: the trace was opened with routes=False")

@@ -1,0 +1,163 @@
+"""A module's steady calls go through its slot: checked first against one key, captured lean, never stale.
+
+Once a call's record could be copied from its module's previous one (a
+plain trace) or was only counted (a long run), the next call like it is
+recognised by the facts of its arguments alone and captures only its own
+numbers (:mod:`qkvtrace.tracer.slots`). The records such calls end up with
+are held to records built in full in ``tests/test_again.py`` (each plan
+state runs three times: built, copied, captured); here, what the slot must
+notice on its own, and what it costs.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import tracemalloc
+from collections.abc import Callable
+from contextlib import nullcontext
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import qkvtrace
+
+
+class Direct(nn.Module):
+    """A model's own SDPA call on the tensors it is given."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v)
+
+
+class Rewired(nn.Module):
+    """Q, K and V from three projections, or, once ``fused`` is set, from the thirds of one ``qkv`` added
+    later; either way the kernel receives tensors of the very same shapes and strides."""
+
+    def __init__(self, d: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+        self.heads = heads
+        self.fused = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        if self.fused:
+            q, k, v = (y.contiguous() for y in self.qkv(x).split(d, dim=-1))
+        else:
+            q, k, v = self.q(x), self.k(x), self.v(x)
+        q, k, v = (y.view(b, t, self.heads, d // self.heads).transpose(1, 2) for y in (q, k, v))  # (B, H, T, d)
+        return F.scaled_dot_product_attention(q, k, v)
+
+
+@pytest.mark.parametrize("mode", ["train", "no_grad", "inference_mode"])
+def test_a_module_rewired_after_its_slot_was_filled_gets_its_new_rows(mode: str) -> None:
+    """Witness: the rows by construction -- Q, K and V are the whole weights of ``q``, ``k`` and ``v`` before
+    the module is rewired, and rows [0, 16), [16, 32), [32, 48) of ``qkv.weight`` after -- with the kernel's
+    tensors of the same shapes and strides on both sides, so only the module's new child tells them apart."""
+    torch.manual_seed(0)
+    model = Rewired()
+    x = torch.randn(2, 5, 16)
+    context: Callable[[], Any] = {"train": nullcontext, "no_grad": torch.no_grad,
+                                  "inference_mode": torch.inference_mode}[mode]  # fmt: skip
+    with qkvtrace.trace(model) as t:
+        for i in range(8):
+            if i == 4:
+                model.qkv = nn.Linear(16, 48)
+                model.fused = True
+            with context():
+                model(x)
+    got = [(c.qkv.q.param, c.qkv.q.rows, c.qkv.k.param, c.qkv.k.rows, c.qkv.v.param, c.qkv.v.rows) for c in t.calls]
+    before = ("q.weight", [[0, 16]], "k.weight", [[0, 16]], "v.weight", [[0, 16]])
+    after = ("qkv.weight", [[0, 16]], "qkv.weight", [[16, 32]], "qkv.weight", [[32, 48]])
+    assert got == [before] * 4 + [after] * 4
+
+
+def _functions_per_call(keep: str, calls: int) -> list[int]:
+    """How many of qkvtrace's Python functions each of ``calls`` steady calls runs (after five first calls)."""
+    torch.manual_seed(1)
+    model = Direct()
+    q = torch.randn(1, 2, 4, 8)
+    counts = []
+    with qkvtrace.trace(model, keep=keep):  # type: ignore[arg-type]
+        for _ in range(5):
+            model(q, q, q)
+        for _ in range(calls):
+            ran = 0
+
+            def count(frame: Any, event: str, arg: Any) -> None:
+                nonlocal ran
+                if event == "call" and "qkvtrace" in frame.f_code.co_filename:
+                    ran += 1
+
+            sys.setprofile(count)
+            try:
+                model(q, q, q)
+            finally:
+                sys.setprofile(None)
+            counts.append(ran)
+    return counts
+
+
+@pytest.mark.parametrize(("keep", "most"), [("changes", 30), ("all", 36)])
+def test_a_steady_call_runs_a_constant_handful_of_functions(keep: str, most: int) -> None:
+    """Witness: the interpreter's own profile hook (``sys.setprofile``), counting every call of a function of
+    qkvtrace's files during each traced call. The same number on every steady call, and a handful: the
+    observer in full ran 69 (long run) and 78 (records) functions for this very call."""
+    counts = _functions_per_call(keep, 60)
+    assert len(set(counts)) == 1, counts
+    assert counts[0] <= most, counts[0]
+
+
+def test_a_long_runs_steady_calls_hold_no_more_memory_the_more_there_are() -> None:
+    """Witness: ``tracemalloc``'s peak of the Python memory held at once during 1,000 and during 4,000 steady
+    calls in one step (no step end between them to let anything go): the same, and a few kilobytes -- the
+    NaN counts waiting to be summed on the device, at most 256 of them."""
+    torch.manual_seed(2)
+    model = Direct()
+    q = torch.randn(1, 2, 4, 8)
+
+    def peak(calls: int) -> int:
+        with qkvtrace.trace(model, keep="changes") as t:
+            for _ in range(300):
+                model(q, q, q)
+            t.step()
+            gc.collect()
+            tracemalloc.start()
+            try:
+                start = tracemalloc.get_traced_memory()[0]
+                for _ in range(calls):
+                    model(q, q, q)
+                return tracemalloc.get_traced_memory()[1] - start
+            finally:
+                tracemalloc.stop()
+
+    small, large = peak(1000), peak(4000)
+    assert large <= small + 4096, (small, large)
+    assert large < 64 * 1024, large
+
+
+def test_records_captured_by_a_slot_are_built_each_time_they_are_read() -> None:
+    """Witness: the test's own loop (how many calls, in which order) and its own NaN count of each output
+    (``torch.isnan`` on the tensors it holds); the records are read in the middle of the block and again at
+    its end."""
+    torch.manual_seed(3)
+    model = Direct()
+    q = torch.randn(2, 2, 5, 8)
+    nan_v = q.clone()
+    nan_v[0, 0, 1, 0] = float("nan")  # reaches column 0 of every query row of head 0
+    expected = []
+    with qkvtrace.trace(model) as t:
+        for i in range(10):
+            out = model(q, q, nan_v if i % 4 == 3 else q)
+            expected.append(int(torch.isnan(out).sum()))
+        middle = [(c.index, c.output["nan_count"]) for c in t.calls]
+        for i in range(10, 25):
+            out = model(q, q, nan_v if i % 4 == 3 else q)
+            expected.append(int(torch.isnan(out).sum()))
+    assert middle == list(enumerate(expected[:10]))
+    assert [(c.index, c.output["nan_count"]) for c in t.calls] == list(enumerate(expected))
+    assert sum(expected) > 0
