@@ -364,15 +364,25 @@ def contenders_for(model_name: str, workload: str, length: int, model: nn.Module
     return out
 
 
+#: attention calls in one forward of either model (4 layers, one attention call each)
+CALLS_PER_FORWARD = 4
+
+
 def print_rows(title: str, base_s: float, contenders: Sequence[Contender]) -> None:
+    """One row per contender: its paired ratios, and what the median adds per attention call of the forward
+    (the median ratio's excess over the untraced median, shared among the forward's ``CALLS_PER_FORWARD``
+    calls; a unit's own enter and exit are in it)."""
     print(f"\n{title}  (untraced median {base_s * 1e3:.1f} ms)")
-    print(f"  {'contender':18s} {'ratio median':>12s} {'range':>13s} {'py peak MB':>10s} {'held MB':>8s}  saw")
+    print(f"  {'contender':18s} {'ratio median':>12s} {'range':>13s} {'us/call':>8s} {'py peak MB':>10s} "
+          f"{'held MB':>8s}  saw")  # fmt: skip
     for c in contenders:
         if c.skip is not None or c.unit is None:
             print(f"  {c.name:18s} skipped: {c.skip}")
             continue
         lo, med, hi = min(c.ratios), statistics.median(c.ratios), max(c.ratios)
-        print(f"  {c.name:18s} {med:12.2f} {lo:6.2f}-{hi:<6.2f} {c.peak_mb:10.1f} {c.held_mb:8.1f}  {c.saw()}")
+        per_call = (med - 1) * base_s / CALLS_PER_FORWARD * 1e6
+        print(f"  {c.name:18s} {med:12.2f} {lo:6.2f}-{hi:<6.2f} {per_call:+8.0f} {c.peak_mb:10.1f} "
+              f"{c.held_mb:8.1f}  {c.saw()}")  # fmt: skip
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

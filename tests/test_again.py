@@ -27,6 +27,7 @@ from torch import nn
 import qkvtrace
 from qkvtrace import paths
 from qkvtrace.tracer import again, build
+from qkvtrace.tracer.observers import mha as mha_observer
 from qkvtrace.tracer.observers import sdpa as sdpa_observer
 
 
@@ -90,7 +91,8 @@ def _fastpath_off() -> Any:
 def _no_shortcut() -> Iterator[None]:
     """Every record built in full: no previous record is ever found, and no call has a key a slot could know."""
     with mock.patch.object(again, "previous", lambda *a, **k: None), \
-            mock.patch.object(sdpa_observer, "steady_key", lambda *a, **k: None):  # fmt: skip
+            mock.patch.object(sdpa_observer, "steady_key", lambda *a, **k: None), \
+            mock.patch.object(mha_observer, "_steady_key", lambda *a, **k: None):  # fmt: skip
         yield
 
 
@@ -125,14 +127,14 @@ def _same_with_and_without(make: Callable[[], tuple[nn.Module, Callable[[nn.Modu
 _HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
 
-def _twice(states: list[str]) -> list[str]:
+def _thrice(states: list[str]) -> list[str]:
     """Each state of a plan for three calls in a row: the first call of a state differs from the call before it
     in what the state changes alone (its record must not be copied), the second is copied from the first, the
-    third (of a model's own SDPA call) is captured by its module's slot (:mod:`qkvtrace.tracer.slots`)."""
+    third goes through its module's slot (:mod:`qkvtrace.tracer.slots`)."""
     return [state for state in states for _ in range(3)]
 
 
-_SDPA_CHANGES = _twice(["", "dtype", "", "length", "", "short q", "", "short k", "", "causal", "", "dropout",
+_SDPA_CHANGES = _thrice(["", "dtype", "", "length", "", "short q", "", "short k", "", "causal", "", "dropout",
                         "dropout+wide v", "dropout", "dropout+strided k", "dropout", "dropout+strided v", "dropout",
                         "dropout+flash off", "dropout", "dropout+strided", "dropout+more", "", "eval", "", "no_grad",
                         "inference_mode", "", "flash off", "", "scale", "", "nan", "", "sgd step", "", "strided", "",
@@ -215,7 +217,7 @@ def test_sdpa_records_copied_equal_records_built_in_full() -> None:
     assert {c["sdpa_backend"] for c in out["calls"]} >= {"FLASH_ATTENTION", "MATH"}
 
 
-_MHA_CHANGES = _twice(["", "no weights", "", "per-head weights", "", "eval", "", "no_grad", "", "inference_mode",
+_MHA_CHANGES = _thrice(["", "no weights", "", "per-head weights", "", "eval", "", "no_grad", "", "inference_mode",
                        "inference_mode+no weights", "", "cross", "", "length", "", "sgd step", "", "no weights",
                        "no weights+frozen", "no weights", "no weights+flash off", "", "padding", "", "nan", "",
                        "direct eval", "", "direct weights", "", "short query", "", "fastpath off",

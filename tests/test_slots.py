@@ -161,3 +161,67 @@ def test_records_captured_by_a_slot_are_built_each_time_they_are_read() -> None:
     assert middle == list(enumerate(expected[:10]))
     assert [(c.index, c.output["nan_count"]) for c in t.calls] == list(enumerate(expected))
     assert sum(expected) > 0
+
+
+def test_a_multihead_attention_whose_batch_first_flag_flips_is_recorded_as_it_is() -> None:
+    """Witness: the module's own ``batch_first`` flag as the test sets it before each call, on a square input
+    whose shape is the same either way, so only the flag tells the calls apart."""
+    torch.manual_seed(4)
+    mha = nn.MultiheadAttention(16, 2)
+    x = torch.randn(4, 4, 16)
+    flags = [False] * 4 + [True] * 4 + [False] * 3
+    with qkvtrace.trace(mha) as t:
+        for flag in flags:
+            mha.batch_first = flag
+            mha(x, x, x)
+    assert [c.inputs["batch_first"] for c in t.calls] == flags
+
+
+def test_a_long_run_sees_each_return_to_an_earlier_combination() -> None:
+    """Witness: the test's own plan -- unmasked calls, one masked call, unmasked calls again, for a
+    MultiheadAttention and a model's own SDPA call -- whose changes of combination are the events expected:
+    the first call, the masked one, and the return to unmasked calls (which a slot filled before the masked
+    call must not count as if nothing had changed)."""
+    torch.manual_seed(5)
+    mha, direct = nn.MultiheadAttention(16, 2), Masked()
+    model = nn.ModuleList([mha, direct])
+    x = torch.randn(5, 2, 16)
+    q = torch.randn(2, 2, 5, 8)
+    pad = torch.zeros(2, 5, dtype=torch.bool)
+    pad[0, -1] = True
+    attend = torch.ones(5, 5, dtype=torch.bool).tril()
+    plan = [False] * 4 + [True] + [False] * 4
+    with qkvtrace.trace(model, keep="changes") as t:
+        for masked in plan:
+            mha(x, x, x, key_padding_mask=pad if masked else None)
+            direct(q, q, q, attend if masked else None)
+    for module, mask_field in (("0", "key_padding_mask"), ("1", "attn_mask")):
+        events = [(e.kind, e.became[mask_field] is not None) for e in t.changes if e.module == module]
+        assert events == [("first", False), ("change", True), ("change", False)], (module, events)
+        calls = {c["combo"][mask_field] is not None: c["calls"] for c in t.summary()["modules"][module]["combinations"]}
+        assert calls == {False: 8, True: 1}
+
+
+class Masked(nn.Module):
+    """A model's own SDPA call with the mask it is given, if any."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any = None) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def test_the_first_call_of_a_signature_says_witnessed_and_the_later_ones_cached() -> None:
+    """Witness: the evidence cache of the process, emptied by the test first, so that the kernels of the
+    first call are profiled now and the later ones read from that profile; MultiheadAttention with
+    ``need_weights=False`` (its kernel an SDPA call) and a model's own SDPA call."""
+    from qkvtrace import paths
+
+    paths.shared_evidence()._ops.clear()
+    torch.manual_seed(6)
+    mha, direct = nn.MultiheadAttention(16, 2), Direct()
+    x, q = torch.randn(5, 2, 16), torch.randn(2, 2, 5, 8)
+    with qkvtrace.trace(nn.ModuleList([mha, direct])) as t:
+        for _ in range(5):
+            mha(x, x, x, need_weights=False)
+            direct(q, q, q)
+    for module in ("0", "1"):
+        assert [c.evidence for c in t.calls if c.module == module] == ["witnessed"] + ["cached"] * 4

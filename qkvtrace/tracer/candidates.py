@@ -15,8 +15,8 @@ from qkvtrace import compat
 from qkvtrace.slices import Projection, guess_projection
 from qkvtrace.tracer.observers import handwritten
 
-__all__ = ["hand_written_candidates", "inside_compiled", "looks_like_attention", "named_for_attention", "related",
-           "runs_compiled", "user_names", "within"]
+__all__ = ["hand_written_candidates", "inside_compiled", "looks_like_attention", "named_for_attention",
+           "region_notes", "regions", "related", "runs_compiled", "user_names", "within"]
 
 _WRAPPER_PARTS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
 _ATTENTION_NAME = re.compile(r"attn|attention", re.IGNORECASE)
@@ -25,6 +25,52 @@ _ATTENTION_NAME = re.compile(r"attn|attention", re.IGNORECASE)
 def runs_compiled(m: nn.Module, optimized: tuple[type, ...]) -> bool:
     """``m`` runs through ``torch.compile``: an ``OptimizedModule``, or compiled in place (``module.compile()``)."""
     return (bool(optimized) and isinstance(m, optimized)) or getattr(m, "_compiled_call_impl", None) is not None
+
+
+def regions(modules: Iterable[tuple[str, nn.Module]]) -> list[tuple[str, str]]:
+    """The modules (by name) that run through ``torch.compile`` or TorchScript, with which of the two."""
+    compiled_types = compat.compiled_module_types()
+    scripted_types = compat.scripted_module_types()
+    found: list[tuple[str, str]] = []
+    for name, m in modules:
+        if runs_compiled(m, compiled_types):
+            found.append((name, "torch.compile"))
+        elif scripted_types and isinstance(m, scripted_types):
+            found.append((name, "TorchScript"))
+    return found
+
+
+def region_notes(found: list[tuple[str, str]], calls: list[str], compiled: list[str]) -> list[str]:
+    """What a trace says of each compiled or scripted region (:func:`regions`), from the modules of its recorded
+    ``calls`` and of the attention operations its ``compiled`` graphs hold."""
+    notes = []
+    for name, kind in found:
+        inside = sum(1 for c in calls if within(c, name))
+        made = sum(1 for c in compiled if within(c, name))
+        if made:
+            notes.append(
+                f"{name or '(root)'} runs through {kind}: {made} attention operation(s) of its graphs are "
+                "recorded under `compiled` (from PyTorch's compile log, or Dynamo's cache for graphs compiled "
+                "before the trace opened); how often the compiled code ran them is not observed"
+            )
+            continue
+        if inside:  # Dynamo ran them eagerly (some releases fall back on attention): real calls, recorded
+            notes.append(
+                f"{name or '(root)'} runs through {kind}: {inside} attention call(s) inside it ran outside "
+                "compiled graphs and were recorded; calls inside compiled graphs are not observed"
+            )
+            continue
+        why = (
+            " (the trace stands aside while it runs: PyTorch's own functions stay in place, so nothing is "
+            "recompiled); graphs compiled before the trace opened are not in the compile log it reads"
+            if kind == "torch.compile"
+            else ""
+        )
+        notes.append(
+            f"{name or '(root)'} runs through {kind}: attention calls inside it are not observed{why}; "
+            "its modules are listed as unobserved"
+        )
+    return notes
 
 
 def inside_compiled(model: nn.Module) -> set[int]:

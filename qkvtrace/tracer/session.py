@@ -438,41 +438,10 @@ class Trace:
 
     def _find_unobserved(self) -> None:
         """Attention-looking modules with no recorded call, and the compiled/scripted regions."""
-        compiled_types = compat.compiled_module_types()
-        scripted_types = compat.scripted_module_types()
-        regions: list[tuple[str, str]] = []
-        for name, m in self._names.values():
-            if found_candidates.runs_compiled(m, compiled_types):
-                regions.append((name, "torch.compile"))
-            elif scripted_types and isinstance(m, scripted_types):
-                regions.append((name, "TorchScript"))
+        regions = found_candidates.regions(self._names.values())
         compiled_modules = {c.module for c in self._result.compiled}
-        for name, kind in regions:
-            inside = sum(1 for c in self._result.calls if found_candidates.within(c.module, name))
-            made = sum(1 for c in self._result.compiled if found_candidates.within(c.module, name))
-            if made:
-                self._result.warnings.append(
-                    f"{name or '(root)'} runs through {kind}: {made} attention operation(s) of its graphs are "
-                    "recorded under `compiled` (from PyTorch's compile log, or Dynamo's cache for graphs compiled "
-                    "before the trace opened); how often the compiled code ran them is not observed"
-                )
-                continue
-            if inside:  # Dynamo ran them eagerly (some releases fall back on attention): real calls, recorded
-                self._result.warnings.append(
-                    f"{name or '(root)'} runs through {kind}: {inside} attention call(s) inside it ran outside "
-                    "compiled graphs and were recorded; calls inside compiled graphs are not observed"
-                )
-                continue
-            why = (
-                " (the trace stands aside while it runs: PyTorch's own functions stay in place, so nothing is "
-                "recompiled); graphs compiled before the trace opened are not in the compile log it reads"
-                if kind == "torch.compile"
-                else ""
-            )
-            self._result.warnings.append(
-                f"{name or '(root)'} runs through {kind}: attention calls inside it are not observed{why}; "
-                "its modules are listed as unobserved"
-            )
+        self._result.warnings += found_candidates.region_notes(regions, [c.module for c in self._result.calls],
+                                                               [c.module for c in self._result.compiled])  # fmt: skip
         seen_names = [self._names[i][0] for i in self._seen if i in self._names] + sorted(compiled_modules)
         looks = self._looks()
         for name, m in sorted(self._names.values(), key=lambda e: e[0]):

@@ -44,8 +44,9 @@ if TYPE_CHECKING:
     from torch import nn
 
     from qkvtrace.monitor import _Module, _Seen
+    from qkvtrace.tracer.session import Trace
 
-__all__ = ["Capture", "Slot", "build"]
+__all__ = ["Capture", "Slot", "build", "keep_counting", "keep_recording"]
 
 
 @dataclass(slots=True, eq=False)
@@ -71,11 +72,44 @@ class Slot:
     base: Any = None
     #: the call signature routes are found by (:func:`qkvtrace.tracer.routes.sdpa_core`)
     signature: Any = None
+    #: what a ``MultiheadAttention`` call itself said (path, reasons, backend, evidence, kernels, what its kernel
+    #: received): a call is the slot's only when it says the same
+    facts: tuple[Any, ...] | None = None
+
+    def holds(self, trace: Trace, name: str) -> bool:
+        """What the slot relies on beyond the call's key still holds: in a long run, its combination is still
+        the module's last and no health is due; in a plain trace, the Q/K/V slice record is the one the
+        weights' versions give now."""
+        if self.entry is not None:
+            return self.entry.last is self.combination and not trace.health_due(name)
+        return not isinstance(self.projection, Projection) or trace.norms.qkv(self.projection) is self.base
+
+
+def keep_counting(trace: Trace, owner: nn.Module, name: str, key: tuple[Any, ...], backend: str | None,
+                  rows: Any = 0, facts: tuple[Any, ...] | None = None) -> None:  # fmt: skip
+    """Keep the slot of a long run's module whose call was just counted as its previous one."""
+    entry = trace.monitor.modules[name]  # type: ignore[union-attr]
+    combination = entry.last
+    if combination is not None:  # (always: the call was just counted as it)
+        trace.slots[id(owner)] = Slot(owner, key, name, rows, entry=entry, combination=combination,
+                                      seen=entry.seen[combination], backend=backend, facts=facts)  # fmt: skip
+
+
+def keep_recording(trace: Trace, owner: nn.Module, name: str, key: tuple[Any, ...], projection: Projection | str,
+                   refs: tuple[Any, ...], rows: Any = 0, signature: Any = None,
+                   facts: tuple[Any, ...] | None = None) -> None:  # fmt: skip
+    """Keep the slot of a plain trace's module whose record was just remembered as its previous one, built
+    from ``refs`` (:func:`qkvtrace.tracer.again.previous`: the module, and its projection and slice record)."""
+    last = trace.last_record(owner)
+    if last is not None:
+        trace.slots[id(owner)] = Slot(owner, key, name, rows, last=last, projection=projection,
+                                      base=refs[2] if len(refs) == 3 else None, signature=signature,
+                                      facts=facts)  # fmt: skip
 
 
 #: one call captured in a plain trace: (its slot's record, index, thread, rank, world size, NaN count,
-#: fully-masked rows, the Q, K and V activation norms, backward core)
-Capture = tuple[AttentionCall, int, str, Any, Any, Any, Any, tuple[Any, Any, Any], "routes.Core | None"]
+#: fully-masked rows, the Q, K and V activation norms or ``None``, backward core)
+Capture = tuple[AttentionCall, int, str, Any, Any, Any, Any, "tuple[Any, Any, Any] | None", "routes.Core | None"]
 
 
 def build(captured: list[Capture]) -> list[AttentionCall]:
@@ -86,7 +120,8 @@ def build(captured: list[Capture]) -> list[AttentionCall]:
         record = again.clone(template)
         record.index = index
         record.output = {"nan_count": nan, "fully_masked_rows": rows}
-        record.qkv = again.with_norms(template.qkv, norms)
+        if norms is not None:  # a model's own SDPA call: the norms of the Q, K and V it received
+            record.qkv = again.with_norms(template.qkv, norms)
         if template.aten_ops is not None:
             record.aten_ops = list(template.aten_ops)
         if template.sdpa_refusals is not None:  # a caller editing its record must not edit the next one

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import sys
+import threading
 import types
 from collections.abc import Callable, Hashable
 from dataclasses import asdict
@@ -27,11 +28,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qkvtrace import maps, masks, paths
+from qkvtrace import compat, maps, masks, paths
 from qkvtrace.monitor import combination_key, mask_kind
 from qkvtrace.records import EVIDENCE_WITNESSED, AttentionCall
 from qkvtrace.slices import PartSpec, Projection, ProjectionSpec, Rows, whole
-from qkvtrace.tracer import again, registry, routes
+from qkvtrace.tracer import again, registry, routes, slots
 from qkvtrace.tracer.build import (
     Target,
     count_again,
@@ -70,8 +71,8 @@ class OpenMHA:
     """A multi-head attention call that has started and not yet ended (on this thread)."""
 
     __slots__ = ("ask_refusals", "attn_mask", "backend", "batch_first", "bound", "canonical", "core", "error",
-                 "evidence", "inputs", "kernel_rows", "kernel_source", "kpm", "local", "map_args", "module", "ops",
-                 "path", "projection", "query", "refusals", "refusals_source", "targets")  # fmt: skip
+                 "evidence", "inputs", "kernel_rows", "kernel_source", "key", "kpm", "local", "map_args", "module",
+                 "ops", "path", "projection", "query", "refusals", "refusals_source", "targets")  # fmt: skip
 
     def __init__(self, module: nn.Module, targets: list[Target]) -> None:
         self.module = module
@@ -106,6 +107,8 @@ class OpenMHA:
         self.kernel_rows: Any = None
         #: what a fallback's SDPA kernel received (Q and K projected, masks merged), when maps or health are due
         self.kernel_source: Any = None
+        #: the facts of the call's arguments its module's slot is checked against (:func:`_steady_key`)
+        self.key: tuple[Any, ...] | None = None
 
 
 def _innermost() -> OpenMHA | None:
@@ -175,9 +178,26 @@ def observe_forward(original: Callable[..., Any], args: tuple[Any, ...], kwargs:
     a = _bind(_MHA_NAMES, _MHA_DEFAULTS, args[1:], kwargs)
     ctx.query, ctx.kpm, ctx.attn_mask = a["query"], a["key_padding_mask"], a["attn_mask"]
     ctx.bound, ctx.batch_first = a, bool(module.batch_first)
+    if len(found) == 1:  # one trace records the call: its module's slot may know it (:mod:`..slots`)
+        ctx.key = _steady_key(module, a)
     if wants_maps(ctx.targets):
         ctx.map_args = a
     return _run(ctx, original, args, kwargs)
+
+
+def _steady_key(module: nn.Module, a: dict[str, Any]) -> tuple[Any, ...] | None:
+    """The facts of an unmasked ``MultiheadAttention`` call that its record's inputs are made of (:func:`_inputs`)
+    and the backend switches, read from its arguments and module; its slot is checked against them and against
+    what the call itself then says (path, reasons, backend, evidence, kernels, what its kernel received).
+    ``None`` for a masked call or nested tensors."""
+    q, k, v = a["query"], a["key"], a["value"]
+    if a["key_padding_mask"] is not None or a["attn_mask"] is not None or not _plain_tensor(q) or \
+            not _plain_tensor(k) or not _plain_tensor(v):  # fmt: skip
+        return None
+    return (q.shape, k.shape, v.shape, q.dtype, q.device, q is k, k is v, bool(a["need_weights"]),
+            bool(a["average_attn_weights"]), bool(a["is_causal"]), module.training, module.batch_first,
+            torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.is_autocast_enabled(),
+            paths.sdp_flags())  # the switches: PyTorch's refusals of a switched-off backend say so  # fmt: skip
 
 
 def _inputs(module: nn.Module, a: dict[str, Any], batch_first: bool) -> dict[str, Any]:
@@ -355,7 +375,20 @@ def _finish(ctx: OpenMHA, out: Any) -> None:
         elif isinstance(query, torch.Tensor) and not query.is_nested:
             rows = _fully_masked(ctx, query, kpm_c, attn_c)
     layer_reason = _layer_reason(module) if any(t.has_layers for t, _, _ in ctx.targets) else None
+    facts = None
+    if ctx.key is not None and ctx.error is None:
+        ops = None if ctx.ops is None else tuple(ctx.ops)
+        facts = (ctx.path, ctx.local.get("why_not_fast_path"), layer_reason, ctx.backend, ctx.evidence, ops,
+                 tuple(ctx.inputs.items()))  # fmt: skip
+        slot = ctx.targets[0][0].slots.get(id(module))
+        if slot is not None and slot.key == ctx.key and slot.facts == facts and slot.holds(*ctx.targets[0][:2]):
+            _steady(slot, ctx, out)
+            _release(ctx)
+            return
     if ctx.error is None and _counted_again(ctx, out, rows, layer_reason):
+        if facts is not None:  # (the facts hold the evidence: a slot filled by a witnessed call is not a cached one's)
+            trace, name, _ = ctx.targets[0]
+            slots.keep_counting(trace, module, name, ctx.key, ctx.backend, facts=facts)  # type: ignore[arg-type]
         _release(ctx)
         return
     built_from = None
@@ -372,6 +405,9 @@ def _finish(ctx: OpenMHA, out: Any) -> None:
             output = {"nan_count": nan_count(result), "fully_masked_rows": rows}
             _release(ctx)
             again.repeat(found, ctx.targets, module, projection, core, output)
+            if facts is not None:
+                slots.keep_recording(ctx.targets[0][0], module, ctx.targets[0][1], ctx.key, projection,  # type: ignore[arg-type]
+                                     built_from[1], facts=facts)  # fmt: skip
             return
     inputs = _inputs(module, ctx.bound, batch_first=ctx.batch_first)  # read now that a record is made
     inputs.update(ctx.inputs)
@@ -420,6 +456,31 @@ def _finish(ctx: OpenMHA, out: Any) -> None:
         built_from = None
     _release(ctx)
     deliver(call, ctx.targets, module, projection, core, source, built_from)
+    if facts is not None and built_from is not None:
+        slots.keep_recording(ctx.targets[0][0], module, ctx.targets[0][1], ctx.key, projection, built_from[1],  # type: ignore[arg-type]
+                             facts=facts)  # fmt: skip
+
+
+# -- a module's steady calls (:mod:`qkvtrace.tracer.slots`) ------------------------------------
+
+
+def _steady(slot: slots.Slot, ctx: OpenMHA, out: Any) -> None:
+    """Capture only what is its own of a call its module's slot knows."""
+    trace, name, index = ctx.targets[0]
+    result = out[0] if isinstance(out, tuple) else out
+    if slot.entry is not None:  # a long run: counted, nothing else
+        trace.monitor.count_steady(slot.entry, slot.seen, slot.backend, nan_count(result), 0)  # type: ignore[union-attr,arg-type]
+        return
+    training = ctx.inputs["training"] if "training" in ctx.inputs else bool(ctx.module.training)
+    core = _core(ctx, result, ctx.inputs.get("num_heads"), (True, True, training))
+    template = slot.last.record  # type: ignore[union-attr]
+    if core is not None and core.deferred is not None:  # its record may be corrected in the backward pass: made now
+        output = {"nan_count": nan_count(result), "fully_masked_rows": 0}
+        again.repeat([template], ctx.targets, ctx.module, slot.projection, core, output)  # type: ignore[arg-type]
+        return
+    rank, world = compat.distributed_rank()
+    trace.capture((template, index, threading.current_thread().name, rank, world, nan_count(result), 0, None, core),
+                  name)  # fmt: skip
 
 
 def _core(ctx: OpenMHA, result: Any, num_heads: Any, given: tuple[Any, ...]) -> routes.Core | None:

@@ -153,7 +153,7 @@ def observe_sdpa(original: Callable[..., Any], args: tuple[Any, ...], kwargs: di
     if len(covering) == 1:  # one trace records the call: its module's slot may know it (:mod:`..slots`)
         key = steady_key(owner, args, kwargs)
         slot = covering[0][0].slots.get(id(owner))
-        if key is not None and slot is not None and slot.key == key and _holds(slot, *covering[0]):
+        if key is not None and slot is not None and slot.key == key and slot.holds(*covering[0]):
             return _steady(slot, *covering[0], original, args, kwargs)
     targets = [(t, name, t.take_index()) for t, name in covering]
     a = _Args(args, kwargs)
@@ -170,7 +170,8 @@ def observe_sdpa(original: Callable[..., Any], args: tuple[Any, ...], kwargs: di
     if counts_only(targets) and count_again(targets, _combination(owner, a, backend), backend,
                                             lambda: _measured(a, out)):  # fmt: skip
         if key is not None and evidence == EVIDENCE_CACHED:
-            _fill_counting(owner, covering[0], key, a, backend)
+            slots.keep_counting(covering[0][0], owner, covering[0][1], key, backend,
+                                fully_masked_rows(a.q, a.k, None, a.is_causal))
         return out
     core = routes.sdpa_core(out, a.q, a.k, a.v, key=sig) if wants_backward(targets) else None
     built_from = None
@@ -186,7 +187,7 @@ def observe_sdpa(original: Callable[..., Any], args: tuple[Any, ...], kwargs: di
             output = {"nan_count": nan_count(out), "fully_masked_rows": fully_masked_rows(a.q, a.k, None, a.is_causal)}
             again.repeat(previous, targets, owner, projection, core, output, (norm_of(a.q), norm_of(a.k), norm_of(a.v)))
             if key is not None and evidence == EVIDENCE_CACHED:
-                _fill_recording(owner, covering[0], key, a, sig, base)
+                _keep_recording(owner, covering[0], key, a, sig, built_from[1])
             return out
     refused = a.refusals(targets[0][0], backend)  # asked once a record is made, as for a fallback's kernel
     record = _record(owner, targets, a, backend, ops, evidence, out, refused)
@@ -194,7 +195,7 @@ def observe_sdpa(original: Callable[..., Any], args: tuple[Any, ...], kwargs: di
         built_from = None
     _deliver(record, owner, targets, a, core, a.map_source(targets), built_from)
     if key is not None and built_from is not None and evidence == EVIDENCE_CACHED:
-        _fill_recording(owner, covering[0], key, a, sig, built_from[1][-1] if len(built_from[1]) == 3 else None)
+        _keep_recording(owner, covering[0], key, a, sig, built_from[1])
     return out
 
 
@@ -235,13 +236,12 @@ def steady_key(owner: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) 
             paths.sdp_flags(), tuple(map(id, owner._modules.values())))  # fmt: skip
 
 
-def _holds(slot: slots.Slot, trace: Any, name: str) -> bool:
-    """What ``slot`` relies on beyond its key still holds: in a long run, its combination is still the module's
-    last and no health is due; in a plain trace, the Q/K/V slice record is the one the weights' versions give
-    now."""
-    if slot.entry is not None:
-        return slot.entry.last is slot.combination and not trace.health_due(name)
-    return not isinstance(slot.projection, Projection) or trace.norms.qkv(slot.projection) is slot.base
+def _keep_recording(owner: nn.Module, covering: tuple[Any, str], key: tuple[Any, ...], a: _Args, sig: Any,
+                    refs: tuple[Any, ...]) -> None:  # fmt: skip
+    """Keep the module's slot after its record was remembered, unless its rows are an answer of the moment."""
+    if lasting(a.projection):
+        slots.keep_recording(covering[0], owner, covering[1], key, a.projection, refs,
+                             fully_masked_rows(a.q, a.k, None, a.is_causal), sig)  # fmt: skip
 
 
 def _steady(slot: slots.Slot, trace: Any, name: str, original: Callable[..., Any], args: tuple[Any, ...],
@@ -269,27 +269,6 @@ def _steady(slot: slots.Slot, trace: Any, name: str, original: Callable[..., Any
     trace.capture((template, index, threading.current_thread().name, rank, world, nan_count(out), slot.rows, norms,
                    core), name)  # fmt: skip
     return out
-
-
-def _fill_counting(owner: nn.Module, covering: tuple[Any, str], key: tuple[Any, ...], a: _Args,
-                   backend: str | None) -> None:  # fmt: skip
-    """Keep the slot of a long run's module whose call was just counted as its previous one."""
-    trace, name = covering
-    entry = trace.monitor.modules[name]
-    trace.slots[id(owner)] = slots.Slot(owner, key, name, rows=fully_masked_rows(a.q, a.k, None, a.is_causal),
-                                        entry=entry, combination=entry.last, seen=entry.seen[entry.last],
-                                        backend=backend)  # fmt: skip
-
-
-def _fill_recording(owner: nn.Module, covering: tuple[Any, str], key: tuple[Any, ...], a: _Args, sig: Any,
-                    base: Any) -> None:  # fmt: skip
-    """Keep the slot of a plain trace's module whose record was just remembered as its previous one."""
-    trace, name = covering
-    last = trace.last_record(owner)
-    if last is None or not lasting(a.projection):
-        return
-    trace.slots[id(owner)] = slots.Slot(owner, key, name, rows=fully_masked_rows(a.q, a.k, None, a.is_causal),
-                                        last=last, projection=a.projection, base=base, signature=sig)  # fmt: skip
 
 
 #: the types of ``scale`` whose value a record's key compares (a tensor's ``==`` is not a truth value)
