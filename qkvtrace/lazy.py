@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Deferred", "resolve"]
+__all__ = ["Deferred", "read", "resolve"]
 
 
 class Deferred:
@@ -98,8 +98,16 @@ def resolve(roots: Iterable[Any]) -> None:
     seen: set[int] = set()
     for root in roots:
         _collect(root, tensors, deferred, seen)
+    read(tensors)
+    for slot, d in deferred:
+        _store(slot, d.finish())
+
+
+def read(places: list[tuple[_Slot, torch.Tensor]]) -> None:
+    """Store at each place (a dict and key, a list and index, or an object and attribute name) the Python value of
+    its tensor: one host read per device, the 0-dim tensors stacked per dtype (as :func:`resolve` reads them)."""
     by_device: dict[torch.device, list[tuple[_Slot, torch.Tensor]]] = {}
-    for slot, t in tensors:
+    for slot, t in places:
         by_device.setdefault(t.device, []).append((slot, t))
     for device, group in by_device.items():
         if device.type == "meta":  # shapes without data (a model built on the meta device): nothing to read
@@ -128,5 +136,3 @@ def resolve(roots: Iterable[Any]) -> None:
             is_int = not (t.is_floating_point() or t.is_complex())
             _store(slot, [int(x) if is_int else float(x) for x in flat[at : at + n]])
             at += n
-    for slot, d in deferred:
-        _store(slot, d.finish())

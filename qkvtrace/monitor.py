@@ -225,7 +225,8 @@ class Monitor:
         seen.last_step = self.step_number
         self._step_backends[backend or "none"] += 1
         _count(entry, "nan_count", nan_count)
-        _count(entry, "fully_masked_rows", rows)
+        if isinstance(rows, torch.Tensor) or rows:  # (an unmasked, non-causal call has none to add)
+            _count(entry, "fully_masked_rows", rows)
 
     @staticmethod
     def _count_output(entry: _Module, output: dict[str, Any]) -> None:

@@ -74,6 +74,11 @@ def test_a_module_rewired_after_its_slot_was_filled_gets_its_new_rows(mode: str)
     before = ("q.weight", [[0, 16]], "k.weight", [[0, 16]], "v.weight", [[0, 16]])
     after = ("qkv.weight", [[0, 16]], "qkv.weight", [[16, 32]], "qkv.weight", [[32, 48]])
     assert got == [before] * 4 + [after] * 4
+    # the weights' norms, read with the records (copies of records read first): numbers, the test's own
+    for c in t.calls:
+        weight = (model.qkv.weight[:16] if c.qkv.q.param == "qkv.weight" else model.q.weight).detach().double()
+        assert type(c.qkv.q.weight_norm) is float
+        assert abs(c.qkv.q.weight_norm - float(torch.linalg.vector_norm(weight))) <= 1e-5 * c.qkv.q.weight_norm
 
 
 def _functions_per_call(keep: str, calls: int) -> list[int]:
@@ -225,3 +230,36 @@ def test_the_first_call_of_a_signature_says_witnessed_and_the_later_ones_cached(
             direct(q, q, q)
     for module in ("0", "1"):
         assert [c.evidence for c in t.calls if c.module == module] == ["witnessed"] + ["cached"] * 4
+
+
+def test_records_read_in_the_middle_and_at_the_end_hold_numbers_not_tensors() -> None:
+    """Witness: the test's own NaN count of each output and float64 norm of each Q it hands SDPA, for a
+    MultiheadAttention (records built in full or copied) and a model's own SDPA call (records captured by its
+    slot), read in the middle of the block and again at its end: each reading reads only what came since."""
+    torch.manual_seed(7)
+    mha, direct = nn.MultiheadAttention(16, 2), Direct()
+    x = torch.randn(5, 2, 16)
+    nans: list[int] = []
+    norms: list[float] = []
+
+    def run(calls: int) -> None:
+        for i in range(calls):
+            xi = x.clone()
+            if i % 3 == 1:
+                xi[0, 0, 0] = float("nan")
+            out, _ = mha(xi, xi, xi)
+            q = torch.randn(2, 2, 5, 8) * (i + 1)
+            y = direct(q, q, q)
+            nans.extend([int(torch.isnan(out).sum()), int(torch.isnan(y).sum())])
+            norms.append(float(torch.linalg.vector_norm(q.double())))
+
+    with qkvtrace.trace(nn.ModuleList([mha, direct])) as t:
+        run(6)
+        middle = [(c.output["nan_count"], c.qkv.q.activation_norm if c.module == "1" else None) for c in t.calls]
+        run(9)
+    end = [(c.output["nan_count"], c.qkv.q.activation_norm if c.module == "1" else None) for c in t.calls]
+    assert middle == end[: len(middle)]
+    assert [n for n, _ in end] == nans and sum(nans) > 0
+    got = [norm for _, norm in end if norm is not None]
+    assert all(type(n) is float for n in got)
+    assert all(abs(g - e) <= 1e-5 * e for g, e in zip(got, norms, strict=True)), (got, norms)

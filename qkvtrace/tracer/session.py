@@ -129,6 +129,8 @@ class Trace:
         self.slots: dict[int, slots.Slot] = {}
         #: calls captured by their slots, whose records are built when the records are read
         self._captured: list[slots.Capture] = []
+        #: records added since the records were last read, whose numbers are still to be read
+        self._fresh: list[AttentionCall] = []
         #: code objects torch.compile had compiled frames of when the trace opened (their graphs are not in its log)
         self._compiled_before: frozenset[int] = frozenset()
         self._noted: set[str] = set()
@@ -309,6 +311,7 @@ class Trace:
         if self.monitor is not None and not self.monitor.add(call):
             return  # counted; its record is not kept (neither a first nor a change)
         self._result.calls.append(call)
+        self._fresh.append(call)
         self._unresolved = True
         if self.record_gradients and isinstance(projection, Projection):
             self._grads.watch(owner, projection)
@@ -416,11 +419,12 @@ class Trace:
     def _resolve(self) -> None:
         grads, found = self._grads.records, self._grads.routes
         result = self._result
-        self._build_captured()
         if not self._unresolved and len(grads) == len(result.gradients) and len(found) == len(result.routes):
             return
         result.gradients, result.routes = list(grads), list(found)
-        lazy.resolve([result.calls, result.gradients, result.routes])
+        self._build_captured()
+        fresh, self._fresh = self._fresh, []
+        lazy.resolve([fresh, result.gradients, result.routes])  # only records not read before: a long trace
         for g in result.gradients:
             _shares([g.q, g.k, g.v], "pass_grad_norm", "pass_share")
         for r in result.routes:
@@ -431,8 +435,11 @@ class Trace:
         self._unresolved = False
 
     def _build_captured(self) -> None:
-        """The records of the calls their slots captured, built now that they are read."""
+        """The records of the calls their slots captured, built now that they are read, their numbers read
+        with them (after the records they are copies of: nothing of theirs is walked again)."""
         if self._captured:
+            fresh, self._fresh = self._fresh, []
+            lazy.resolve([fresh])
             captured, self._captured = self._captured, []
             self._result.calls += slots.build(captured)
 

@@ -36,6 +36,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch
+
+from qkvtrace import lazy
 from qkvtrace.records import AttentionCall
 from qkvtrace.slices import Projection
 from qkvtrace.tracer import again, routes
@@ -114,14 +117,17 @@ Capture = tuple[AttentionCall, int, str, Any, Any, Any, Any, "tuple[Any, Any, An
 
 def build(captured: list[Capture]) -> list[AttentionCall]:
     """The records of calls captured by their slots, each made from its slot's record with its own numbers,
-    as :func:`qkvtrace.tracer.again.repeat` makes them."""
+    as :func:`qkvtrace.tracer.again.repeat` makes them, with those numbers read now (:func:`qkvtrace.lazy.read`:
+    one read per device for all of them) -- the slots' records must have been resolved first."""
+    numbers = [[nan, rows, *(norms or ())] for _, _, _, _, _, nan, rows, norms, _ in captured]
+    lazy.read([((values, i), v) for values in numbers for i, v in enumerate(values) if isinstance(v, torch.Tensor)])
     out = []
-    for template, index, thread, rank, world, nan, rows, norms, core in captured:
+    for (template, index, thread, rank, world, _, _, norms, core), values in zip(captured, numbers, strict=True):
         record = again.clone(template)
         record.index = index
-        record.output = {"nan_count": nan, "fully_masked_rows": rows}
+        record.output = {"nan_count": values[0], "fully_masked_rows": values[1]}
         if norms is not None:  # a model's own SDPA call: the norms of the Q, K and V it received
-            record.qkv = again.with_norms(template.qkv, norms)
+            record.qkv = again.with_norms(template.qkv, (values[2], values[3], values[4]))
         if template.aten_ops is not None:
             record.aten_ops = list(template.aten_ops)
         if template.sdpa_refusals is not None:  # a caller editing its record must not edit the next one

@@ -228,9 +228,10 @@ def steady_key(owner: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     scale = kwargs.get("scale")
     if type(scale) not in _PLAIN_SCALES:
         return None
-    return (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, q.stride(),
-            k.stride(), v.stride(), q.storage_offset(), k.storage_offset(), v.storage_offset(), q.requires_grad,
-            k.requires_grad, v.requires_grad, args[4] if n > 4 else kwargs.get("dropout_p", 0.0),
+    # (Q's dtype and device: SDPA refuses K and V of others, and a refused call is recorded in full)
+    return (q.shape, k.shape, v.shape, q.dtype, q.device, q.stride(), k.stride(), v.stride(), q.storage_offset(),
+            k.storage_offset(), v.storage_offset(), q.requires_grad, k.requires_grad, v.requires_grad,
+            args[4] if n > 4 else kwargs.get("dropout_p", 0.0),
             args[5] if n > 5 else kwargs.get("is_causal", False), scale, kwargs.get("enable_gqa", False),
             owner.training, torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.is_autocast_enabled(),
             paths.sdp_flags(), tuple(map(id, owner._modules.values())))  # fmt: skip
