@@ -27,14 +27,16 @@ them when the block ends.
 from __future__ import annotations
 
 import itertools
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
-from qkvtrace import compat
+from qkvtrace import compat, lazy
 from qkvtrace.records import QKVInfo, SliceGrad, SliceInfo
 
 __all__ = [
@@ -251,6 +253,16 @@ _MAX_CACHED = 4096
 _UNTRACKED = itertools.count(-1, -1)
 
 
+def _state(t: torch.Tensor) -> tuple[int, int | None]:
+    """What says a parameter's values are the ones a norm was computed from: its version (an in-place change,
+    an optimizer step) and its storage (``param.data = ...``, a conversion such as ``model.half()``)."""
+    try:
+        where: int | None = t.data_ptr()
+    except RuntimeError:  # a tensor subclass with no storage of its own (a DTensor): its version says it
+        where = None
+    return version_of(t), where
+
+
 def version_of(t: torch.Tensor) -> int:
     """``t._version``, which moves on every in-place change; a new number each call for an inference tensor."""
     try:
@@ -271,15 +283,16 @@ class NormCache:
     """
 
     def __init__(self) -> None:
-        #: (id of the parameter, rows, dim) -> (the version the norm was computed at, the norm)
-        self._cache: dict[tuple[int, Rows, int], tuple[int, torch.Tensor]] = {}
-        #: (id of the holder, id of the spec, ids of its parameters) -> (their versions then, the record)
-        self._qkv: dict[tuple[int, int, tuple[int, ...]], tuple[tuple[int, ...], QKVInfo]] = {}
+        #: (id of the parameter, rows, dim) -> (the parameter's state the norm was computed at, the norm)
+        self._cache: dict[tuple[int, Rows, int], tuple[Any, torch.Tensor | float]] = {}
+        #: (id of the holder, id of the spec, ids of its parameters) -> (their states then, the record)
+        self._qkv: dict[tuple[int, int, tuple[int, ...]], tuple[tuple[Any, ...], QKVInfo]] = {}
         #: by module and spec: a module whose calls use other projections (re-wired, two calls) has each
         self._params: dict[tuple[int, int], list[str]] = {}
 
-    def norm(self, param: torch.Tensor, rows: Rows, dim: int = 0) -> torch.Tensor:
-        key, version = (id(param), rows, dim), version_of(param)
+    def norm(self, param: torch.Tensor, rows: Rows, dim: int = 0) -> torch.Tensor | float:
+        """The norm of ``rows`` of ``param`` (a 0-dim tensor; a number once :meth:`settle` read it)."""
+        key, version = (id(param), rows, dim), _state(param)
         held = self._cache.get(key)
         if held is not None and held[0] == version:
             return held[1]
@@ -301,7 +314,7 @@ class NormCache:
         # looked up on every call: FSDP swaps the tensors behind these names between sharded and whole
         params = [param_of(module, n) for n in names]
         key = (id(module), id(spec), tuple(id(p) for p in params))
-        versions = tuple(version_of(p) for p in params)
+        versions = tuple(_state(p) for p in params)
         held = self._qkv.get(key)
         if held is not None and held[0] == versions:
             return held[1]
@@ -312,6 +325,17 @@ class NormCache:
             self._cache.clear()
         self._qkv[key] = (versions, info)
         return info
+
+    def settle(self) -> None:
+        """Read the norms held as tensors into numbers (one read per device), so that a cache kept between
+        traces of a model keeps no tensor alive; later lookups of unchanged parameters give the numbers."""
+        held = [(k, v) for k, (_, v) in self._cache.items() if isinstance(v, torch.Tensor)]
+        boxes: list[list[Any]] = [[v] for _, v in held]
+        lazy.read([((box, 0), v) for box, (_, v) in zip(boxes, held, strict=True)])
+        keys = [k for k, _ in held]
+        for k, box in zip(keys, boxes, strict=True):
+            self._cache[k] = (self._cache[k][0], box[0])
+        lazy.resolve([info for _, info in self._qkv.values()])
 
     def _slice(self, module: nn.Module, ps: PartSpec) -> SliceInfo:
         """One part's record; a part made from several weights names the others in ``also``, and its norms
@@ -344,7 +368,11 @@ def _joint(norms: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
         return None
     if len(norms) == 1:
         return norms[0]
-    return torch.stack([n for n in norms if n is not None]).square().sum().sqrt()
+    tensors = [n for n in norms if isinstance(n, torch.Tensor)]
+    if not tensors:  # numbers read earlier (:meth:`NormCache.settle`)
+        return math.sqrt(sum(float(n) ** 2 for n in norms if n is not None))  # type: ignore[return-value]
+    like = tensors[0]
+    return torch.stack([n if isinstance(n, torch.Tensor) else like.new_tensor(n) for n in norms]).square().sum().sqrt()
 
 
 def grad_slices(

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import gc
 import weakref
+from contextlib import nullcontext
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -123,3 +125,77 @@ def test_what_is_kept_between_traces_holds_no_module() -> None:
     del model
     gc.collect()
     assert ref() is None
+
+
+def test_weight_norms_kept_between_traces_follow_the_weights() -> None:
+    """Witness: the float64 norm the test computes of each weight's Q, K and V rows just before each trace, the
+    weights changed between traces in each way a training or conversion script changes them: an optimizer
+    step (the version moves), ``param.data`` replaced (a new storage), the model converted to float64 (a new
+    dtype), and a trace under ``inference_mode``; the norms are numbers in each trace's records."""
+    torch.manual_seed(11)
+    mha = nn.MultiheadAttention(16, 2)
+    opt = torch.optim.SGD(mha.parameters(), lr=0.5)
+    x = torch.randn(5, 2, 16)
+    changes = ["", "", "step", "data", "double", "inference_mode", ""]
+    for change in changes:
+        if change == "step":
+            mha(x, x, x)[0].sum().backward()
+            opt.step()
+        elif change == "data":
+            with torch.no_grad():
+                mha.in_proj_weight.data = torch.randn_like(mha.in_proj_weight)
+        elif change == "double":
+            mha.double()
+            x = x.double()
+        w = mha.in_proj_weight.detach().double()
+        expected = [float(torch.linalg.vector_norm(w[i * 16 : (i + 1) * 16])) for i in range(3)]
+        with qkvtrace.trace(mha) as t, torch.inference_mode() if change == "inference_mode" else nullcontext():
+            mha(x, x, x)
+        got = [t.calls[0].qkv.q.weight_norm, t.calls[0].qkv.k.weight_norm, t.calls[0].qkv.v.weight_norm]
+        assert all(type(g) is float for g in got), (change, got)
+        assert all(abs(g - e) <= 1e-5 * e for g, e in zip(got, expected, strict=True)), (change, got, expected)
+
+
+class _Projected(nn.Module):
+    """A model's own SDPA call on Q, K and V it projects with one Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, 2, 8).permute(2, 0, 3, 1, 4)  # each (B, H, T, d)
+        return F.scaled_dot_product_attention(q, k, v)
+
+
+@pytest.mark.parametrize("kind", ["mha", "sdpa"])
+def test_a_closed_trace_leaves_no_tensor_alive_in_what_it_keeps_for_the_next(kind: str) -> None:
+    """Witness: the interpreter's own list of live objects (``gc.get_objects``), counting tensors before a
+    trace opens and after it closed (its records still held): what a trace keeps for the next trace of the
+    same model (names, answers, weight norms) holds numbers, not tensors."""
+    torch.manual_seed(12)
+    model: nn.Module
+    if kind == "mha":
+        mha = model = nn.MultiheadAttention(16, 2)
+        x = torch.randn(5, 2, 16)
+
+        def run() -> None:
+            mha(x, x, x)
+    else:
+        model = _Projected()
+        x = torch.randn(2, 5, 16)
+
+        def run() -> None:
+            model(x)
+
+    def tensors() -> int:
+        gc.collect()
+        return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+
+    run()
+    before = tensors()
+    with qkvtrace.trace(model) as t:
+        run()
+    assert t.calls and t.calls[0].qkv.q.param is not None
+    assert tensors() == before

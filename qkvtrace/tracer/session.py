@@ -180,6 +180,9 @@ class Trace:
             if id(m) not in self._names:
                 self._names[id(m)] = (name, m)
                 self._by_name[name] = m
+        # weight norms kept between traces of the model while its structure holds (read into numbers at each
+        # close); each lookup checks the parameter's version, storage and dtype
+        self.norms = walked.answer("norms", NormCache)
         self.has_layers = walked.answer("layers", lambda: any(isinstance(m, nn.TransformerEncoderLayer)
                                                               for m in walked.modules))  # fmt: skip
         self.thread = threading.get_ident() if self.threads == "entering" else None
@@ -235,6 +238,7 @@ class Trace:
                 self._projections.clear()
                 self._last.clear()
                 self.slots.clear()
+                self.norms.settle()
                 self.norms = NormCache()
                 self._model = self._walked = None
 
