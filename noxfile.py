@@ -74,13 +74,15 @@ MUTANT_OWNERS: dict[str, list[str]] = {
     "masks": ["tests/test_records.py", "tests/test_hand_written.py"],
     "refusals": ["tests/test_refusals.py", "tests/test_refusals_more.py"],
     "tracediff": ["tests/test_tracediff.py"],
-    "monitor": ["tests/test_monitor.py", "tests/test_health.py", "tests/test_steady_state.py", "--deselect",
+    "monitor": ["tests/test_monitor.py", "tests/test_health.py", "tests/test_steady_state.py", "tests/test_slots.py",
+                "--deselect",
                 "tests/test_monitor.py::test_a_long_run_reports_exactly_the_steps_where_attention_changed"],
     "paths": ["tests/test_paths.py"],
-    "slices": ["tests/test_slices.py", "tests/test_norms.py"],
+    "slices": ["tests/test_slices.py", "tests/test_norms.py", "tests/test_trace_reopen.py"],
     "dataflow": ["tests/test_slices.py", "tests/test_hand_written.py", "tests/test_dataflow.py"],
     "maps": ["tests/test_maps.py", "tests/test_maps_more.py"],
     "advise": ["tests/test_advise.py", "tests/test_advise_more.py"],
+    "tracer/slots": ["tests/test_slots.py", "tests/test_again.py"],
 }  # fmt: skip
 
 
