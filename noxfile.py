@@ -82,7 +82,9 @@ MUTANT_OWNERS: dict[str, list[str]] = {
     "dataflow": ["tests/test_slices.py", "tests/test_hand_written.py", "tests/test_dataflow.py"],
     "maps": ["tests/test_maps.py", "tests/test_maps_more.py"],
     "advise": ["tests/test_advise.py", "tests/test_advise_more.py"],
-    "tracer/slots": ["tests/test_slots.py", "tests/test_again.py"],
+    "tracer/slots": ["tests/test_slots.py", "tests/test_again.py", "tests/test_steady_state.py", "tests/test_health.py",
+                     "tests/test_monitor.py", "--deselect",
+                     "tests/test_monitor.py::test_a_long_run_reports_exactly_the_steps_where_attention_changed"],
 }  # fmt: skip
 
 

@@ -54,9 +54,9 @@ __all__ = ["Capture", "Slot", "build", "keep_counting", "keep_recording"]
 
 @dataclass(slots=True, eq=False)
 class Slot:
-    """What one module's steady calls share in one trace, and the key of the facts that decided it."""
+    """What one module's steady calls share in one trace (found by the id of the module, which the trace holds
+    alive), and the key of the facts that decided it."""
 
-    owner: nn.Module
     #: the call's facts that decide its record: shapes, dtypes, strides, flags, modes (:func:`sdpa_key`)
     key: tuple[Any, ...]
     #: the module's name in the trace
@@ -88,24 +88,24 @@ class Slot:
         return not isinstance(self.projection, Projection) or trace.norms.qkv(self.projection) is self.base
 
 
-def keep_counting(trace: Trace, owner: nn.Module, name: str, key: tuple[Any, ...], backend: str | None,
-                  rows: Any = 0, facts: tuple[Any, ...] | None = None) -> None:  # fmt: skip
+def keep_counting(trace: Trace, name: str, key: tuple[Any, ...], backend: str | None, rows: Any, *,
+                  owner: nn.Module, facts: tuple[Any, ...] | None = None) -> None:  # fmt: skip
     """Keep the slot of a long run's module whose call was just counted as its previous one."""
     entry = trace.monitor.modules[name]  # type: ignore[union-attr]
     combination = entry.last
     if combination is not None:  # (always: the call was just counted as it)
-        trace.slots[id(owner)] = Slot(owner, key, name, rows, entry=entry, combination=combination,
+        trace.slots[id(owner)] = Slot(key, name, rows, entry=entry, combination=combination,
                                       seen=entry.seen[combination], backend=backend, facts=facts)  # fmt: skip
 
 
-def keep_recording(trace: Trace, owner: nn.Module, name: str, key: tuple[Any, ...], projection: Projection | str,
-                   refs: tuple[Any, ...], rows: Any = 0, signature: Any = None,
+def keep_recording(trace: Trace, name: str, key: tuple[Any, ...], projection: Projection | str,
+                   refs: tuple[Any, ...], rows: Any, *, owner: nn.Module, signature: Any = None,
                    facts: tuple[Any, ...] | None = None) -> None:  # fmt: skip
     """Keep the slot of a plain trace's module whose record was just remembered as its previous one, built
     from ``refs`` (:func:`qkvtrace.tracer.again.previous`: the module, and its projection and slice record)."""
     last = trace.last_record(owner)
     if last is not None:
-        trace.slots[id(owner)] = Slot(owner, key, name, rows, last=last, projection=projection,
+        trace.slots[id(owner)] = Slot(key, name, rows, last=last, projection=projection,
                                       base=refs[2] if len(refs) == 3 else None, signature=signature,
                                       facts=facts)  # fmt: skip
 

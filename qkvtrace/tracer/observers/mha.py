@@ -388,7 +388,7 @@ def _finish(ctx: OpenMHA, out: Any) -> None:
     if ctx.error is None and _counted_again(ctx, out, rows, layer_reason):
         if facts is not None:  # (the facts hold the evidence: a slot filled by a witnessed call is not a cached one's)
             trace, name, _ = ctx.targets[0]
-            slots.keep_counting(trace, module, name, ctx.key, ctx.backend, facts=facts)  # type: ignore[arg-type]
+            slots.keep_counting(trace, name, ctx.key, ctx.backend, 0, owner=module, facts=facts)  # type: ignore[arg-type]
         _release(ctx)
         return
     built_from = None
@@ -406,8 +406,8 @@ def _finish(ctx: OpenMHA, out: Any) -> None:
             _release(ctx)
             again.repeat(found, ctx.targets, module, projection, core, output)
             if facts is not None:
-                slots.keep_recording(ctx.targets[0][0], module, ctx.targets[0][1], ctx.key, projection,  # type: ignore[arg-type]
-                                     built_from[1], facts=facts)  # fmt: skip
+                slots.keep_recording(ctx.targets[0][0], ctx.targets[0][1], ctx.key, projection,  # type: ignore[arg-type]
+                                     built_from[1], 0, owner=module, facts=facts)  # fmt: skip
             return
     inputs = _inputs(module, ctx.bound, batch_first=ctx.batch_first)  # read now that a record is made
     inputs.update(ctx.inputs)
@@ -457,8 +457,8 @@ def _finish(ctx: OpenMHA, out: Any) -> None:
     _release(ctx)
     deliver(call, ctx.targets, module, projection, core, source, built_from)
     if facts is not None and built_from is not None:
-        slots.keep_recording(ctx.targets[0][0], module, ctx.targets[0][1], ctx.key, projection, built_from[1],  # type: ignore[arg-type]
-                             facts=facts)  # fmt: skip
+        slots.keep_recording(ctx.targets[0][0], ctx.targets[0][1], ctx.key, projection, built_from[1], 0,  # type: ignore[arg-type]
+                             owner=module, facts=facts)  # fmt: skip
 
 
 # -- a module's steady calls (:mod:`qkvtrace.tracer.slots`) ------------------------------------
@@ -469,18 +469,18 @@ def _steady(slot: slots.Slot, ctx: OpenMHA, out: Any) -> None:
     trace, name, index = ctx.targets[0]
     result = out[0] if isinstance(out, tuple) else out
     if slot.entry is not None:  # a long run: counted, nothing else
-        trace.monitor.count_steady(slot.entry, slot.seen, slot.backend, nan_count(result), 0)  # type: ignore[union-attr,arg-type]
+        trace.monitor.count_steady(slot.entry, slot.seen, slot.backend, nan_count(result), slot.rows)  # type: ignore[union-attr,arg-type]
         return
     training = ctx.inputs["training"] if "training" in ctx.inputs else bool(ctx.module.training)
     core = _core(ctx, result, ctx.inputs.get("num_heads"), (True, True, training))
     template = slot.last.record  # type: ignore[union-attr]
     if core is not None and core.deferred is not None:  # its record may be corrected in the backward pass: made now
-        output = {"nan_count": nan_count(result), "fully_masked_rows": 0}
+        output = {"nan_count": nan_count(result), "fully_masked_rows": slot.rows}
         again.repeat([template], ctx.targets, ctx.module, slot.projection, core, output)  # type: ignore[arg-type]
         return
     rank, world = compat.distributed_rank()
-    trace.capture((template, index, threading.current_thread().name, rank, world, nan_count(result), 0, None, core),
-                  name)  # fmt: skip
+    trace.capture((template, index, threading.current_thread().name, rank, world, nan_count(result), slot.rows, None,
+                   core), name)  # fmt: skip
 
 
 def _core(ctx: OpenMHA, result: Any, num_heads: Any, given: tuple[Any, ...]) -> routes.Core | None:

@@ -154,7 +154,7 @@ def observe_sdpa(original: Callable[..., Any], args: tuple[Any, ...], kwargs: di
         key = steady_key(owner, args, kwargs)
         slot = covering[0][0].slots.get(id(owner))
         if key is not None and slot is not None and slot.key == key and slot.holds(*covering[0]):
-            return _steady(slot, *covering[0], original, args, kwargs)
+            return _steady(slot, owner, *covering[0], original, args, kwargs)
     targets = [(t, name, t.take_index()) for t, name in covering]
     a = _Args(args, kwargs)
     backend = a.backend()
@@ -170,8 +170,8 @@ def observe_sdpa(original: Callable[..., Any], args: tuple[Any, ...], kwargs: di
     if counts_only(targets) and count_again(targets, _combination(owner, a, backend), backend,
                                             lambda: _measured(a, out)):  # fmt: skip
         if key is not None and evidence == EVIDENCE_CACHED:
-            slots.keep_counting(covering[0][0], owner, covering[0][1], key, backend,
-                                fully_masked_rows(a.q, a.k, None, a.is_causal))
+            slots.keep_counting(covering[0][0], covering[0][1], key, backend,
+                                fully_masked_rows(a.q, a.k, None, a.is_causal), owner=owner)
         return out
     core = routes.sdpa_core(out, a.q, a.k, a.v, key=sig) if wants_backward(targets) else None
     built_from = None
@@ -241,19 +241,19 @@ def _keep_recording(owner: nn.Module, covering: tuple[Any, str], key: tuple[Any,
                     refs: tuple[Any, ...]) -> None:  # fmt: skip
     """Keep the module's slot after its record was remembered, unless its rows are an answer of the moment."""
     if lasting(a.projection):
-        slots.keep_recording(covering[0], owner, covering[1], key, a.projection, refs,
-                             fully_masked_rows(a.q, a.k, None, a.is_causal), sig)  # fmt: skip
+        slots.keep_recording(covering[0], covering[1], key, a.projection, refs,
+                             fully_masked_rows(a.q, a.k, None, a.is_causal), owner=owner, signature=sig)  # fmt: skip
 
 
-def _steady(slot: slots.Slot, trace: Any, name: str, original: Callable[..., Any], args: tuple[Any, ...],
-            kwargs: dict[str, Any]) -> Any:  # fmt: skip
+def _steady(slot: slots.Slot, owner: nn.Module, trace: Any, name: str, original: Callable[..., Any],
+            args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:  # fmt: skip
     """Run a call its module's slot knows, and capture only what is its own."""
     index = trace.take_index()
     try:
         out = original(*args, **kwargs)
     except BaseException as exc:
         a = _Args(args, kwargs)
-        _record_raised(slot.owner, [(trace, name, index)], a, a.backend(), exc)
+        _record_raised(owner, [(trace, name, index)], a, a.backend(), exc)
         raise
     if slot.entry is not None:  # a long run: counted, nothing else
         trace.monitor.count_steady(slot.entry, slot.seen, slot.backend, nan_count(out), slot.rows)
@@ -264,7 +264,7 @@ def _steady(slot: slots.Slot, trace: Any, name: str, original: Callable[..., Any
     template = slot.last.record  # type: ignore[union-attr]
     if core is not None and core.deferred is not None:  # its record may be corrected in the backward pass: made now
         output = {"nan_count": nan_count(out), "fully_masked_rows": slot.rows}
-        again.repeat([template], [(trace, name, index)], slot.owner, slot.projection, core, output, norms)  # type: ignore[arg-type]
+        again.repeat([template], [(trace, name, index)], owner, slot.projection, core, output, norms)  # type: ignore[arg-type]
         return out
     rank, world = compat.distributed_rank()
     trace.capture((template, index, threading.current_thread().name, rank, world, nan_count(out), slot.rows, norms,
