@@ -59,8 +59,6 @@ class Slot:
 
     #: the call's facts that decide its record: shapes, dtypes, strides, flags, modes (:func:`sdpa_key`)
     key: tuple[Any, ...]
-    #: the module's name in the trace
-    name: str
     #: fully-masked query rows, decided by the key (shapes and ``is_causal``; no mask): shared by its calls
     rows: Any = 0
     # -- a long run's count
@@ -94,7 +92,7 @@ def keep_counting(trace: Trace, name: str, key: tuple[Any, ...], backend: str | 
     entry = trace.monitor.modules[name]  # type: ignore[union-attr]
     combination = entry.last
     if combination is not None:  # (always: the call was just counted as it)
-        trace.slots[id(owner)] = Slot(key, name, rows, entry=entry, combination=combination,
+        trace.slots[id(owner)] = Slot(key, rows, entry=entry, combination=combination,
                                       seen=entry.seen[combination], backend=backend, facts=facts)  # fmt: skip
 
 
@@ -105,7 +103,7 @@ def keep_recording(trace: Trace, name: str, key: tuple[Any, ...], projection: Pr
     from ``refs`` (:func:`qkvtrace.tracer.again.previous`: the module, and its projection and slice record)."""
     last = trace.last_record(owner)
     if last is not None:
-        trace.slots[id(owner)] = Slot(key, name, rows, last=last, projection=projection,
+        trace.slots[id(owner)] = Slot(key, rows, last=last, projection=projection,
                                       base=refs[2] if len(refs) == 3 else None, signature=signature,
                                       facts=facts)  # fmt: skip
 
