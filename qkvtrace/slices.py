@@ -329,11 +329,10 @@ class NormCache:
     def settle(self) -> None:
         """Read the norms held as tensors into numbers (one read per device), so that a cache kept between
         traces of a model keeps no tensor alive; later lookups of unchanged parameters give the numbers."""
-        held = [(k, v) for k, (_, v) in self._cache.items() if isinstance(v, torch.Tensor)]
-        boxes: list[list[Any]] = [[v] for _, v in held]
-        lazy.read([((box, 0), v) for box, (_, v) in zip(boxes, held, strict=True)])
-        keys = [k for k, _ in held]
-        for k, box in zip(keys, boxes, strict=True):
+        held: list[tuple[Any, list[Any]]] = [(k, [v]) for k, (_, v) in self._cache.items()
+                                             if isinstance(v, torch.Tensor)]  # fmt: skip
+        lazy.read([((box, 0), box[0]) for _, box in held])
+        for k, box in held:
             self._cache[k] = (self._cache[k][0], box[0])
         lazy.resolve([info for _, info in self._qkv.values()])
 

@@ -181,7 +181,7 @@ class Trace:
                 self._names[id(m)] = (name, m)
                 self._by_name[name] = m
         # weight norms kept between traces of the model while its structure holds (read into numbers at each
-        # close); each lookup checks the parameter's version, storage and dtype
+        # close); each lookup checks the parameter's version and storage
         self.norms = walked.answer("norms", NormCache)
         self.has_layers = walked.answer("layers", lambda: any(isinstance(m, nn.TransformerEncoderLayer)
                                                               for m in walked.modules))  # fmt: skip

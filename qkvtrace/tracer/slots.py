@@ -33,12 +33,13 @@ misses). A miss takes the full observer, which fills the slot again.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from qkvtrace import lazy
+from qkvtrace import compat, lazy
 from qkvtrace.records import AttentionCall
 from qkvtrace.slices import Projection
 from qkvtrace.tracer import again, routes
@@ -57,7 +58,8 @@ class Slot:
     """What one module's steady calls share in one trace (found by the id of the module, which the trace holds
     alive), and the key of the facts that decided it."""
 
-    #: the call's facts that decide its record: shapes, dtypes, strides, flags, modes (:func:`sdpa_key`)
+    #: the call's facts that decide its record: shapes, dtypes, strides, flags, modes (each observer's
+    #: ``steady_key``)
     key: tuple[Any, ...]
     #: fully-masked query rows, decided by the key (shapes and ``is_causal``; no mask): shared by its calls
     rows: Any = 0
@@ -84,6 +86,24 @@ class Slot:
         if self.entry is not None:
             return self.entry.last is self.combination and not trace.health_due(name)
         return not isinstance(self.projection, Projection) or trace.norms.qkv(self.projection) is self.base
+
+    def count(self, trace: Trace, nan_count: Any) -> None:
+        """Count, in a long run, a call the slot knows: its NaN count added to its module's, nothing else."""
+        trace.monitor.count_steady(self.entry, self.seen, self.backend, nan_count, self.rows)  # type: ignore[union-attr, arg-type]
+
+    def record(self, trace: Trace, owner: nn.Module, name: str, index: int, nan_count: Any,
+               norms: tuple[Any, Any, Any] | None, core: routes.Core | None) -> None:  # fmt: skip
+        """Record, in a plain trace, a call the slot knows: captured, its record built when the records are read
+        (:func:`build`); made at once when the backward pass may still correct it (a deferred core).
+        ``norms``: the Q, K and V a model's own SDPA call received (``None``: the slot's record's are kept)."""
+        template = self.last.record  # type: ignore[union-attr]
+        if core is not None and core.deferred is not None:
+            output = {"nan_count": nan_count, "fully_masked_rows": self.rows}
+            again.repeat([template], [(trace, name, index)], owner, self.projection, core, output, norms)  # type: ignore[arg-type]
+            return
+        rank, world = compat.distributed_rank()
+        trace.capture((template, index, threading.current_thread().name, rank, world, nan_count, self.rows, norms,
+                       core), name)  # fmt: skip
 
 
 def keep_counting(trace: Trace, name: str, key: tuple[Any, ...], backend: str | None, rows: Any, *,

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import sys
-import threading
 import types
 from collections.abc import Callable, Hashable
 from dataclasses import asdict
@@ -28,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qkvtrace import compat, maps, masks, paths
+from qkvtrace import maps, masks, paths
 from qkvtrace.monitor import combination_key, mask_kind
 from qkvtrace.records import EVIDENCE_WITNESSED, AttentionCall
 from qkvtrace.slices import PartSpec, Projection, ProjectionSpec, Rows, whole
@@ -469,18 +468,11 @@ def _steady(slot: slots.Slot, ctx: OpenMHA, out: Any) -> None:
     trace, name, index = ctx.targets[0]
     result = out[0] if isinstance(out, tuple) else out
     if slot.entry is not None:  # a long run: counted, nothing else
-        trace.monitor.count_steady(slot.entry, slot.seen, slot.backend, nan_count(result), slot.rows)  # type: ignore[union-attr,arg-type]
+        slot.count(trace, nan_count(result))
         return
     training = ctx.inputs["training"] if "training" in ctx.inputs else bool(ctx.module.training)
     core = _core(ctx, result, ctx.inputs.get("num_heads"), (True, True, training))
-    template = slot.last.record  # type: ignore[union-attr]
-    if core is not None and core.deferred is not None:  # its record may be corrected in the backward pass: made now
-        output = {"nan_count": nan_count(result), "fully_masked_rows": slot.rows}
-        again.repeat([template], ctx.targets, ctx.module, slot.projection, core, output)  # type: ignore[arg-type]
-        return
-    rank, world = compat.distributed_rank()
-    trace.capture((template, index, threading.current_thread().name, rank, world, nan_count(result), slot.rows, None,
-                   core), name)  # fmt: skip
+    slot.record(trace, ctx.module, name, index, nan_count(result), None, core)
 
 
 def _core(ctx: OpenMHA, result: Any, num_heads: Any, given: tuple[Any, ...]) -> routes.Core | None:

@@ -21,7 +21,6 @@ behalf report their kernel to it.
 from __future__ import annotations
 
 import sys
-import threading
 import weakref
 from collections.abc import Callable, Hashable
 from dataclasses import asdict
@@ -30,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from qkvtrace import compat, maps, masks, paths, refusals, replay
+from qkvtrace import maps, masks, paths, refusals, replay
 from qkvtrace.dataflow import lasting
 from qkvtrace.monitor import combination_key, mask_kind
 from qkvtrace.records import EVIDENCE_CACHED, AttentionCall
@@ -256,19 +255,11 @@ def _steady(slot: slots.Slot, owner: nn.Module, trace: Any, name: str, original:
         _record_raised(owner, [(trace, name, index)], a, a.backend(), exc)
         raise
     if slot.entry is not None:  # a long run: counted, nothing else
-        trace.monitor.count_steady(slot.entry, slot.seen, slot.backend, nan_count(out), slot.rows)
+        slot.count(trace, nan_count(out))
         return out
     q, k, v = args[0], args[1], args[2]
     core = routes.sdpa_core(out, q, k, v, key=slot.signature) if trace.record_routes else None
-    norms = (norm_of(q), norm_of(k), norm_of(v))
-    template = slot.last.record  # type: ignore[union-attr]
-    if core is not None and core.deferred is not None:  # its record may be corrected in the backward pass: made now
-        output = {"nan_count": nan_count(out), "fully_masked_rows": slot.rows}
-        again.repeat([template], [(trace, name, index)], owner, slot.projection, core, output, norms)  # type: ignore[arg-type]
-        return out
-    rank, world = compat.distributed_rank()
-    trace.capture((template, index, threading.current_thread().name, rank, world, nan_count(out), slot.rows, norms,
-                   core), name)  # fmt: skip
+    slot.record(trace, owner, name, index, nan_count(out), (norm_of(q), norm_of(k), norm_of(v)), core)
     return out
 
 
