@@ -117,7 +117,15 @@ def _mha_spec(module: nn.MultiheadAttention) -> ProjectionSpec:
             for p, r in zip(PARTS, rows, strict=True)
         ]  # fmt: skip
         layout = "separate"
-    return ProjectionSpec(layout, *parts)
+    spec = ProjectionSpec(layout, *parts)
+    # one object per distinct spec: what is kept by spec (weight norms between traces) finds it again
+    if len(_MHA_SPECS) >= _MAX_CACHED:
+        _MHA_SPECS.clear()
+    return _MHA_SPECS.setdefault(spec, spec)
+
+
+#: the specs :func:`_mha_spec` made, by value
+_MHA_SPECS: dict[ProjectionSpec, ProjectionSpec] = {}
 
 
 def whole(weight: torch.Tensor, dim: int = 0) -> Rows:
@@ -289,6 +297,9 @@ class NormCache:
         self._qkv: dict[tuple[int, int, tuple[int, ...]], tuple[tuple[Any, ...], QKVInfo]] = {}
         #: by module and spec: a module whose calls use other projections (re-wired, two calls) has each
         self._params: dict[tuple[int, int], list[str]] = {}
+        #: what was computed since the last :meth:`settle`: the keys of norms held as tensors, and the records
+        self._unsettled: list[tuple[int, Rows, int]] = []
+        self._unsettled_qkv: list[QKVInfo] = []
 
     def norm(self, param: torch.Tensor, rows: Rows, dim: int = 0) -> torch.Tensor | float:
         """The norm of ``rows`` of ``param`` (a 0-dim tensor; a number once :meth:`settle` read it)."""
@@ -299,6 +310,7 @@ class NormCache:
         with torch.no_grad():
             value = norm_of(_rows(param, rows, dim))
         self._cache[key] = (version, value)
+        self._unsettled.append(key)
         return value
 
     def qkv(self, projection: Projection | str) -> QKVInfo:
@@ -324,17 +336,24 @@ class NormCache:
             self._qkv.clear()
             self._cache.clear()
         self._qkv[key] = (versions, info)
+        self._unsettled_qkv.append(info)
         return info
 
     def settle(self) -> None:
         """Read the norms held as tensors into numbers (one read per device), so that a cache kept between
-        traces of a model keeps no tensor alive; later lookups of unchanged parameters give the numbers."""
-        held: list[tuple[Any, list[Any]]] = [(k, [v]) for k, (_, v) in self._cache.items()
-                                             if isinstance(v, torch.Tensor)]  # fmt: skip
+        traces of a model keeps no tensor alive; later lookups of unchanged parameters give the numbers. Only
+        what was computed since the last settle is read: the rest holds numbers already."""
+        keys, self._unsettled = self._unsettled, []
+        infos, self._unsettled_qkv = self._unsettled_qkv, []
+        held: list[tuple[Any, list[Any]]] = []
+        for k in keys:
+            entry = self._cache.get(k)
+            if entry is not None and isinstance(entry[1], torch.Tensor):
+                held.append((k, [entry[1]]))
         lazy.read([((box, 0), box[0]) for _, box in held])
         for k, box in held:
             self._cache[k] = (self._cache[k][0], box[0])
-        lazy.resolve([info for _, info in self._qkv.values()])
+        lazy.resolve(infos)
 
     def _slice(self, module: nn.Module, ps: PartSpec) -> SliceInfo:
         """One part's record; a part made from several weights names the others in ``also``, and its norms

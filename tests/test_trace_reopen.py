@@ -199,3 +199,33 @@ def test_a_closed_trace_leaves_no_tensor_alive_in_what_it_keeps_for_the_next(kin
         run()
     assert t.calls and t.calls[0].qkv.q.param is not None
     assert tensors() == before
+
+
+@pytest.mark.parametrize("kind", ["mha", "encoder"])
+def test_what_is_kept_between_traces_does_not_grow_with_the_traces(kind: str) -> None:
+    """Witness: the interpreter's own list of live objects (``gc.get_objects``), counting the slice records
+    (``QKVInfo``) alive after 10 traces of one unchanged model and after 60 more: one trace per step keeps what
+    the first traces kept, not one more record a trace (a MultiheadAttention's spec made anew at each open used
+    to file its weights' norms under a new key every time)."""
+    torch.manual_seed(13)
+    model: nn.Module
+    if kind == "mha":
+        model = nn.MultiheadAttention(16, 2)
+        x = torch.randn(5, 2, 16)
+        inputs: tuple[torch.Tensor, ...] = (x, x, x)
+    else:
+        layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+        inputs = (torch.randn(1, 4, 16),)
+
+    def records_alive(traces: int) -> int:
+        for _ in range(traces):
+            with qkvtrace.trace(model) as t, torch.no_grad():
+                model(*inputs)
+            assert t.calls
+        del t
+        gc.collect()
+        return sum(1 for o in gc.get_objects() if isinstance(o, qkvtrace.records.QKVInfo))
+
+    first = records_alive(10)
+    assert records_alive(60) == first
