@@ -19,6 +19,7 @@ __all__ = [
     "MissingCapability",
     "backend_forcing_api",
     "dynamo_compiled_code_ids",
+    "dynamo_compiled_nothing",
     "forced_backend",
     "fused_sdp_choice",
     "is_compiling",
@@ -42,6 +43,16 @@ def dynamo_compiled_code_ids() -> frozenset[int]:
         return frozenset(ids or ())
     except TypeError:  # another shape in another release: no record
         return frozenset()
+
+
+def dynamo_compiled_nothing() -> bool:
+    """Dynamo has compiled no frame in this process (it is not loaded, or its record of compiled code is empty):
+    no code holds a cache entry to read. ``False`` where the record has another shape."""
+    convert = sys.modules.get("torch._dynamo.convert_frame")
+    if convert is None:
+        return True
+    ids = getattr(getattr(convert, "input_codes", None), "seen_ids", None)
+    return isinstance(ids, (set, frozenset)) and not ids
 
 
 def sdp_backend_names() -> dict[int, str]:

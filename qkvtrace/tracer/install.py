@@ -435,9 +435,10 @@ class Installation:
             originals = {id(t.original): t for t in self._targets or () if t.label in bindable}
             keys: list[tuple[int, str]] = []
             for globs in code:
-                for gname, value in list(globs.items()):
-                    target = originals.get(id(value))
-                    if target is None or value is not target.original:
+                # one pass of plain reads over the module's names (a library's globals hold hundreds)
+                for gname, value in [(g, v) for g, v in list(globs.items()) if id(v) in originals]:
+                    target = originals[id(value)]
+                    if value is not target.original:
                         continue
                     key = (id(globs), gname)
                     entry = self._bound.get(key)

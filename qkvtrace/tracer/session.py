@@ -380,7 +380,16 @@ class Trace:
     def _watch_hand_written(self, compiled: set[int], stack: contextlib.ExitStack) -> None:
         """Hooks that watch the model's own attention-looking modules (none run compiled) for attention written
         by hand."""
-        candidates = found_candidates.hand_written_candidates(self._names.values(), compiled, self._looks())
+        walked = self._walked
+        if walked is None:  # (never: asked while the trace opens)
+            candidates = found_candidates.hand_written_candidates(self._names.values(), compiled, self._looks())
+        else:  # kept by position in the model's modules: the structure's answers hold no module
+            def positions() -> list[int]:
+                at = {id(m): i for i, m in enumerate(walked.modules)}
+                found = found_candidates.hand_written_candidates(walked.named(), compiled, self._looks())
+                return [at[id(m)] for m in found]
+
+            candidates = [walked.modules[i] for i in walked.answer("hand_written", positions)]
         self._compiled_before = compat.dynamo_compiled_code_ids()
         if candidates and handwritten.watch_refused():
             self.note(handwritten.NOT_WATCHED)
@@ -489,6 +498,8 @@ class Trace:
 
     def _read_compiled_before(self) -> None:
         """Records of the graphs torch.compile made for the model's modules before the trace opened."""
+        if compat.dynamo_compiled_nothing():  # no code holds a cache entry
+            return
         try:
             compiled_before.read(self, sorted(self._names.values(), key=lambda e: (e[0].count("."), e[0])))
         except Exception as e:  # Dynamo's cache in another shape: those modules stay listed unobserved
