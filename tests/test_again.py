@@ -389,3 +389,109 @@ def test_nested_traces_and_threads_get_their_own_records() -> None:
         da.pop("index"), db.pop("index")
         assert da == db
     assert [c.index for c in inner.calls] == [0, 1, 2]
+
+
+def _traced_per_step(make: Callable[[], tuple[nn.Module, Callable[[nn.Module, int], Any]]], steps: int,
+                     shortcut: bool) -> tuple[list[dict[str, Any]], list[Any]]:  # fmt: skip
+    """One trace per step of a plan (each trace's JSON), with the trace options switched between traces."""
+    torch.manual_seed(0)
+    model, step = make()
+    outs, found = [], []
+    with nullcontext() if shortcut else _no_shortcut():
+        for i in range(steps):
+            torch.manual_seed(100 + i)
+            with qkvtrace.trace(model, refusals=i % 7 != 5, routes=i % 5 != 3) as t:
+                outs.append(step(model, i))
+            found.append(t.to_dict())
+    return found, outs
+
+
+def test_sdpa_records_of_one_trace_per_step_equal_records_built_in_full() -> None:
+    """Witness: the SDPA plan traced one trace per step with every shortcut switched off (each record built
+    field by field), and torch.equal on the outputs. A module's first call in a trace is taken by the slot the
+    previous trace kept (:mod:`qkvtrace.tracer.slots`) when nothing between the two traces changed what the
+    record says; the plan changes, between traces, each thing a call's record is made from, and the trace's
+    options: PyTorch's refusals asked or not, routes recorded or not."""
+    from qkvtrace.tracer import slots
+
+    revived = []
+    real = slots.revive
+
+    def spy(*a: Any, **k: Any) -> Any:
+        found = real(*a, **k)
+        revived.append(found is not None)
+        return found
+
+    _traced_per_step(_sdpa_plan, len(_SDPA_CHANGES), shortcut=True)  # kernels witnessed once for both runs
+    built, outs_built = _traced_per_step(_sdpa_plan, len(_SDPA_CHANGES), shortcut=False)
+    with mock.patch.object(slots, "revive", spy):
+        kept, outs_kept = _traced_per_step(_sdpa_plan, len(_SDPA_CHANGES), shortcut=True)
+    for a, b in zip(outs_built, outs_kept, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    for i, (k, b) in enumerate(zip(kept, built, strict=True)):
+        assert json.dumps(k, sort_keys=True) == json.dumps(b, sort_keys=True), (i, _SDPA_CHANGES[i])
+    assert sum(revived) >= len(_SDPA_CHANGES) // 2, "the kept slots were not taken: the test would show nothing"
+
+
+def test_a_long_run_or_a_trace_with_maps_after_plain_traces_records_as_alone() -> None:
+    """Witness: the same long run (``keep="changes"``, its changes and summary) and the same trace with attention
+    maps (its JSON and maps) made with every shortcut switched off. Before them, plain traces of the same model
+    kept their slots for the next trace: neither may take one (a long run counts, a map is computed per call)."""
+
+    def run(shortcut: bool) -> tuple[Any, ...]:
+        torch.manual_seed(0)
+        model, x = Direct(), torch.randn(2, 5, 16)
+        with nullcontext() if shortcut else _no_shortcut():
+            for _ in range(3):
+                with qkvtrace.trace(model):
+                    model(x)
+            with qkvtrace.trace(model, keep="changes") as long_run:
+                for _ in range(3):
+                    model(x)
+                    long_run.step()
+            with qkvtrace.trace(model, attention_maps=True) as mapped:
+                model(x)
+                model(x)
+        maps = [c.attention_map for c in mapped.calls]
+        return json.dumps(long_run.summary(), sort_keys=True), len(long_run.changes), mapped.to_dict(), maps
+
+    summary, changes, mapped, maps = run(shortcut=True)
+    summary_built, changes_built, mapped_built, maps_built = run(shortcut=False)
+    assert summary == summary_built and changes == changes_built
+    assert json.dumps(mapped, sort_keys=True) == json.dumps(mapped_built, sort_keys=True)
+    assert len(maps) == 2 and all(m is not None for m in maps)
+    for a, b in zip(maps, maps_built, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_editing_a_record_after_its_trace_leaves_the_next_trace_alone() -> None:
+    """Witness: the next trace's record made with every shortcut switched off (built from the call alone).
+    After each trace of one model the caller edits its record everywhere it holds a list, a dict or a slice
+    record of its own (``inputs`` is one dict for all calls with equal inputs, by design); the slot a trace kept
+    for the next must not see any of it."""
+    torch.manual_seed(7)
+    x = torch.randn(2, 5, 16)
+
+    def edit(c: Any) -> None:
+        (c.aten_ops or []).append("edited")
+        for words in (c.sdpa_refusals or {}).values():
+            words.append("edited")
+        c.output["nan_count"] = -1
+        c.qkv.q.weight_norm = -1.0
+        c.qkv.k.rows = "edited"
+
+    def third(shortcut: bool) -> dict[str, Any]:
+        model = Direct()
+        with nullcontext() if shortcut else _no_shortcut():
+            for _ in range(3):  # a slot kept by the first or second trace (once the kernels are known)
+                with qkvtrace.trace(model) as t:
+                    model(x, dropout_p=0.3)
+                found = t.to_dict()["calls"][0]
+                edit(t.calls[0])  # after the close: whatever record the kept slot was made from
+        return found
+
+    torch.manual_seed(8)
+    built = third(shortcut=False)
+    torch.manual_seed(8)
+    kept = third(shortcut=True)
+    assert json.dumps(kept, sort_keys=True) == json.dumps(built, sort_keys=True)

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
     from qkvtrace.tracer.build import Target
 
-__all__ = ["Last", "clone", "plain", "previous", "repeat", "with_norms"]
+__all__ = ["Last", "clone", "detached", "plain", "previous", "repeat", "with_norms"]
 
 
 def _cloner() -> Any:
@@ -51,6 +51,22 @@ def _cloner() -> Any:
 #: ``clone(record)``: a shallow copy of an :class:`AttentionCall` (its dicts and lists shared, as
 #: ``dataclasses.replace`` shares them)
 clone = _cloner()
+
+
+def detached(record: AttentionCall) -> AttentionCall:
+    """A copy of ``record`` for :mod:`.slots` to keep beyond its trace, out of reach of a caller editing the record
+    it was made from: its kernels, refusals and slice records are its own (``inputs`` is shared by every call
+    with equal inputs, as :func:`~qkvtrace.tracer.build.shared_inputs` shares it; ``output`` and the maps are
+    never read from a kept record)."""
+    out = clone(record)
+    if record.aten_ops is not None:
+        out.aten_ops = list(record.aten_ops)
+    if record.sdpa_refusals is not None:
+        out.sdpa_refusals = {b: list(w) for b, w in record.sdpa_refusals.items()}
+    qkv = record.qkv
+    q, k, v = (None if s is None else _slice_with(s, s.activation_norm) for s in (qkv.q, qkv.k, qkv.v))
+    out.qkv = QKVInfo(qkv.layout, q, k, v, qkv.holder, qkv.reason)
+    return out
 
 
 def with_norms(before: QKVInfo, norms: tuple[Any, Any, Any]) -> QKVInfo:

@@ -15,8 +15,9 @@ from qkvtrace import compat
 from qkvtrace.slices import Projection, guess_projection
 from qkvtrace.tracer.observers import handwritten
 
-__all__ = ["hand_written_candidates", "inside_compiled", "looks_like_attention", "named_for_attention",
-           "region_notes", "regions", "related", "runs_compiled", "user_names", "within"]
+__all__ = ["compiled_before", "hand_written_candidates", "inside_compiled", "looks_like_attention",
+           "named_for_attention", "region_notes", "regions", "related", "runs_compiled", "unobserved_reason",
+           "user_names", "within"]
 
 _WRAPPER_PARTS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
 _ATTENTION_NAME = re.compile(r"attn|attention", re.IGNORECASE)
@@ -143,3 +144,38 @@ def hand_written_candidates(
         and not any(related(name, t) for t in torch_attention)
         and (looks(name, m) or named_for_attention(name, m))
     ]  # fmt: skip
+
+
+def compiled_before(named: Iterable[tuple[str, nn.Module]], name: str, codes: frozenset[int]) -> str | None:
+    """The module (``name`` or one holding it) whose forward torch.compile compiled before the trace opened
+    (``codes``: the ids of the code objects Dynamo had compiled then)."""
+    if not codes:
+        return None
+    for holder, m in named:
+        if holder == name or not holder or name.startswith(holder + "."):  # the module or one holding it
+            code = getattr(getattr(type(m), "forward", None), "__code__", None)
+            if code is not None and id(code) in codes:
+                return holder
+    return None
+
+
+def unobserved_reason(name: str, found: list[tuple[str, str]], before: str | None) -> str:
+    """Why an attention-looking module made no recorded call: inside a compiled or scripted region
+    (:func:`regions`), compiled before the trace opened (``before``: :func:`compiled_before`), or neither."""
+    region = next((r for r in found if within(name, r[0])), None)
+    if region is not None:
+        where = region[0] or "the model"
+        return f"inside {where}, which runs through {region[1]}; the tracer does not see inside it"
+    if before is not None:
+        whose = "its" if before == name else f"{before or 'the model'}'s"
+        return (
+            f"made no recorded call: torch.compile compiled {whose} forward"
+            " before the trace opened, and that compiled code calls none of the functions the tracer "
+            "wraps, nor are its graphs in the compile log the trace reads; call torch._dynamo.reset() "
+            "before the trace (or compile inside it) to see them"
+        )
+    return (
+        "made no recorded call: no entry point the tracer wraps ran in it, and no attention written "
+        "by hand (matmul of two activations, softmax over the last axis, matmul with a third) was "
+        "recognised in its forward; or it did not run in the trace"
+    )

@@ -129,6 +129,8 @@ class Trace:
         self.slots: dict[int, slots.Slot] = {}
         #: calls captured by their slots, whose records are built when the records are read
         self._captured: list[slots.Capture] = []
+        #: per module (by id): the slots an earlier plain trace of the model kept at its close (:class:`.slots.Kept`)
+        self.kept: dict[int, slots.Kept] = {}
         #: records added since the records were last read, whose numbers are still to be read
         self._fresh: list[AttentionCall] = []
         #: code objects torch.compile had compiled frames of when the trace opened (their graphs are not in its log)
@@ -183,6 +185,7 @@ class Trace:
         # weight norms kept between traces of the model while its structure holds (read into numbers at each
         # close); each lookup checks the parameter's version and storage
         self.norms = walked.answer("norms", NormCache)
+        self.kept = walked.answer("kept slots", dict)
         self.has_layers = walked.answer("layers", lambda: any(isinstance(m, nn.TransformerEncoderLayer)
                                                               for m in walked.modules))  # fmt: skip
         self.thread = threading.get_ident() if self.threads == "entering" else None
@@ -231,6 +234,7 @@ class Trace:
                 self._build_captured()
                 self._find_unobserved()
                 self._resolve()
+                slots.keep(self, self.kept)  # for the next trace of the model (:mod:`.slots`)
             finally:
                 # keep only the records: no module, parameter or tensor outlives the block through the trace
                 self._names.clear()
@@ -238,6 +242,7 @@ class Trace:
                 self._projections.clear()
                 self._last.clear()
                 self.slots.clear()
+                self.kept = {}
                 self.norms.settle()
                 self.norms = NormCache()
                 self._model = self._walked = None
@@ -300,6 +305,12 @@ class Trace:
 
     def remember(self, module: nn.Module, last: again.Last) -> None:
         self._last[id(module)] = last
+
+    def adopt(self, owner: nn.Module, projection: Projection | str) -> None:
+        """``owner`` calls in this trace through a slot an earlier trace kept: seen, its Q/K/V weights watched."""
+        self._seen.add(id(owner))
+        if self.record_gradients and isinstance(projection, Projection):
+            self._grads.watch(owner, projection)
 
     def take_index(self) -> int:
         return next(self._counter)
@@ -458,7 +469,9 @@ class Trace:
 
     def _find_unobserved(self) -> None:
         """Attention-looking modules with no recorded call, and the compiled/scripted regions."""
-        regions = found_candidates.regions(self._names.values())
+        walked = self._walked
+        regions = (found_candidates.regions(self._names.values()) if walked is None
+                   else walked.answer("regions", lambda: found_candidates.regions(walked.named())))  # fmt: skip
         compiled_modules = {c.module for c in self._result.compiled}
         self._result.warnings += found_candidates.region_notes(regions, [c.module for c in self._result.calls],
                                                                [c.module for c in self._result.compiled])  # fmt: skip
@@ -469,24 +482,8 @@ class Trace:
                 continue
             if any(found_candidates.related(name, s) for s in seen_names):
                 continue
-            region = next((r for r in regions if found_candidates.within(name, r[0])), None)
-            if region is not None:
-                where = region[0] or "the model"
-                reason = f"inside {where}, which runs through {region[1]}; the tracer does not see inside it"
-            elif (before := self._compiled_before_trace(name)) is not None:
-                whose = "its" if before == name else f"{before or 'the model'}'s"
-                reason = (
-                    f"made no recorded call: torch.compile compiled {whose} forward"
-                    " before the trace opened, and that compiled code calls none of the functions the tracer "
-                    "wraps, nor are its graphs in the compile log the trace reads; call torch._dynamo.reset() "
-                    "before the trace (or compile inside it) to see them"
-                )
-            else:
-                reason = (
-                    "made no recorded call: no entry point the tracer wraps ran in it, and no attention written "
-                    "by hand (matmul of two activations, softmax over the last axis, matmul with a third) was "
-                    "recognised in its forward; or it did not run in the trace"
-                )
+            before = found_candidates.compiled_before(self._names.values(), name, self._compiled_before)
+            reason = found_candidates.unobserved_reason(name, regions, before)
             self._result.unobserved.append(Unobserved(module=name, module_type=type(m).__name__, reason=reason))
         if handwritten.NOT_WATCHED in self._result.warnings:
             # only worth saying when something stayed silent: every attention-looking module seen (eager or in a
@@ -505,16 +502,6 @@ class Trace:
         except Exception as e:  # Dynamo's cache in another shape: those modules stay listed unobserved
             self.note(f"graphs compiled before the trace could not be read ({type(e).__name__}: {e})")
 
-    def _compiled_before_trace(self, name: str) -> str | None:
-        """The module (``name`` or one holding it) whose forward torch.compile compiled before the trace opened."""
-        if not self._compiled_before:
-            return None
-        for holder, m in self._names.values():
-            if holder == name or not holder or name.startswith(holder + "."):  # the module or one holding it
-                code = getattr(getattr(type(m), "forward", None), "__code__", None)
-                if code is not None and id(code) in self._compiled_before:
-                    return holder
-        return None
 
 
 def _shares(parts: list[Any], norm: str, share: str) -> None:

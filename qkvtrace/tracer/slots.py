@@ -29,11 +29,19 @@ its module's previous record (another way of calling it in between
 replaced it) and, for records, that the Q/K/V slice record is the one the
 weights' versions give now (so an optimizer step or a swapped weight
 misses). A miss takes the full observer, which fills the slot again.
+
+A plain trace's slots of a model's own SDPA calls are *kept* when it closes
+(:class:`Kept`, with the model's structure: :mod:`.structure`), their record
+read into numbers and their projection's holder held weakly, so that one
+trace per step starts where the previous one ended: a module's first call in
+the next trace is taken by the kept slot when its key, the trace's options
+and the slice record all still hold.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -41,7 +49,7 @@ import torch
 
 from qkvtrace import compat, lazy
 from qkvtrace.records import AttentionCall
-from qkvtrace.slices import Projection
+from qkvtrace.slices import Projection, ProjectionSpec
 from qkvtrace.tracer import again, routes
 
 if TYPE_CHECKING:
@@ -50,7 +58,7 @@ if TYPE_CHECKING:
     from qkvtrace.monitor import _Module, _Seen
     from qkvtrace.tracer.session import Trace
 
-__all__ = ["Capture", "Slot", "build", "keep_counting", "keep_recording"]
+__all__ = ["Capture", "Kept", "Slot", "build", "keep", "keep_counting", "keep_recording", "revive"]
 
 
 @dataclass(slots=True, eq=False)
@@ -126,6 +134,70 @@ def keep_recording(trace: Trace, name: str, key: tuple[Any, ...], projection: Pr
         trace.slots[id(owner)] = Slot(key, rows, last=last, projection=projection,
                                       base=refs[2] if len(refs) == 3 else None, signature=signature,
                                       facts=facts)  # fmt: skip
+
+
+@dataclass(slots=True, eq=False)
+class Kept:
+    """A plain trace's slot of a model's own SDPA call, kept at its close for the next trace of the model: its
+    record read into numbers, its projection's holder held weakly, nothing that keeps a module or tensor alive."""
+
+    #: the trace options the record depends on (a plain trace's: no long run, no maps; whether PyTorch's refusals
+    #: are asked)
+    options: tuple[Any, ...]
+    key: tuple[Any, ...]
+    rows: Any
+    record: AttentionCall
+    holder: weakref.ref[nn.Module] | None
+    spec: ProjectionSpec | None
+    #: the projection when it is a reason (no rows)
+    reason: str | None
+    base: Any
+    signature: Any
+
+
+def options(trace: Trace) -> tuple[Any, ...]:
+    """What of a trace's options a kept record depends on: only a plain trace records from a record."""
+    return (trace.monitor is None and trace.maps is None, trace.record_refusals)
+
+
+def keep(trace: Trace, kept: dict[int, Kept]) -> None:
+    """Keep, at a plain trace's close (its records read into numbers), the slots of its models' own SDPA calls."""
+    said = options(trace)
+    for owner_id, slot in trace.slots.items():
+        if slot.last is None or slot.facts is not None:  # a long run's count, or a MultiheadAttention's
+            continue
+        record = again.detached(slot.last.record)  # the caller may edit the one it has
+        projection = slot.projection
+        if isinstance(projection, Projection):
+            holder, spec, reason = weakref.ref(projection.holder), projection.spec, None
+        else:
+            holder, spec, reason = None, None, projection
+        kept[owner_id] = Kept(said, slot.key, record.output["fully_masked_rows"], record, holder,
+                              spec, reason, slot.base, slot.signature)  # fmt: skip
+
+
+def revive(trace: Trace, kept: dict[int, Kept], owner: nn.Module, name: str, key: tuple[Any, ...]) -> Slot | None:
+    """The slot an earlier trace of the model kept for ``owner``, when its key, the trace's options and its slice
+    record still hold; it becomes this trace's slot (and ``owner`` is seen, its projection watched), else ``None``.
+    (The kept slots are the model's structure's: its modules, under the same names, are the ones they were.)"""
+    found = kept.get(id(owner))
+    if found is None or found.key != key or found.options != options(trace):
+        return None
+    projection: Projection | str
+    if found.holder is None:
+        projection = found.reason  # type: ignore[assignment]
+    else:
+        holder = found.holder()
+        if holder is None:
+            return None
+        projection = Projection(holder, found.spec)  # type: ignore[arg-type]
+    slot = Slot(key, found.rows, last=again.Last(None, (), found.record), projection=projection, base=found.base,
+                signature=found.signature)  # fmt: skip
+    if not slot.holds(trace, name):
+        return None
+    trace.slots[id(owner)] = slot
+    trace.adopt(owner, projection)
+    return slot
 
 
 #: one call captured in a plain trace: (its slot's record, index, thread, rank, world size, NaN count,

@@ -151,9 +151,15 @@ def observe_sdpa(original: Callable[..., Any], args: tuple[Any, ...], kwargs: di
     key = None
     if len(covering) == 1:  # one trace records the call: its module's slot may know it (:mod:`..slots`)
         key = steady_key(owner, args, kwargs)
-        slot = covering[0][0].slots.get(id(owner))
-        if key is not None and slot is not None and slot.key == key and slot.holds(*covering[0]):
-            return _steady(slot, owner, *covering[0], original, args, kwargs)
+        if key is not None:
+            trace, name = covering[0]
+            slot = trace.slots.get(id(owner))
+            if slot is None:  # its first call in this trace: a slot an earlier trace of the model kept, if it holds
+                slot = slots.revive(trace, trace.kept, owner, name, key)
+                if slot is not None:
+                    return _steady(slot, owner, trace, name, original, args, kwargs)
+            elif slot.key == key and slot.holds(trace, name):
+                return _steady(slot, owner, trace, name, original, args, kwargs)
     targets = [(t, name, t.take_index()) for t, name in covering]
     a = _Args(args, kwargs)
     backend = a.backend()
