@@ -81,6 +81,23 @@ def test_a_module_rewired_after_its_slot_was_filled_gets_its_new_rows(mode: str)
         assert abs(c.qkv.q.weight_norm - float(torch.linalg.vector_norm(weight))) <= 1e-5 * c.qkv.q.weight_norm
 
 
+def _functions_in(run: Callable[[], Any]) -> int:
+    """How many calls of functions in qkvtrace's files ``run()`` makes (``sys.setprofile``)."""
+    ran = 0
+
+    def count(frame: Any, event: str, arg: Any) -> None:
+        nonlocal ran
+        if event == "call" and "qkvtrace" in frame.f_code.co_filename:
+            ran += 1
+
+    sys.setprofile(count)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    return ran
+
+
 def _functions_per_call(keep: str, calls: int, kind: str) -> list[int]:
     """How many of qkvtrace's Python functions each of ``calls`` steady calls runs (after five first calls), of a
     model's own SDPA call on the tensors it is given (``direct``) or on Q, K and V it projects (``projected``),
@@ -98,24 +115,10 @@ def _functions_per_call(keep: str, calls: int, kind: str) -> list[int]:
         else:
             model(q, q, q)
 
-    counts = []
     with qkvtrace.trace(model, keep=keep):  # type: ignore[arg-type]
         for _ in range(5):
             call()
-        for _ in range(calls):
-            ran = 0
-
-            def count(frame: Any, event: str, arg: Any) -> None:
-                nonlocal ran
-                if event == "call" and "qkvtrace" in frame.f_code.co_filename:
-                    ran += 1
-
-            sys.setprofile(count)
-            try:
-                call()
-            finally:
-                sys.setprofile(None)
-            counts.append(ran)
+        counts = [_functions_in(call) for _ in range(calls)]
     return counts
 
 
@@ -280,22 +283,6 @@ def test_records_read_in_the_middle_and_at_the_end_hold_numbers_not_tensors() ->
     got = [norm for _, norm in end if norm is not None]
     assert all(type(n) is float for n in got)
     assert all(abs(g - e) <= 1e-5 * e for g, e in zip(got, norms, strict=True)), (got, norms)
-
-
-def _functions_in(run: Callable[[], Any]) -> int:
-    ran = 0
-
-    def count(frame: Any, event: str, arg: Any) -> None:
-        nonlocal ran
-        if event == "call" and "qkvtrace" in frame.f_code.co_filename:
-            ran += 1
-
-    sys.setprofile(count)
-    try:
-        run()
-    finally:
-        sys.setprofile(None)
-    return ran
 
 
 @pytest.mark.parametrize(("kind", "most"), [("direct", 45), ("projected", 150)])
