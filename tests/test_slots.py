@@ -305,3 +305,20 @@ def test_one_trace_per_call_takes_the_slot_the_previous_trace_kept(kind: str, mo
     counts = [counted() for _ in range(8)]
     assert len(set(counts[2:])) == 1, counts
     assert counts[2] <= most, counts
+
+
+def test_a_model_with_multiheadattention_keeps_its_own_sdpa_calls_slot() -> None:
+    """Witness: ``sys.setprofile``, as above, counting the functions of a model's own SDPA call made after a
+    MultiheadAttention call in the same model, one trace per step: from the third trace on it takes the slot the
+    previous trace kept (the MultiheadAttention's slot, which is not kept, must not stop the others from being
+    kept) -- the same handful as the call alone, where the full observer ran 118."""
+    torch.manual_seed(4)
+    model = nn.ModuleDict({"mha": nn.MultiheadAttention(16, 2), "direct": Direct()})
+    q, x = torch.randn(1, 2, 4, 8), torch.randn(4, 1, 16)
+    counts = []
+    for _ in range(6):
+        with qkvtrace.trace(model) as t:
+            model["mha"](x, x, x)
+            counts.append(_functions_in(lambda: model["direct"](q, q, q)))
+        assert len(t.calls) == 2
+    assert counts[2] <= 45, counts
