@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
     from qkvtrace.tracer.build import Target
 
-__all__ = ["Last", "clone", "detached", "plain", "previous", "repeat", "with_norms"]
+__all__ = ["Last", "clone", "detached", "own_lists", "plain", "previous", "repeat", "with_norms"]
 
 
 def _cloner() -> Any:
@@ -59,14 +59,20 @@ def detached(record: AttentionCall) -> AttentionCall:
     with equal inputs, as :func:`~qkvtrace.tracer.build.shared_inputs` shares it; ``output`` and the maps are
     never read from a kept record)."""
     out = clone(record)
-    if record.aten_ops is not None:
-        out.aten_ops = list(record.aten_ops)
-    if record.sdpa_refusals is not None:
-        out.sdpa_refusals = {b: list(w) for b, w in record.sdpa_refusals.items()}
+    own_lists(out, record)
     qkv = record.qkv
     q, k, v = (None if s is None else _slice_with(s, s.activation_norm) for s in (qkv.q, qkv.k, qkv.v))
     out.qkv = QKVInfo(qkv.layout, q, k, v, qkv.holder, qkv.reason)
     return out
+
+
+def own_lists(record: AttentionCall, before: AttentionCall) -> None:
+    """Give ``record`` (a :func:`clone` of ``before``) lists of its own for the kernels and PyTorch's refusals: a
+    caller editing one record must not edit the next."""
+    if before.aten_ops is not None:
+        record.aten_ops = list(before.aten_ops)
+    if before.sdpa_refusals is not None:
+        record.sdpa_refusals = {b: list(w) for b, w in before.sdpa_refusals.items()}
 
 
 def with_norms(before: QKVInfo, norms: tuple[Any, Any, Any]) -> QKVInfo:
@@ -144,10 +150,7 @@ def repeat(
         record.output = output
         if norms is not None:
             record.qkv = with_norms(before.qkv, norms)
-        if before.aten_ops is not None:
-            record.aten_ops = list(before.aten_ops)
-        if before.sdpa_refusals is not None:  # a caller editing its record must not edit the next one
-            record.sdpa_refusals = {b: list(w) for b, w in before.sdpa_refusals.items()}
+        own_lists(record, before)
         record.thread, record.rank, record.world_size = thread, rank, world
         core.stamp(record)
         if core.deferred is not None:

@@ -234,7 +234,7 @@ class Trace:
                 self._build_captured()
                 self._find_unobserved()
                 self._resolve()
-                slots.keep(self, self.kept)  # for the next trace of the model (:mod:`.slots`)
+                slots.keep(self)  # for the next trace of the model (:mod:`.slots`)
             finally:
                 # keep only the records: no module, parameter or tensor outlives the block through the trace
                 self._names.clear()
@@ -392,15 +392,14 @@ class Trace:
         """Hooks that watch the model's own attention-looking modules (none run compiled) for attention written
         by hand."""
         walked = self._walked
-        if walked is None:  # (never: asked while the trace opens)
-            candidates = found_candidates.hand_written_candidates(self._names.values(), compiled, self._looks())
-        else:  # kept by position in the model's modules: the structure's answers hold no module
-            def positions() -> list[int]:
-                at = {id(m): i for i, m in enumerate(walked.modules)}
-                found = found_candidates.hand_written_candidates(walked.named(), compiled, self._looks())
-                return [at[id(m)] for m in found]
+        assert walked is not None  # (asked while the trace opens)
 
-            candidates = [walked.modules[i] for i in walked.answer("hand_written", positions)]
+        def positions() -> list[int]:  # kept by position in the model's modules: the answers hold no module
+            at = {id(m): i for i, m in enumerate(walked.modules)}
+            found = found_candidates.hand_written_candidates(walked.named(), compiled, self._looks())
+            return [at[id(m)] for m in found]
+
+        candidates = [walked.modules[i] for i in walked.answer("hand_written", positions)]
         self._compiled_before = compat.dynamo_compiled_code_ids()
         if candidates and handwritten.watch_refused():
             self.note(handwritten.NOT_WATCHED)
@@ -470,8 +469,8 @@ class Trace:
     def _find_unobserved(self) -> None:
         """Attention-looking modules with no recorded call, and the compiled/scripted regions."""
         walked = self._walked
-        regions = (found_candidates.regions(self._names.values()) if walked is None
-                   else walked.answer("regions", lambda: found_candidates.regions(walked.named())))  # fmt: skip
+        assert walked is not None  # (asked as the trace closes, before it lets the model go)
+        regions = walked.answer("regions", lambda: found_candidates.regions(walked.named()))
         compiled_modules = {c.module for c in self._result.compiled}
         self._result.warnings += found_candidates.region_notes(regions, [c.module for c in self._result.calls],
                                                                [c.module for c in self._result.compiled])  # fmt: skip
@@ -501,7 +500,6 @@ class Trace:
             compiled_before.read(self, sorted(self._names.values(), key=lambda e: (e[0].count("."), e[0])))
         except Exception as e:  # Dynamo's cache in another shape: those modules stay listed unobserved
             self.note(f"graphs compiled before the trace could not be read ({type(e).__name__}: {e})")
-
 
 
 def _shares(parts: list[Any], norm: str, share: str) -> None:

@@ -160,8 +160,10 @@ def options(trace: Trace) -> tuple[Any, ...]:
     return (trace.monitor is None and trace.maps is None, trace.record_refusals)
 
 
-def keep(trace: Trace, kept: dict[int, Kept]) -> None:
-    """Keep, at a plain trace's close (its records read into numbers), the slots of its models' own SDPA calls."""
+def keep(trace: Trace) -> None:
+    """Keep, at a plain trace's close (its records read into numbers), the slots of its models' own SDPA calls in
+    ``trace.kept`` (the model's structure's)."""
+    kept = trace.kept
     said = options(trace)
     for owner_id, slot in trace.slots.items():
         if slot.last is None or slot.facts is not None:  # a long run's count, or a MultiheadAttention's
@@ -176,11 +178,12 @@ def keep(trace: Trace, kept: dict[int, Kept]) -> None:
                               spec, reason, slot.base, slot.signature)  # fmt: skip
 
 
-def revive(trace: Trace, kept: dict[int, Kept], owner: nn.Module, name: str, key: tuple[Any, ...]) -> Slot | None:
-    """The slot an earlier trace of the model kept for ``owner``, when its key, the trace's options and its slice
-    record still hold; it becomes this trace's slot (and ``owner`` is seen, its projection watched), else ``None``.
-    (The kept slots are the model's structure's: its modules, under the same names, are the ones they were.)"""
-    found = kept.get(id(owner))
+def revive(trace: Trace, owner: nn.Module, name: str, key: tuple[Any, ...]) -> Slot | None:
+    """The slot an earlier trace of the model kept for ``owner`` (in ``trace.kept``), when its key, the trace's
+    options and its slice record still hold; it becomes this trace's slot (and ``owner`` is seen, its projection
+    watched), else ``None``. (The kept slots are the model's structure's: its modules, under the same names, are
+    the ones they were.)"""
+    found = trace.kept.get(id(owner))
     if found is None or found.key != key or found.options != options(trace):
         return None
     projection: Projection | str
@@ -218,10 +221,7 @@ def build(captured: list[Capture]) -> list[AttentionCall]:
         record.output = {"nan_count": values[0], "fully_masked_rows": values[1]}
         if norms is not None:  # a model's own SDPA call: the norms of the Q, K and V it received
             record.qkv = again.with_norms(template.qkv, (values[2], values[3], values[4]))
-        if template.aten_ops is not None:
-            record.aten_ops = list(template.aten_ops)
-        if template.sdpa_refusals is not None:  # a caller editing its record must not edit the next one
-            record.sdpa_refusals = {b: list(w) for b, w in template.sdpa_refusals.items()}
+        again.own_lists(record, template)
         record.thread, record.rank, record.world_size = thread, rank, world
         (core or _NO_ROUTES).stamp(record)
         out.append(record)

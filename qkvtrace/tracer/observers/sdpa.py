@@ -155,7 +155,7 @@ def observe_sdpa(original: Callable[..., Any], args: tuple[Any, ...], kwargs: di
             trace, name = covering[0]
             slot = trace.slots.get(id(owner))
             if slot is None:  # its first call in this trace: a slot an earlier trace of the model kept, if it holds
-                slot = slots.revive(trace, trace.kept, owner, name, key)
+                slot = slots.revive(trace, owner, name, key)
                 if slot is not None:
                     return _steady(slot, owner, trace, name, original, args, kwargs)
             elif slot.key == key and slot.holds(trace, name):
