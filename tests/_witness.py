@@ -203,6 +203,17 @@ def ranked_above(chosen: str) -> list[str]:
     return order[: order.index(chosen)]
 
 
+def sdpa_refusal_of_mask_with_causal() -> str | None:
+    """PyTorch's own error for an SDPA call given both ``attn_mask`` and ``is_causal=True`` (releases from 2.14 refuse
+    it), ``None`` where it takes the two together: asked of the installed PyTorch, untraced."""
+    q = torch.randn(1, 1, 3, 4)
+    try:
+        F.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(3, 3, dtype=torch.bool), is_causal=True)
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
 class DirectSDPA(nn.Module):
     """A model whose forward is one SDPA call on the tensors ``make()`` gives, with ``kwargs``."""
 

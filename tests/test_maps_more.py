@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from _witness import sdpa_refusal_of_mask_with_causal
 from torch import nn
 
 import qkvtrace
@@ -289,11 +290,21 @@ def test_a_causal_call_flags_no_row() -> None:
 def test_a_boolean_mask_with_is_causal_removes_the_keys_of_both() -> None:
     """PyTorch's CPU kernel takes attn_mask and is_causal=True together and removes the keys of both. Witness: the
     float64 softmax written here with the union of the mask built here and the causal triangle, checked here
-    against the call's own output (that softmax times V) before the map is compared with it."""
+    against the call's own output (that softmax times V) before the map is compared with it. Where the installed
+    PyTorch refuses the two together (2.14 on), the traced call raises PyTorch's own error, unchanged, and its
+    record says it."""
     q, k, v = torch.randn(B, H, L, D), torch.randn(B, H, L, D), torch.randn(B, H, L, D)
     attend = torch.rand(B, H, L, L) > 0.3
     attend[..., 0] = True
     model = SDPAModule()
+    refused = sdpa_refusal_of_mask_with_causal()
+    if refused is not None:
+        with qkvtrace.trace(model, attention_maps=True) as t, torch.no_grad(), pytest.raises(RuntimeError) as err:
+            model(q, k, v, attn_mask=attend, is_causal=True)
+        assert str(err.value) == refused
+        (c,) = t.calls
+        assert c.error == f"RuntimeError: {refused}" and c.attention_map is None
+        return
     with qkvtrace.trace(model, attention_maps=True) as t, torch.no_grad():
         out = model(q, k, v, attn_mask=attend, is_causal=True)
     want = _softmax64(q, k, blocked=~attend, causal=True)
