@@ -334,6 +334,36 @@ def test_a_later_call_whose_graph_differs_is_searched_again() -> None:
         assert getattr(t.routes[1], part).norm == 0.0, part
 
 
+@pytest.mark.parametrize("read_before_backward", [False, True])
+def test_a_steady_call_whose_graph_differs_is_followed_when_its_backward_runs(read_before_backward: bool) -> None:
+    """Witnesses: the autograd graphs of un-instrumented runs of the module before and after its dropout is set
+    (graph_names, attention_core); the routes by construction: dropout=1.0 drops every attention weight, so no
+    gradient reaches Q, K or V. The module's later calls have its earlier calls' signature (its dropout is not
+    part of it), so the trace records them from its earlier record and meets the new graph only when their
+    backward pass reaches them -- whether their records were read before it or not."""
+    torch.manual_seed(6)
+    m = nn.MultiheadAttention(E, H, batch_first=True)
+    x = _weights(7)
+    before = m(x, x, x)[0]
+    m.dropout = 1.0
+    after = m(x, x, x)[0]
+    m.dropout = 0.0
+    assert graph_names(before) != graph_names(after)  # dropout puts a node between softmax and bmm
+    with qkvtrace.trace(m) as t:
+        for _ in range(3):  # the way to the core, found for this signature, then followed
+            _loss(m(x, x, x)[0]).backward()
+        m.dropout = 1.0
+        out = m(x, x, x)[0]
+        if read_before_backward:
+            assert len(t.calls) == 4
+        _loss(out).backward()
+    assert [c.backward_kernel for c in t.calls] == [attention_core(before)] * 3 + [attention_core(after)]
+    assert [(r.call, r.backward_index) for r in t.routes] == [(0, 0), (1, 1), (2, 2), (3, 3)]
+    for part in "qkv":
+        assert getattr(t.routes[2], part).norm > 0.0, part
+        assert getattr(t.routes[3], part).norm == 0.0, part
+
+
 class _FoldedHeads(nn.Module):
     """Attention written by hand on [B*H, T, d] tensors (heads folded into the batch, as Bloom keeps them); it keeps
     the tensors it hands to the attention, with their .grad retained, for the test to read."""

@@ -29,7 +29,7 @@ import torch
 from qkvtrace.slices import norm_of
 
 __all__ = [
-    "Core", "Source", "find_core", "grad_norms", "head_norms", "no_graph_reason", "register", "sdpa_core",
+    "Core", "Source", "Verdict", "find_core", "grad_norms", "head_norms", "no_graph_reason", "register", "sdpa_core",
     "tensor_sources",
 ]  # fmt: skip
 
@@ -81,10 +81,37 @@ class Core:
         record.backward_kernel, record.backward_reason = self.kernel, self.reason
         record.route_reason = self.route_reason if self.kernel is not None and not self.has_routes else None
 
+    def verdict(self) -> Verdict:
+        """What :meth:`stamp` says, kept without the nodes, for a record built later (:mod:`.slots`); a
+        deferred core corrects it, and the records built from it by then, if the call's graph differs."""
+        said = Verdict(None, None, None)
+        self.stamp(said)
+        if self.deferred is not None:
+            said.waiting = self.deferred.records
+            self.deferred.verdicts.append(said)
+        return said
+
     @property
     def has_routes(self) -> bool:
         """Whether routes can be read (from sources found now, or from the way found earlier)."""
         return bool(self.sources) or (self.deferred is not None and bool(self.deferred.recipe.sources))
+
+
+@dataclass(slots=True)
+class Verdict:
+    """What a core says on a record (:meth:`Core.stamp`), held without its nodes until the record is built."""
+
+    backward_kernel: str | None
+    backward_reason: str | None
+    route_reason: str | None
+    #: while its core is not followed: where the records built from it go, to be corrected with it
+    waiting: list[Any] | None = None
+
+    def stamp(self, record: Any) -> None:
+        record.backward_kernel, record.backward_reason = self.backward_kernel, self.backward_reason
+        record.route_reason = self.route_reason
+        if self.waiting is not None:
+            self.waiting.append(record)
 
 
 @dataclass(slots=True)
@@ -96,6 +123,8 @@ class Deferred:
     heads: int | None
     #: the records of the call, corrected if this call's graph turns out not to follow the recipe
     records: list[Any] = field(default_factory=list)
+    #: what was said of the call for records not built yet (:meth:`Core.verdict`), corrected with them
+    verdicts: list[Verdict] = field(default_factory=list)
 
 
 def _tensors(values: Sequence[Any]) -> list[torch.Tensor]:
@@ -414,8 +443,10 @@ def _follow_hook(deferred: Deferred, on_grad: Callable[[str, Layout, torch.Tenso
         core = _replay(start, deferred.recipe)
         if core is None:  # this call's graph differs from its signature's first: search it
             core = _search(start, deferred.inputs, deferred.heads)
-            for record in deferred.records:
+            for record in (*deferred.verdicts, *deferred.records):
                 core.stamp(record)
+        for said in deferred.verdicts:
+            said.waiting = None  # records built from it from now on say what it says
         deferred.inputs = ()
         register(core, on_grad)
 

@@ -333,11 +333,10 @@ class Trace:
         if self.record_routes and core is not None:
             self._grads.watch_routes(call.index, call.module, core)
 
-    def capture(self, captured: slots.Capture, module: str) -> None:
+    def capture(self, captured: slots.Capture, module: str, core: Core | None) -> None:
         """A call its slot captured (:mod:`.slots`): its record is built when the records are read."""
         self._captured.append(captured)
         self._unresolved = True
-        core = captured[-1]
         if self.record_routes and core is not None:
             self._grads.watch_routes(captured[1], module, core)
 

@@ -19,7 +19,7 @@ its own:
 * in a long run (``keep="changes"``): its NaN count, on the device, added to
   the module's count; nothing else (no record, no key of the combination);
 * in a plain trace (``keep="all"``): its index, thread, NaN count, activation
-  norms and backward core, in a tuple; the record itself is built from the
+  norms and what its backward core says, in a tuple; the record itself is built from the
   slot's record when the trace's records are read (:meth:`Trace.result`), at
   its end or in between.
 
@@ -102,16 +102,13 @@ class Slot:
     def record(self, trace: Trace, owner: nn.Module, name: str, index: int, nan_count: Any,
                norms: tuple[Any, Any, Any] | None, core: routes.Core | None) -> None:  # fmt: skip
         """Record, in a plain trace, a call the slot knows: captured, its record built when the records are read
-        (:func:`build`); made at once when the backward pass may still correct it (a deferred core).
+        (:func:`build`), with what its backward core says then (corrected, when the backward pass finds the
+        call's graph differs from its signature's, before or after the record is built).
         ``norms``: the Q, K and V a model's own SDPA call received (``None``: the slot's record's are kept)."""
-        template = self.last.record  # type: ignore[union-attr]
-        if core is not None and core.deferred is not None:
-            output = {"nan_count": nan_count, "fully_masked_rows": self.rows}
-            again.repeat([template], [(trace, name, index)], owner, self.projection, core, output, norms)  # type: ignore[arg-type]
-            return
         rank, world = compat.distributed_rank()
-        trace.capture((template, index, threading.current_thread().name, rank, world, nan_count, self.rows, norms,
-                       core), name)  # fmt: skip
+        said = _NO_ROUTES if core is None else core.verdict()
+        trace.capture((self.last.record, index, threading.current_thread().name, rank, world, nan_count,  # type: ignore[union-attr]
+                       self.rows, norms, said), name, core)  # fmt: skip
 
 
 def keep_counting(trace: Trace, name: str, key: tuple[Any, ...], backend: str | None, rows: Any, *,
@@ -204,8 +201,8 @@ def revive(trace: Trace, owner: nn.Module, name: str, key: tuple[Any, ...]) -> S
 
 
 #: one call captured in a plain trace: (its slot's record, index, thread, rank, world size, NaN count,
-#: fully-masked rows, the Q, K and V activation norms or ``None``, backward core)
-Capture = tuple[AttentionCall, int, str, Any, Any, Any, Any, "tuple[Any, Any, Any] | None", "routes.Core | None"]
+#: fully-masked rows, the Q, K and V activation norms or ``None``, what its backward core says)
+Capture = tuple[AttentionCall, int, str, Any, Any, Any, Any, "tuple[Any, Any, Any] | None", routes.Verdict]
 
 
 def build(captured: list[Capture]) -> list[AttentionCall]:
@@ -215,7 +212,7 @@ def build(captured: list[Capture]) -> list[AttentionCall]:
     numbers = [[nan, rows, *(norms or ())] for _, _, _, _, _, nan, rows, norms, _ in captured]
     lazy.read([((values, i), v) for values in numbers for i, v in enumerate(values) if isinstance(v, torch.Tensor)])
     out = []
-    for (template, index, thread, rank, world, _, _, norms, core), values in zip(captured, numbers, strict=True):
+    for (template, index, thread, rank, world, _, _, norms, said), values in zip(captured, numbers, strict=True):
         record = again.clone(template)
         record.index = index
         record.output = {"nan_count": values[0], "fully_masked_rows": values[1]}
@@ -223,9 +220,9 @@ def build(captured: list[Capture]) -> list[AttentionCall]:
             record.qkv = again.with_norms(template.qkv, (values[2], values[3], values[4]))
         again.own_lists(record, template)
         record.thread, record.rank, record.world_size = thread, rank, world
-        (core or _NO_ROUTES).stamp(record)
+        said.stamp(record)
         out.append(record)
     return out
 
 
-_NO_ROUTES = routes.Core(None, "not recorded: the trace was opened with routes=False")
+_NO_ROUTES = routes.Core(None, "not recorded: the trace was opened with routes=False").verdict()
