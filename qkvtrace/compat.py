@@ -24,6 +24,7 @@ __all__ = [
     "fused_sdp_choice",
     "is_compiling",
     "is_jit_tracing",
+    "jit_tracing_builtin",
     "post_accumulate_grad_hooks",
     "raw_sdpa",
     "sdp_backend_name",
@@ -217,6 +218,8 @@ def is_jit_tracing() -> bool:
 
 
 _is_tracing: Callable[[], bool] = getattr(torch._C, "_is_tracing", lambda: False)
+#: what :func:`is_jit_tracing` asks, for callers that need only its truth (one call fewer)
+jit_tracing_builtin = _is_tracing
 
 
 def torchscript_builtins() -> dict[int, str] | None:
@@ -261,10 +264,19 @@ def data_parallel_types() -> tuple[type, ...]:
 
 def distributed_rank() -> tuple[int | None, int | None]:
     """``(rank, world_size)`` of this process's default group, ``(None, None)`` outside ``torch.distributed``."""
-    dist = getattr(torch, "distributed", None)
-    if dist is None or not dist.is_available() or not dist.is_initialized():
+    dist = _DIST
+    if dist is None or not dist.is_initialized():
         return None, None
     return int(dist.get_rank()), int(dist.get_world_size())
+
+
+def _distributed() -> Any:
+    dist = getattr(torch, "distributed", None)
+    return dist if dist is not None and dist.is_available() else None
+
+
+#: ``torch.distributed`` where this build has it (a build's answer, asked once)
+_DIST = _distributed()
 
 
 def is_dtensor(t: Any) -> bool:

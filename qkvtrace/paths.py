@@ -251,10 +251,14 @@ def _ops_inside_mark(events: Any, select: Callable[[str], bool]) -> list[str]:
 
 
 def _switch(name: str) -> Callable[[], bool | None]:
-    """``torch.backends.cuda.<name>`` (what reads PyTorch's switch), or a stand-in saying ``None`` where this
-    release has no such switch."""
+    """What reads PyTorch's switch ``torch.backends.cuda.<name>``: the builtin that function returns
+    (``torch._C._get_<name>``, one call fewer on every call's key) where there is one, else the function, or a
+    stand-in saying ``None`` where this release has no such switch."""
     fn = getattr(torch.backends.cuda, name, None)
-    return fn if fn is not None else lambda: None
+    if fn is None:
+        return lambda: None
+    builtin: Callable[[], bool] | None = getattr(torch._C, f"_get_{name}", None)
+    return builtin if builtin is not None else fn
 
 
 #: the switches read by :func:`sdp_flags`, looked up once: the key of every call reads them

@@ -226,7 +226,9 @@ def param_of(module: nn.Module, name: str) -> torch.Tensor:
     """
     owner_name, _, leaf = name.rpartition(".")
     owner = module.get_submodule(owner_name) if owner_name else module
-    value = getattr(owner, leaf, None)
+    value = owner._parameters.get(leaf)  # what getattr finds first for a registered parameter, without __getattr__
+    if value is None:
+        value = getattr(owner, leaf, None)
     if not isinstance(value, torch.Tensor):
         raise AttributeError(f"{type(module).__name__} has no tensor {name!r}")
     return value
@@ -255,7 +257,6 @@ def norm_of(t: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(t)
 
 
-
 _MAX_CACHED = 4096
 #: versions for tensors that keep none (made under ``inference_mode``): a new one each time, never a stale hit
 _UNTRACKED = itertools.count(-1, -1)
@@ -268,7 +269,10 @@ def _state(t: torch.Tensor) -> tuple[int, int | None]:
         where: int | None = t.data_ptr()
     except RuntimeError:  # a tensor subclass with no storage of its own (a DTensor): its version says it
         where = None
-    return version_of(t), where
+    try:  # (version_of, inline: this is asked on every call)
+        return t._version, where
+    except RuntimeError:
+        return next(_UNTRACKED), where
 
 
 def version_of(t: torch.Tensor) -> int:
@@ -325,8 +329,8 @@ class NormCache:
             )
         # looked up on every call: FSDP swaps the tensors behind these names between sharded and whole
         params = [param_of(module, n) for n in names]
-        key = (id(module), id(spec), tuple(id(p) for p in params))
-        versions = tuple(_state(p) for p in params)
+        key = (id(module), id(spec), tuple(map(id, params)))
+        versions = tuple(map(_state, params))
         held = self._qkv.get(key)
         if held is not None and held[0] == versions:
             return held[1]

@@ -277,6 +277,35 @@ def test_nan_count_is_the_number_of_nan_in_the_output(mode: str) -> None:
     assert call["output"]["nan_count"] == expected
 
 
+class _Direct(nn.Module):
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v)
+
+
+@pytest.mark.parametrize("length", [63, 64, 1024])  # 16,128, 16,384 and 262,144 output values
+@pytest.mark.parametrize("steady", [False, True])
+def test_nan_count_beside_infinities_of_either_sign(length: int, steady: bool) -> None:
+    """Witness: ``torch.isnan`` counted on the returned output. V carries NaN, +inf and -inf in channels of its
+    own, so the output has whole channels of each (every weight is positive): the count must take the NaN and
+    only them, on outputs small and large (``steady``: the module's third call, which its slot records)."""
+    q, k = (torch.randn(1, 4, length, 64, generator=torch.Generator().manual_seed(i)) for i in (1, 2))
+    v = torch.randn(1, 4, length, 64, generator=torch.Generator().manual_seed(3))
+    v[0, 0, 5, 1] = float("nan")
+    v[0, 1, 7, 2] = float("inf")
+    v[0, 2, 9, 3] = float("-inf")
+    v[0, 3, 11, 4] = float("inf")
+    v[0, 3, 12, 4] = float("-inf")  # +inf and -inf in one channel: NaN out of the sum
+    model = _Direct()
+    with torch.no_grad(), qkvtrace.trace(model) as t:
+        outs = [model(q, k, v) for _ in range(3 if steady else 1)]
+    out = outs[-1]
+    expected = int(torch.isnan(out).sum())
+    assert expected == 2 * length  # channel 1 of head 0 and channel 4 of head 3, every query
+    assert bool(torch.isposinf(out).any()) and bool(torch.isneginf(out).any())
+    assert t.calls[-1].output["nan_count"] == expected
+    assert type(t.calls[-1].output["nan_count"]) is int
+
+
 def test_fully_masked_rows_counted_by_hand() -> None:
     """Witness: the masks built here; their fully blocked (batch, query) rows are counted by hand (3), in each of
     the H heads the kernel runs."""

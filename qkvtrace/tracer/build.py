@@ -55,7 +55,20 @@ def nan_count(t: Any) -> torch.Tensor | int | None:
     if t.is_nested:
         parts = [torch.count_nonzero(torch.isnan(x)) for x in t.unbind()]
         return torch.stack(parts).sum() if parts else 0
+    if t.device.type == "cpu" and t.dtype in _SUMMED and _SUM_FROM <= t.numel() < _SUM_BELOW:
+        # the same count from arithmetic PyTorch's CPU kernels vectorise (``isnan`` there is several times slower
+        # on large outputs): 1 where NaN, 0 elsewhere (x - x == 0 for every finite x; infinities are set to 0),
+        # summed exactly (whole numbers below 2**24 are exact in float32)
+        ones = torch.nan_to_num(t, nan=1.0, posinf=0.0, neginf=0.0)
+        ones -= torch.nan_to_num(t, nan=0.0, posinf=0.0, neginf=0.0)
+        return ones.sum().long()
     return torch.count_nonzero(torch.isnan(t))
+
+
+#: where :func:`nan_count` sums on the CPU: from the size the sum is faster (measured: 16,384 float32 values,
+#: 9.5 against 12.8 µs; 131,072: 40 against 92), to the size its float32 sum stays exact
+_SUM_FROM, _SUM_BELOW = 16_384, 2**24
+_SUMMED = (torch.float32, torch.float64)
 
 
 def qkv_info(trace: Trace, projection: Projection | str, tensors: tuple[Any, Any, Any]) -> QKVInfo:
@@ -139,12 +152,18 @@ def frame_of(code: types.CodeType, frame: types.FrameType | None, depth: int = 1
 
 def wants_maps(targets: list[Target]) -> bool:
     """Some trace that records the call asked for attention maps, or measures its module's health now."""
-    return any(t.maps is not None or t.health_due(name) for t, name, _ in targets)
+    for t, name, _ in targets:  # (a loop, not any(): asked on every call)
+        if t.maps is not None or t.health_due(name):
+            return True
+    return False
 
 
 def wants_backward(targets: list[Target]) -> bool:
     """Whether any trace recording this call wants its backward side (kernel and routes)."""
-    return any(t.record_routes for t, _, _ in targets)
+    for t, _, _ in targets:
+        if t.record_routes:
+            return True
+    return False
 
 
 def counts_only(targets: list[Target]) -> bool:

@@ -28,7 +28,15 @@ __all__ = ["covering", "is_active", "open_calls", "owner_module", "register", "r
 _lock = threading.Lock()
 #: the open traces; replaced, never mutated, so readers need no lock
 _traces: tuple[Trace, ...] = ()
-_local = threading.local()
+
+
+class _Local(threading.local):
+    def __init__(self) -> None:
+        #: this thread's open attention calls (made on the thread's first look)
+        self.stack: list[Any] = []
+
+
+_local = _Local()
 
 
 def register(trace: Trace) -> None:
@@ -69,10 +77,7 @@ def covering(module: nn.Module) -> list[tuple[Trace, str]]:
 
 def open_calls() -> list[Any]:
     """This thread's attention calls that have started and not yet ended (innermost last)."""
-    stack: list[Any] | None = getattr(_local, "stack", None)
-    if stack is None:
-        stack = _local.stack = []
-    return stack
+    return _local.stack
 
 
 def owner_module(frame: types.FrameType | None) -> tuple[nn.Module, list[tuple[Trace, str]]] | None:

@@ -117,8 +117,7 @@ def _innermost() -> OpenMHA | None:
     return None
 
 
-def _pop(ctx: Any) -> None:
-    stack = registry.open_calls()
+def _pop(ctx: Any, stack: list[Any]) -> None:
     while stack:
         if stack.pop() is ctx:
             break
@@ -136,11 +135,11 @@ def _run(ctx: OpenMHA, original: Callable[..., Any], args: tuple[Any, ...], kwar
         out = original(*args, **kwargs)
     except BaseException as exc:
         ctx.error = f"{type(exc).__name__}: {exc}"
-        _pop(ctx)
+        _pop(ctx, stack)
         with contextlib.suppress(Exception):  # the user's exception goes on, unchanged, whatever happens here
             _finish(ctx, None)
         raise
-    _pop(ctx)
+    _pop(ctx, stack)
     _finish(ctx, out)
     return out
 
@@ -190,9 +189,11 @@ def _steady_key(module: nn.Module, a: dict[str, Any]) -> tuple[Any, ...] | None:
     what the call itself then says (path, reasons, backend, evidence, kernels, what its kernel received).
     ``None`` for a masked call or nested tensors."""
     q, k, v = a["query"], a["key"], a["value"]
-    if a["key_padding_mask"] is not None or a["attn_mask"] is not None or not _plain_tensor(q) or \
-            not _plain_tensor(k) or not _plain_tensor(v):  # fmt: skip
+    if a["key_padding_mask"] is not None or a["attn_mask"] is not None:
         return None
+    for t in (q, k, v):  # plain tensors (:func:`_plain_tensor`, inline)
+        if not isinstance(t, torch.Tensor) or t.is_nested:
+            return None
     return (q.shape, k.shape, v.shape, q.dtype, q.device, q is k, k is v, bool(a["need_weights"]),
             bool(a["average_attn_weights"]), bool(a["is_causal"]), module.training, module.batch_first,
             torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.is_autocast_enabled(),
@@ -373,7 +374,11 @@ def _finish(ctx: OpenMHA, out: Any) -> None:
             rows = ctx.kernel_rows
         elif isinstance(query, torch.Tensor) and not query.is_nested:
             rows = _fully_masked(ctx, query, kpm_c, attn_c)
-    layer_reason = _layer_reason(module) if any(t.has_layers for t, _, _ in ctx.targets) else None
+    layer_reason = None
+    for t, _, _ in ctx.targets:
+        if t.has_layers:
+            layer_reason = _layer_reason(module)
+            break
     facts = None
     if ctx.key is not None and ctx.error is None:
         ops = None if ctx.ops is None else tuple(ctx.ops)
