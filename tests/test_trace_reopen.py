@@ -8,6 +8,7 @@ answers hold no module alive.
 
 from __future__ import annotations
 
+import copy
 import gc
 import weakref
 from contextlib import nullcontext
@@ -77,6 +78,37 @@ def test_a_module_swapped_between_traces_is_seen_under_its_name() -> None:
     assert {c.module for c in second.calls} == names == {"blocks.1", "blocks.2"}
     assert [u.module for u in second.unobserved] == ["blocks.0"]
     assert all(u.module != "blocks.0" for u in first.unobserved)
+
+
+class Narrow(nn.Module):
+    """Calls nothing the tracer wraps; its projection ``qkv`` is as wide as its input until the test widens it."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.qkv(x)[..., : x.shape[-1]]
+
+
+def test_a_parameter_given_new_data_between_traces_is_seen() -> None:
+    """Witness: the same model, as it is at the second trace, traced by a trace that never saw it (a deep
+    copy). Its projection's parameters are the same objects throughout; only their data is replaced, three
+    times wider, so that the module then looks like attention (a packed projection) and, silent, is said so."""
+    model = nn.Sequential(Narrow())
+    x = torch.randn(2, 5, 16)
+    assert [u.module for u in _traced(model, x).unobserved] == []  # not attention-looking yet
+    proj = model[0].qkv
+    weight, bias = proj.weight, proj.bias
+    with torch.no_grad():
+        proj.weight.data = torch.randn(48, 16)
+        proj.bias.data = torch.randn(48)
+    proj.out_features = 48
+    assert proj.weight is weight and proj.bias is bias  # the same parameters, new data
+    again = _traced(model, x)
+    fresh = _traced(copy.deepcopy(model), x)
+    assert [u.module for u in fresh.unobserved] == ["0"]
+    assert [(u.module, u.reason) for u in again.unobserved] == [(u.module, u.reason) for u in fresh.unobserved]
 
 
 def test_the_same_modules_under_a_new_name_are_recorded_under_it() -> None:

@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import threading
 import types
-from collections.abc import Callable, Iterable, Iterator
+import weakref
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -60,7 +61,23 @@ def _code_names(code: types.CodeType) -> Iterator[str]:
             yield from _code_names(const)
 
 
-def _own_torch_function(cls: type) -> Callable[..., Any] | None:
+#: the names each override's code looks up, read once per code object (each trace's open considers every
+#: override in the process again; their code does not change)
+_NAMES: weakref.WeakKeyDictionary[types.FunctionType, tuple[types.CodeType, frozenset[str]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _names_of(fn: types.FunctionType) -> frozenset[str]:
+    held = _NAMES.get(fn)
+    if held is not None and held[0] is fn.__code__:
+        return held[1]
+    names = frozenset(_code_names(fn.__code__))
+    _NAMES[fn] = (fn.__code__, names)
+    return names
+
+
+def _own_torch_function(cls: type) -> types.FunctionType | None:
     """``cls``'s own ``__torch_function__`` as a plain function (classmethod or method), or None."""
     raw = cls.__dict__.get("__torch_function__")
     fn = raw.__func__ if isinstance(raw, (classmethod, staticmethod)) else raw
@@ -141,7 +158,7 @@ class Shims:
         fn = _own_torch_function(cls)
         if fn is None:
             return
-        names = set(_code_names(fn.__code__))
+        names = _names_of(fn)
         relevant = tuple(s for s in self._swapped if s[1] in names)
         if not relevant:
             return

@@ -434,8 +434,12 @@ class Installation:
             bindable = ("F.scaled_dot_product_attention", "flex_attention")
             originals = {id(t.original): t for t in self._targets or () if t.label in bindable}
             keys: list[tuple[int, str]] = []
+            ids = originals.keys()
             for globs in code:
-                # one pass of plain reads over the module's names (a library's globals hold hundreds)
+                # one pass of identities over the module's values (a library's globals hold hundreds), and the
+                # names only where one of them is there
+                if ids.isdisjoint(map(id, list(globs.values()))):
+                    continue
                 for gname, value in [(g, v) for g, v in list(globs.items()) if id(v) in originals]:
                     target = originals[id(value)]
                     if value is not target.original:

@@ -409,13 +409,18 @@ class Trace:
     def _fsdp1_gather(self) -> Callable[[], Any] | None:
         """For a model wrapped in FSDP1 (``FullyShardedDataParallel``): whole parameters and ``.grad`` on
         every rank, through its own ``summon_full_params(root, with_grads=True)``."""
-        fsdp1 = compat.fsdp1_types()
-        if not fsdp1:
+        walked = self._walked
+        assert walked is not None  # (asked while the trace opens)
+
+        def outermost() -> int | None:  # by position in the model's modules: the answers hold no module
+            fsdp1 = compat.fsdp1_types()
+            found = [(len(n), i) for i, (n, m) in enumerate(walked.named()) if fsdp1 and isinstance(m, fsdp1)]
+            return min(found)[1] if found else None
+
+        at = walked.answer("fsdp1 root", outermost)
+        if at is None:
             return None
-        roots = sorted(((n, m) for n, m in self._names.values() if isinstance(m, fsdp1)), key=lambda e: len(e[0]))
-        if not roots:
-            return None
-        root, cls = roots[0][1], fsdp1[0]
+        root, cls = walked.modules[at], compat.fsdp1_types()[0]
         return lambda: cls.summon_full_params(root, with_grads=True)  # type: ignore[attr-defined]
 
     def _looks(self) -> Callable[[str, nn.Module], bool]:
@@ -474,10 +479,11 @@ class Trace:
         self._result.warnings += found_candidates.region_notes(regions, [c.module for c in self._result.calls],
                                                                [c.module for c in self._result.compiled])  # fmt: skip
         seen_names = [self._names[i][0] for i in self._seen if i in self._names] + sorted(compiled_modules)
-        looks = self._looks()
-        for name, m in sorted(self._names.values(), key=lambda e: e[0]):
-            if not looks(name, m):
-                continue
+        looking = walked.answer("looking like attention", lambda: sorted(
+            (name, i) for i, (name, looks) in enumerate(zip(walked.structure.names, walked.looks_like_attention(),
+                                                            strict=True)) if looks))  # fmt: skip
+        for name, i in looking:
+            m = walked.modules[i]
             if any(found_candidates.related(name, s) for s in seen_names):
                 continue
             before = found_candidates.compiled_before(self._names.values(), name, self._compiled_before)

@@ -8,8 +8,8 @@ opened once per step on the same model walked it a dozen times a step.
 
 They depend only on what the fingerprint holds: the modules in order (each
 must still be the very module it was: compared through weak references),
-each one's type and its children's names, the identity, shape and device of
-its parameters, and whether it was compiled in place. One walk at each open
+each one's type and its children's names, the identity, storage address and
+shape of its parameters, and whether it was compiled in place. One walk at each open
 reads the fingerprint; what was derived from an equal fingerprint is reused,
 and any change -- a module swapped, added or removed, a parameter replaced
 or moved, a module compiled -- makes everything be read again.
@@ -20,6 +20,7 @@ holds names, answers and weak references.
 
 from __future__ import annotations
 
+import operator
 import threading
 import weakref
 from collections.abc import Callable
@@ -84,37 +85,44 @@ class Walked:
         return candidates.inside_compiled(self.modules[0]) if self.structure.compiled else set()
 
 
-def _fingerprint(modules: list[nn.Module]) -> tuple[tuple[Any, ...], set[str], bool]:
-    """The fingerprint of ``modules``, the device types of their parameters, and whether one is compiled in place."""
+def _fingerprint(modules: list[nn.Module]) -> tuple[tuple[Any, ...], bool]:
+    """The fingerprint of ``modules``, and whether one is compiled in place. A parameter is its identity, its
+    storage's address (moved to another device, given new data: another address) and its shape."""
     key: list[Any] = []
     add = key.append
-    devices: set[str] = set()
     in_place = False
     for m in modules:
         add(type(m))
-        add(tuple(m._modules.keys()))
+        add(tuple(m._modules.keys()))  # (a ScriptModule's _modules has keys() but no iteration)
         for p in m._parameters.values():
             if p is not None:
-                device = p.device
-                devices.add(device.type)
-                add((id(p), p.shape, device))
+                try:
+                    add((id(p), p.data_ptr(), p.shape))
+                except RuntimeError:  # no storage of its own (a DTensor): its device says where it is
+                    add((id(p), p.shape, p.device))
         if m.__dict__.get("_compiled_call_impl") is not None:
             in_place = True
             add(True)
-    return tuple(key), devices, in_place
+    return tuple(key), in_place
+
+
+def _devices(modules: list[nn.Module]) -> tuple[str, ...]:
+    """The device types of the modules' parameters (``("cpu",)`` for none)."""
+    found = {p.device.type for m in modules for p in m._parameters.values() if p is not None}
+    return tuple(sorted(found)) or ("cpu",)
 
 
 def walk(model: nn.Module) -> Walked:
     """``model``'s modules now, with what their structure gives (read again only when it changed)."""
     modules = list(model.modules())
-    key, devices, in_place = _fingerprint(modules)
+    key, in_place = _fingerprint(modules)
     with _LOCK:
         found = _CACHE.get(model)
     if (
         found is not None
         and found.key == key
         and len(found.refs) == len(modules)
-        and all(ref() is m for ref, m in zip(found.refs, modules, strict=True))
+        and all(map(operator.is_, [ref() for ref in found.refs], modules))  # each the very module it was
     ):
         return Walked(modules, found)
     names = [name for name, _ in candidates.user_names(model)]
@@ -123,7 +131,7 @@ def walk(model: nn.Module) -> Walked:
         refs=tuple(weakref.ref(m) for m in modules),
         key=key,
         names=tuple(names),
-        devices=tuple(sorted(devices)) or ("cpu",),
+        devices=_devices(modules),
         compiled_in_place=in_place,
         compiled=in_place or any(candidates.runs_compiled(m, optimized) for m in modules),
     )
