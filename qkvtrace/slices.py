@@ -225,8 +225,17 @@ def param_of(module: nn.Module, name: str) -> torch.Tensor:
     a plain tensor view of its flat parameter, which ``get_parameter`` refuses.
     """
     owner_name, _, leaf = name.rpartition(".")
-    owner = module.get_submodule(owner_name) if owner_name else module
-    value = owner._parameters.get(leaf)  # what getattr finds first for a registered parameter, without __getattr__
+    owner = module
+    if owner_name:
+        for part in owner_name.split("."):  # each child where PyTorch registers it, without Module.__getattr__
+            children = owner._modules
+            child = children.get(part) if type(children) is dict else None
+            if child is None:  # not a plain registered child (a ScriptModule's, a container's own): PyTorch's lookup
+                owner = module.get_submodule(owner_name)
+                break
+            owner = child
+    params = owner._parameters  # what getattr finds first for a registered parameter, without __getattr__
+    value = params.get(leaf) if type(params) is dict else None
     if value is None:
         value = getattr(owner, leaf, None)
     if not isinstance(value, torch.Tensor):
