@@ -123,15 +123,15 @@ def _functions_per_call(keep: str, calls: int, kind: str) -> list[int]:
 
 
 @pytest.mark.parametrize(("keep", "kind", "most"), [("changes", "direct", 30), ("all", "direct", 36),
-                                                    ("all", "projected", 95), ("changes", "mha", 60),
-                                                    ("all", "mha", 85)])  # fmt: skip
+                                                    ("all", "projected", 65), ("changes", "mha", 48),
+                                                    ("all", "mha", 68)])  # fmt: skip
 def test_a_steady_call_runs_a_constant_handful_of_functions(keep: str, kind: str, most: int) -> None:
     """Witness: the interpreter's own profile hook (``sys.setprofile``), counting every call of a function of
     qkvtrace's files during each traced call. The same number on every steady call, and a handful: the
     observer in full ran 69 (long run) and 78 (records) functions for the direct call, and 69 and 90 for
     MultiheadAttention (whose two wrappers and PyTorch's reason stay); a projected call's slot also looks its
-    Q/K/V slice record up again (each weight's version and storage) and, as it trains, records at once (its
-    backward core may still be corrected)."""
+    Q/K/V slice record up again (each weight's version and storage). Measured on 2026-12-05: 26, 35, 59, 43
+    and 61; a MultiheadAttention whose slot is never taken (its facts not kept) ran 80 with records."""
     counts = _functions_per_call(keep, 60, kind)
     assert len(set(counts)) == 1, counts
     assert counts[0] <= most, counts[0]

@@ -201,6 +201,38 @@ class _Projected(nn.Module):
         return F.scaled_dot_product_attention(q, k, v)
 
 
+@pytest.mark.parametrize("kind", ["mha", "projected"])
+def test_weight_norms_follow_new_data_between_two_calls_of_one_trace(kind: str) -> None:
+    """Witness: the float64 norm the test computes of the Q, K and V rows of the weight before each call. Between
+    the calls the weight is given new data (``param.data = ...``: the same parameter, a new storage, its version
+    unchanged), inside one open trace: the second call's record must say the new norms, not its slot's."""
+    torch.manual_seed(12)
+    model: nn.Module = nn.MultiheadAttention(16, 2) if kind == "mha" else _Projected()
+    weight = model.in_proj_weight if kind == "mha" else model.qkv.weight  # type: ignore[union-attr]
+    x = torch.randn(5, 2, 16)
+
+    def call() -> None:
+        if kind == "mha":
+            model(x, x, x)
+        else:
+            model(x)
+
+    expected = []
+    with qkvtrace.trace(model) as t:
+        for i in range(4):
+            if i == 3:
+                version = weight._version
+                with torch.no_grad():
+                    weight.data = torch.randn_like(weight) * 3
+                assert weight._version == version  # only the storage says it changed
+            w = weight.detach().double()
+            expected.append([float(torch.linalg.vector_norm(w[j * 16 : (j + 1) * 16])) for j in range(3)])
+            call()
+    for record, want in zip(t.calls, expected, strict=True):
+        got = [record.qkv.q.weight_norm, record.qkv.k.weight_norm, record.qkv.v.weight_norm]
+        assert got == pytest.approx(want, rel=1e-5), (record.index, got, want)
+
+
 @pytest.mark.parametrize("kind", ["mha", "sdpa"])
 def test_a_closed_trace_leaves_no_tensor_alive_in_what_it_keeps_for_the_next(kind: str) -> None:
     """Witness: the interpreter's own list of live objects (``gc.get_objects``), counting tensors before a
