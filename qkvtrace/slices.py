@@ -278,10 +278,7 @@ def _state(t: torch.Tensor) -> tuple[int, int | None]:
         where: int | None = t.data_ptr()
     except RuntimeError:  # a tensor subclass with no storage of its own (a DTensor): its version says it
         where = None
-    try:  # (version_of, inline: this is asked on every call)
-        return t._version, where
-    except RuntimeError:
-        return next(_UNTRACKED), where
+    return version_of(t), where
 
 
 def version_of(t: torch.Tensor) -> int:

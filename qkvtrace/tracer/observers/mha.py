@@ -189,11 +189,9 @@ def _steady_key(module: nn.Module, a: dict[str, Any]) -> tuple[Any, ...] | None:
     what the call itself then says (path, reasons, backend, evidence, kernels, what its kernel received).
     ``None`` for a masked call or nested tensors."""
     q, k, v = a["query"], a["key"], a["value"]
-    if a["key_padding_mask"] is not None or a["attn_mask"] is not None:
+    if a["key_padding_mask"] is not None or a["attn_mask"] is not None or not _plain_tensor(q) or \
+            not _plain_tensor(k) or not _plain_tensor(v):  # fmt: skip
         return None
-    for t in (q, k, v):  # plain tensors (:func:`_plain_tensor`, inline)
-        if not isinstance(t, torch.Tensor) or t.is_nested:
-            return None
     return (q.shape, k.shape, v.shape, q.dtype, q.device, q is k, k is v, bool(a["need_weights"]),
             bool(a["average_attn_weights"]), bool(a["is_causal"]), module.training, module.batch_first,
             torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.is_autocast_enabled(),
