@@ -258,7 +258,8 @@ def norm_of(t: torch.Tensor) -> torch.Tensor:
     slower than the norm of each row and then of the rows' norms (the same
     number, with the rows summed apart).
     """
-    t = t.detach()
+    if t.requires_grad:  # detached: no autograd record (a tensor that needs no gradient gets none anyway)
+        t = t.detach()
     if t.dtype != torch.float32:
         t = t.float()
     if t.dim() > 1 and t.stride(-1) == 1 and not t.is_contiguous():

@@ -130,7 +130,7 @@ def test_a_steady_call_runs_a_constant_handful_of_functions(keep: str, kind: str
     qkvtrace's files during each traced call. The same number on every steady call, and a handful: the
     observer in full ran 69 (long run) and 78 (records) functions for the direct call, and 69 and 90 for
     MultiheadAttention (whose two wrappers and PyTorch's reason stay); a projected call's slot also looks its
-    Q/K/V slice record up again (each weight's version and storage). Measured on 2026-12-05: 26, 35, 65, 46
+    Q/K/V slice record up again (each weight's version and storage). Measured on 2026-12-05: 26, 34, 65, 46
     and 66; a MultiheadAttention whose slot is never taken (its facts not kept) ran 85 with records."""
     counts = _functions_per_call(keep, 60, kind)
     assert len(set(counts)) == 1, counts

@@ -51,14 +51,15 @@ def nan_count(t: Any) -> torch.Tensor | int | None:
     """NaNs in ``t`` as a 0-dim tensor (no host read), ``None`` for non-float results."""
     if not isinstance(t, torch.Tensor) or not t.is_floating_point():
         return None
-    t = t.detach()  # detached: no autograd record, so no grad-mode switch is needed
+    # (``isnan`` and ``count_nonzero`` give no gradient: PyTorch records nothing for them, detached or not)
     if t.is_nested:
-        parts = [torch.count_nonzero(torch.isnan(x)) for x in t.unbind()]
+        parts = [torch.count_nonzero(torch.isnan(x)) for x in t.detach().unbind()]  # (unbind is recorded)
         return torch.stack(parts).sum() if parts else 0
-    if t.device.type == "cpu" and t.dtype in _SUMMED and _SUM_FROM <= t.numel() < _SUM_BELOW:
+    if _SUM_FROM <= t.numel() < _SUM_BELOW and t.device.type == "cpu" and t.dtype in _SUMMED:
         # the same count from arithmetic PyTorch's CPU kernels vectorise (``isnan`` there is several times slower
         # on large outputs): 1 where NaN, 0 elsewhere (x - x == 0 for every finite x; infinities are set to 0),
-        # summed exactly (whole numbers below 2**24 are exact in float32)
+        # summed exactly (whole numbers below 2**24 are exact in float32); detached: no autograd record
+        t = t.detach()
         ones = torch.nan_to_num(t, nan=1.0, posinf=0.0, neginf=0.0)
         ones -= torch.nan_to_num(t, nan=0.0, posinf=0.0, neginf=0.0)
         return ones.sum().long()

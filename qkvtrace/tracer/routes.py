@@ -75,6 +75,8 @@ class Core:
     deferred: Deferred | None = None
     #: the call's output node, where a deferred core is followed from (held only while the call is delivered)
     start: Any = None
+    #: what a shared core of calls with no graph says (:data:`_NO_GRAPH`), made once
+    said: Verdict | None = field(default=None, repr=False, compare=False)
 
     def stamp(self, record: Any) -> None:
         """Say this core on a call's record: its backward kernel, or why none, and why no routes if so."""
@@ -84,6 +86,8 @@ class Core:
     def verdict(self) -> Verdict:
         """What :meth:`stamp` says, kept without the nodes, for a record built later (:mod:`.slots`); a
         deferred core corrects it, and the records built from it by then, if the call's graph differs."""
+        if self.said is not None:
+            return self.said
         said = Verdict(None, None, None)
         self.stamp(said)
         if self.deferred is not None:
@@ -134,12 +138,21 @@ def _tensors(values: Sequence[Any]) -> list[torch.Tensor]:
 def no_graph_reason(out: Any) -> str | None:
     """Why the call builds no autograd graph, or ``None`` when it does."""
     if torch.is_inference_mode_enabled():
-        return "inference mode: no autograd graph is built"
+        return _INFERENCE
     if not torch.is_grad_enabled():
-        return "grad is disabled (torch.no_grad): no autograd graph is built"
+        return _NO_GRAD
     if not isinstance(out, torch.Tensor) or out.grad_fn is None:
-        return "the output has no grad_fn: nothing the call used requires grad"
+        return _NO_GRAD_FN
     return None
+
+
+_INFERENCE = "inference mode: no autograd graph is built"
+_NO_GRAD = "grad is disabled (torch.no_grad): no autograd graph is built"
+_NO_GRAD_FN = "the output has no grad_fn: nothing the call used requires grad"
+#: the core of a call with no graph, one per reason, shared by all such calls: it holds no node, and neither it
+#: nor what it says is ever changed (only a core with a kernel is given sources or followed)
+_NO_GRAPH = {reason: Core(None, reason, said=Verdict(None, reason, None))
+             for reason in (_INFERENCE, _NO_GRAD, _NO_GRAD_FN)}  # fmt: skip
 
 
 #: a way through a graph: (edge index, name of the node it leads to) per step
@@ -184,7 +197,7 @@ def find_core(out: Any, inputs: Sequence[Any], *, heads: int | None = None, key:
     """
     reason = no_graph_reason(out)
     if reason is not None:
-        return Core(None, reason)
+        return _NO_GRAPH[reason]
     start = out.grad_fn
     cache_key = None if key is None else (key, start.name(), heads)
     if cache_key is not None:
