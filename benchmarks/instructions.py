@@ -1,7 +1,7 @@
 """The machine instructions one steady attention call adds when traced: a count, not a timing.
 
-Run ``python benchmarks/instructions.py`` (needs ``valgrind`` on ``PATH``; about two
-minutes a row on two cores). To compare with another checkout of qkvtrace, run it there
+Run ``python benchmarks/instructions.py`` (needs ``valgrind`` on ``PATH``; about eight
+minutes on two cores). To compare with another checkout of qkvtrace, run it there
 with that checkout first on ``PYTHONPATH``.
 
 A timing of a call of 40-80 µs on a shared machine moves by several microseconds from
@@ -79,7 +79,7 @@ def _count(row: int, calls: int) -> int:
     done = subprocess.run(
         ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable, __file__,
          "--child", str(row), str(calls)],
-        capture_output=True, text=True, env=os.environ.copy(), check=False,
+        capture_output=True, text=True, check=False,
     )  # fmt: skip
     found = re.search(r"Collected\s*:\s*(\d+)", done.stderr)
     if done.returncode != 0 or found is None:

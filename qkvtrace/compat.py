@@ -24,7 +24,6 @@ __all__ = [
     "fused_sdp_choice",
     "is_compiling",
     "is_jit_tracing",
-    "jit_tracing_builtin",
     "post_accumulate_grad_hooks",
     "raw_sdpa",
     "sdp_backend_name",
@@ -212,14 +211,9 @@ def _is_compiling_fn() -> Callable[[], bool]:
 is_compiling: Callable[[], bool] = _is_compiling_fn()
 
 
-def is_jit_tracing() -> bool:
-    """True while ``torch.jit.trace`` records a graph (ops run now would land in it)."""
-    return bool(_is_tracing())
-
-
-_is_tracing: Callable[[], bool] = getattr(torch._C, "_is_tracing", lambda: False)
-#: what :func:`is_jit_tracing` asks, for callers that need only its truth (one call fewer)
-jit_tracing_builtin = _is_tracing
+#: ``torch._C._is_tracing``: True while ``torch.jit.trace`` records a graph (ops run now would land in it); the
+#: builtin itself, asked on every wrapped call
+is_jit_tracing: Callable[[], bool] = getattr(torch._C, "_is_tracing", lambda: False)
 
 
 def torchscript_builtins() -> dict[int, str] | None:

@@ -187,7 +187,7 @@ def _make_wrapper(
     _qkv_observed = observed
     _qkv_compiled = compiled
     _qkv_is_compiling = compat.is_compiling
-    _qkv_is_jit_tracing = compat.jit_tracing_builtin
+    _qkv_is_jit_tracing = compat.is_jit_tracing
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if _qkv_is_compiling() or _qkv_is_jit_tracing():
