@@ -224,7 +224,11 @@ class Monitor:
         seen.calls += 1
         seen.last_step = self.step_number
         self._step_backends[backend or "none"] += 1
-        _count(entry, "nan_count", nan_count)
+        waiting = entry.pending.get("nan_count")
+        if waiting is not None and len(waiting) < _PENDING - 1 and isinstance(nan_count, torch.Tensor):
+            waiting.append(nan_count)  # (what :func:`_count` does with it, on every steady call)
+        else:
+            _count(entry, "nan_count", nan_count)
         if isinstance(rows, torch.Tensor) or rows:  # (an unmasked, non-causal call has none to add)
             _count(entry, "fully_masked_rows", rows)
 

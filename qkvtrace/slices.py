@@ -268,6 +268,7 @@ def norm_of(t: torch.Tensor) -> torch.Tensor:
 
 
 _MAX_CACHED = 4096
+_NONE: dict[str, Any] = {}
 #: versions for tensors that keep none (made under ``inference_mode``): a new one each time, never a stale hit
 _UNTRACKED = itertools.count(-1, -1)
 
@@ -335,9 +336,19 @@ class NormCache:
                 {n for _, ps in spec.parts() for p in ps.pieces() for n in (p.param, p.bias_param) if n is not None}
             )
         # looked up on every call: FSDP swaps the tensors behind these names between sharded and whole
-        params = [param_of(module, n) for n in names]
+        registered = module._parameters
+        if type(registered) is not dict:
+            registered = _NONE
+        params = []
+        for n in names:  # a name of the module's own parameter first, as :func:`param_of` finds it; else that
+            found = registered.get(n)
+            params.append(found if found is not None else param_of(module, n))
         key = (id(module), id(spec), tuple(map(id, params)))
-        versions = tuple(map(_state, params))
+        versions: tuple[tuple[int, int | None], ...]
+        try:  # (each one's :func:`_state`, on every call)
+            versions = tuple([(p._version, p.data_ptr()) for p in params])
+        except RuntimeError:  # an inference tensor, or a tensor subclass with no storage of its own
+            versions = tuple(map(_state, params))
         held = self._qkv.get(key)
         if held is not None and held[0] == versions:
             return held[1]

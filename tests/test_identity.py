@@ -98,20 +98,29 @@ def test_causal_bias_refused_calls_raise_pytorchs_exception(caller: str, bad: di
 
 
 class ByName(nn.Module):
-    """A model whose module bound SDPA by name before the trace (this test module's own global)."""
+    """A model whose module bound SDPA by name before the trace (this test module's own global), passing the mask
+    by keyword or in its place."""
+
+    def __init__(self, positional: bool = False) -> None:
+        super().__init__()
+        self.positional = positional
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any) -> torch.Tensor:
+        if self.positional:
+            return sdpa_by_name(q, k, v, mask)
         return sdpa_by_name(q, k, v, attn_mask=mask)
 
 
+@pytest.mark.parametrize("passed", ["keyword", "positional"])
 @pytest.mark.parametrize("make", [causal_upper_left, causal_lower_right], ids=["upper_left", "lower_right"])
-def test_traced_model_calling_by_name_with_causal_bias(make: Any) -> None:
-    """A traced model's by-name call with CausalBias: output equal to the untraced call, and recorded once.
+def test_traced_model_calling_by_name_with_causal_bias(make: Any, passed: str) -> None:
+    """A traced model's by-name call with CausalBias (the mask by keyword, or fourth in place): output equal to
+    the untraced call, and recorded once.
 
     Witness: the same model's untraced call, and the one CausalBias call the test makes.
     """
     q, k, v = _qkv()
-    model = ByName()
+    model = ByName(positional=passed == "positional")
     plain = model(q, k, v, make(23, 56))
     with qkvtrace.trace(model) as t:
         traced = model(q, k, v, make(23, 56))

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from _mha_reasons import reason_under
 from torch import nn
 
 import qkvtrace
@@ -103,7 +104,12 @@ def _functions_per_call(keep: str, calls: int, kind: str) -> list[int]:
     model's own SDPA call on the tensors it is given (``direct``) or on Q, K and V it projects (``projected``),
     or of a MultiheadAttention (``mha``)."""
     torch.manual_seed(1)
-    model: nn.Module = {"projected": Rewired, "direct": Direct, "mha": lambda: nn.MultiheadAttention(16, 2)}[kind]()
+    model: nn.Module = {
+        "projected": Rewired,
+        "direct": Direct,
+        "mha": lambda: nn.MultiheadAttention(16, 2),
+        "layer": lambda: nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0, batch_first=True),
+    }[kind]()
     q = torch.randn(1, 2, 4, 8)
     x = torch.randn(1, 4, 16)
 
@@ -112,6 +118,8 @@ def _functions_per_call(keep: str, calls: int, kind: str) -> list[int]:
             model(x)
         elif kind == "mha":
             model(x, x, x)
+        elif kind == "layer":
+            model(x)
         else:
             model(q, q, q)
 
@@ -122,16 +130,19 @@ def _functions_per_call(keep: str, calls: int, kind: str) -> list[int]:
     return counts
 
 
-@pytest.mark.parametrize(("keep", "kind", "most"), [("changes", "direct", 30), ("all", "direct", 36),
-                                                    ("all", "projected", 65), ("changes", "mha", 48),
-                                                    ("all", "mha", 68)])  # fmt: skip
+@pytest.mark.parametrize(("keep", "kind", "most"), [("changes", "direct", 26), ("all", "direct", 35),
+                                                    ("all", "projected", 53), ("changes", "mha", 34),
+                                                    ("all", "mha", 49), ("changes", "layer", 50),
+                                                    ("all", "layer", 65)])  # fmt: skip
 def test_a_steady_call_runs_a_constant_handful_of_functions(keep: str, kind: str, most: int) -> None:
     """Witness: the interpreter's own profile hook (``sys.setprofile``), counting every call of a function of
     qkvtrace's files during each traced call. The same number on every steady call, and a handful: the
     observer in full ran 69 (long run) and 78 (records) functions for the direct call, and 69 and 90 for
     MultiheadAttention (whose two wrappers and PyTorch's reason stay); a projected call's slot also looks its
-    Q/K/V slice record up again (each weight's version and storage). Measured on 2026-12-05: 26, 34, 65, 46
-    and 66; a MultiheadAttention whose slot is never taken (its facts not kept) ran 85 with records."""
+    Q/K/V slice record up again (each weight's version and storage). An encoder layer's MultiheadAttention
+    (``need_weights=False``: its fallback's SDPA kernel is a third wrapped call) ran 66 and 81 while its kernel
+    was found out anew on every call. Measured on 2026-12-05, later: 21, 30, 48, 29, 44, 45 and 60; a
+    MultiheadAttention whose slot is never taken (its facts not kept) ran 85 with records."""
     counts = _functions_per_call(keep, 60, kind)
     assert len(set(counts)) == 1, counts
     assert counts[0] <= most, counts[0]
@@ -322,3 +333,71 @@ def test_a_model_with_multiheadattention_keeps_its_own_sdpa_calls_slot() -> None
             counts.append(_functions_in(lambda: model["direct"](q, q, q)))
         assert len(t.calls) == 2
     assert counts[2] <= 45, counts
+
+
+@pytest.mark.parametrize("frozen", ["weight and bias", "bias only"])
+def test_a_multihead_attention_kernel_whose_arguments_change_under_the_same_key_says_so(frozen: str) -> None:
+    """A MultiheadAttention fallback's SDPA kernel (``need_weights=False``) receives Q, K and V projected from
+    the module's weights: freezing them changes what the kernel receives while the module's call, its key, stays
+    the same. Witness: by construction -- the projected Q, K and V need grad exactly while the input projection's
+    weight or bias does (the input itself needs none), and the test sets those flags."""
+    torch.manual_seed(7)
+    mha = nn.MultiheadAttention(16, 2)
+    x = torch.randn(5, 2, 16)
+    with qkvtrace.trace(mha) as t:
+        for _ in range(3):
+            mha(x, x, x, need_weights=False)
+        mha.in_proj_bias.requires_grad_(False)
+        if frozen == "weight and bias":
+            mha.in_proj_weight.requires_grad_(False)
+        for _ in range(3):
+            mha(x, x, x, need_weights=False)
+    after = [frozen != "weight and bias"] * 3
+    assert [c.inputs["requires_grad"] for c in t.calls] == [[True] * 3] * 3 + [after] * 3
+
+
+def test_a_steady_multihead_attention_call_whose_reason_changes_is_recorded_in_full() -> None:
+    """A MultiheadAttention call with its slot's key whose fast path PyTorch refuses for another reason (the
+    fast path switched off) while its SDPA kernel receives what it received before: recorded in full, reasons
+    and PyTorch's refusals for its kernel asked as for the calls before. Witness: PyTorch's reasons read from
+    its own source for the two branches the test takes (``batch_first`` off, then the fast path switched off),
+    and the refusals the trace option asks for (``refusals=True``: each record says where its refusals
+    come from)."""
+    torch.manual_seed(8)
+    mha = nn.MultiheadAttention(16, 2, bias=False).eval()
+    x = torch.randn(5, 2, 16)
+    try:
+        with torch.no_grad(), qkvtrace.trace(mha) as t:
+            for _ in range(3):
+                mha(x, x, x, need_weights=False)
+            torch.backends.mha.set_fastpath_enabled(False)
+            for _ in range(2):
+                mha(x, x, x, need_weights=False)
+    finally:
+        torch.backends.mha.set_fastpath_enabled(True)
+    reasons = [reason_under("not self.batch_first")] * 3 + [reason_under("not is_fastpath_enabled")] * 2
+    assert [c.why_not_fast_path for c in t.calls] == reasons
+    assert all(c.sdpa_refusals is not None and c.sdpa_refusals_source is not None for c in t.calls), t.calls
+
+
+def test_a_steady_multihead_attention_call_learns_its_kernels_new_arguments() -> None:
+    """A module swapped inside a MultiheadAttention (its output projection, same shape and weights) changes the
+    key of its SDPA kernel's arguments (they name the module's children) and nothing its call says: the next
+    call finds its kernel out anew, and the calls after it are steady again. Witness: the interpreter's own
+    profile hook, counting qkvtrace's functions per call, before the swap, on the first call after it and on
+    the later ones; and PyTorch's output, the same as the untraced module's."""
+    torch.manual_seed(9)
+    mha = nn.MultiheadAttention(16, 2)
+    x = torch.randn(5, 2, 16)
+    with qkvtrace.trace(mha, keep="changes"):
+        for _ in range(5):
+            mha(x, x, x, need_weights=False)
+        before = [_functions_in(lambda: mha(x, x, x, need_weights=False)) for _ in range(3)]
+        swapped = nn.Linear(16, 16)
+        swapped.load_state_dict(mha.out_proj.state_dict())
+        mha.out_proj = swapped  # type: ignore[assignment]
+        after = [_functions_in(lambda: mha(x, x, x, need_weights=False)) for _ in range(4)]
+        traced = mha(x, x, x, need_weights=False)[0]
+    assert torch.equal(traced, mha(x, x, x, need_weights=False)[0])
+    assert len(set(before)) == 1 and after[0] > before[0], (before, after)
+    assert after[1:] == before[:1] * 3, (before, after)

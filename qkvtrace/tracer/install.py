@@ -88,7 +88,7 @@ from qkvtrace import compat
 from qkvtrace.tracer import identity, registry
 from qkvtrace.tracer.observers import handwritten
 
-__all__ = ["Installation", "code_globals", "installation", "observed", "relevant_overrides"]
+__all__ = ["Installation", "code_globals", "installation", "observed", "overridden", "relevant_overrides"]
 
 Observer = Callable[[Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]
 
@@ -98,6 +98,8 @@ _SDPA_BUILTIN = F.scaled_dot_product_attention
 _SHIMS = identity.Shims()
 #: threads watching for hand-written attention now (read without a call while 0)
 _HAND_WRITTEN_ON = handwritten.watching
+#: this thread's open calls (:func:`qkvtrace.tracer.registry.open_calls`), read on every wrapped call
+_LOCAL = registry.thread_state()
 
 
 def relevant_overrides(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
@@ -106,6 +108,15 @@ def relevant_overrides(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[A
     if kwargs:
         found += [kwargs[n] for n in _SDPA_TENSORS[len(args[:4]) :] if kwargs.get(n) is not None]
     return tuple(found)
+
+
+def overridden(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether SDPA's tensor arguments carry ``__torch_function__`` or a mode is active: PyTorch's own check on
+    them (which passes over ``None``), asked on every call."""
+    n = len(args)
+    if n >= 4 or not kwargs:
+        return torch.overrides.has_torch_function(args[:4])
+    return torch.overrides.has_torch_function((*args, *map(kwargs.get, _SDPA_TENSORS[n:])))
 
 
 def redispatch_sdpa(original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -118,24 +129,24 @@ def redispatch_sdpa(original: Callable[..., Any], args: tuple[Any, ...], kwargs:
 
 
 class _Once:
-    """The wrapped function, handed to an observer: it remembers how its call ended."""
+    """The wrapped function, handed to an observer: it remembers how its call ended (``result`` or ``error``, left
+    unset until then: a steady call sets one field)."""
 
-    __slots__ = ("error", "fn", "ran", "result")
+    __slots__ = ("error", "fn", "result")
 
     def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn = fn
-        self.ran = False
-        self.result: Any = None
-        self.error: BaseException | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self.ran = True
         try:
-            self.result = self.fn(*args, **kwargs)
+            result = self.result = self.fn(*args, **kwargs)
         except BaseException as exc:
             self.error = exc
             raise
-        return self.result
+        return result
+
+
+_UNSET = object()
 
 
 def observed(
@@ -144,7 +155,8 @@ def observed(
     """``observe(original, args, kwargs)``, with the caller getting what ``original`` gives if observing fails.
 
     Inside a module watched for hand-written attention the watching mode steps
-    aside for the call (:mod:`qkvtrace.tracer.observers.handwritten`).
+    aside for the call (:mod:`qkvtrace.tracer.observers.handwritten`); a wrapper
+    asks this only while some thread watches (else :func:`_observed` at once).
     """
     if _HAND_WRITTEN_ON[0] and handwritten.entry_point_called():
         with handwritten.suspended():
@@ -156,20 +168,22 @@ def _observed(
     label: str, observe: Observer, original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
     once = _Once(original)
-    stack = registry.open_calls()
+    stack = _LOCAL.stack
     depth = len(stack)
     try:
         return observe(once, args, kwargs)
     except Exception as exc:
-        if exc is once.error:
+        error = getattr(once, "error", None)
+        if exc is error:
             raise  # the call's own exception, on its way to the caller
         failure = exc
     del stack[depth:]
     registry.report_failure(label, failure)
-    if once.error is not None:
-        raise once.error
-    if once.ran:
-        return once.result
+    if error is not None:
+        raise error
+    result = getattr(once, "result", _UNSET)
+    if result is not _UNSET:
+        return result
     return original(*args, **kwargs)
 
 
@@ -185,6 +199,8 @@ def _make_wrapper(
     _qkv_original = original
     _qkv_observe = observe
     _qkv_observed = observed
+    _qkv_guarded = _observed
+    _qkv_watching = _HAND_WRITTEN_ON
     _qkv_compiled = compiled
     _qkv_is_compiling = compat.is_compiling
     _qkv_is_jit_tracing = compat.is_jit_tracing
@@ -194,7 +210,9 @@ def _make_wrapper(
             if _qkv_compiled is not None:
                 return _qkv_compiled(_qkv_original, args, kwargs)
             return _qkv_original(*args, **kwargs)
-        return _qkv_observed(_qkv_label, _qkv_observe, _qkv_original, args, kwargs)
+        if _qkv_watching[0]:
+            return _qkv_observed(_qkv_label, _qkv_observe, _qkv_original, args, kwargs)
+        return _qkv_guarded(_qkv_label, _qkv_observe, _qkv_original, args, kwargs)
 
     globs = getattr(original, "__globals__", None)
     if globs is None:

@@ -62,17 +62,27 @@ def is_active() -> bool:
 
 def covering(module: nn.Module) -> list[tuple[Trace, str]]:
     """``(trace, name of module in it)`` for every open trace that records this call."""
-    if not _traces:
+    traces = _traces
+    if not traces:
         return []
-    ident = threading.get_ident()
     out = []
-    for t in _traces:
-        if t.thread is not None and t.thread != ident:
-            continue
-        name = t.name_of(module)
-        if name is not None:
-            out.append((t, name))
+    ident = None
+    key = id(module)
+    for t in traces:
+        if t.thread is not None:
+            if ident is None:
+                ident = threading.get_ident()
+            if t.thread != ident:
+                continue
+        entry = t.names.get(key)  # (:meth:`Trace.name_of`, on every call)
+        if entry is not None and entry[1] is module:
+            out.append((t, entry[0]))
     return out
+
+
+def thread_state() -> _Local:
+    """The per-thread state whose ``stack`` :func:`open_calls` gives (for a caller that reads it on every call)."""
+    return _local
 
 
 def open_calls() -> list[Any]:

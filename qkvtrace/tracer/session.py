@@ -112,7 +112,8 @@ class Trace:
         self.has_layers = False
         self.norms = NormCache()
         self._result = TraceResult(torch_version=str(torch.__version__))
-        self._names: dict[int, tuple[str, nn.Module]] = {}
+        #: id of each module of the model -> (its name, the module): read by the registry on every call
+        self.names: dict[int, tuple[str, nn.Module]] = {}
         #: the model's modules while the trace is open, with what their structure gives (:mod:`.structure`)
         self._walked: structure.Walked | None = None
         self._by_name: dict[str, nn.Module] = {}
@@ -179,8 +180,8 @@ class Trace:
         model = self._model
         walked = self._walked = structure.walk(model)  # read again only where the model's structure changed
         for name, m in walked.named():
-            if id(m) not in self._names:
-                self._names[id(m)] = (name, m)
+            if id(m) not in self.names:
+                self.names[id(m)] = (name, m)
                 self._by_name[name] = m
         # weight norms kept between traces of the model while its structure holds (read into numbers at each
         # close); each lookup checks the parameter's version and storage
@@ -203,7 +204,7 @@ class Trace:
             self._grads.gather = self._fsdp1_gather() if self.record_gradients else None
             compiled = walked.inside_compiled()  # not observed: no hooks to cost a compiled step
             if self.record_gradients:  # MultiheadAttention modules are known up front; others when they call SDPA
-                for _, m in self._names.values():
+                for _, m in self.names.values():
                     if isinstance(m, nn.MultiheadAttention) and id(m) not in compiled:
                         found = self.projection(m)
                         if isinstance(found, Projection):
@@ -237,7 +238,7 @@ class Trace:
                 slots.keep(self)  # for the next trace of the model (:mod:`.slots`)
             finally:
                 # keep only the records: no module, parameter or tensor outlives the block through the trace
-                self._names.clear()
+                self.names.clear()
                 self._by_name.clear()
                 self._projections.clear()
                 self._last.clear()
@@ -250,7 +251,7 @@ class Trace:
     # -- used by the observers ---------------------------------------------
 
     def name_of(self, module: nn.Module) -> str | None:
-        entry = self._names.get(id(module))
+        entry = self.names.get(id(module))
         return entry[0] if entry is not None and entry[1] is module else None
 
     def step(self, number: int | None = None) -> int:
@@ -478,7 +479,7 @@ class Trace:
         compiled_modules = {c.module for c in self._result.compiled}
         self._result.warnings += found_candidates.region_notes(regions, [c.module for c in self._result.calls],
                                                                [c.module for c in self._result.compiled])  # fmt: skip
-        seen_names = [self._names[i][0] for i in self._seen if i in self._names] + sorted(compiled_modules)
+        seen_names = [self.names[i][0] for i in self._seen if i in self.names] + sorted(compiled_modules)
         looking = walked.answer("looking like attention", lambda: sorted(
             (name, i) for i, (name, looks) in enumerate(zip(walked.structure.names, walked.looks_like_attention(),
                                                             strict=True)) if looks))  # fmt: skip
@@ -486,7 +487,7 @@ class Trace:
             m = walked.modules[i]
             if any(found_candidates.related(name, s) for s in seen_names):
                 continue
-            before = found_candidates.compiled_before(self._names.values(), name, self._compiled_before)
+            before = found_candidates.compiled_before(self.names.values(), name, self._compiled_before)
             reason = found_candidates.unobserved_reason(name, regions, before)
             self._result.unobserved.append(Unobserved(module=name, module_type=type(m).__name__, reason=reason))
         if handwritten.NOT_WATCHED in self._result.warnings:
@@ -502,7 +503,7 @@ class Trace:
         if compat.dynamo_compiled_nothing():  # no code holds a cache entry
             return
         try:
-            compiled_before.read(self, sorted(self._names.values(), key=lambda e: (e[0].count("."), e[0])))
+            compiled_before.read(self, sorted(self.names.values(), key=lambda e: (e[0].count("."), e[0])))
         except Exception as e:  # Dynamo's cache in another shape: those modules stay listed unobserved
             self.note(f"graphs compiled before the trace could not be read ({type(e).__name__}: {e})")
 

@@ -86,6 +86,9 @@ class Slot:
     #: what a ``MultiheadAttention`` call itself said (path, reasons, backend, evidence, kernels, what its kernel
     #: received): a call is the slot's only when it says the same
     facts: tuple[Any, ...] | None = None
+    #: what the SDPA kernel of a ``MultiheadAttention`` fallback said, with the key of its arguments
+    #: (:func:`qkvtrace.tracer.observers.sdpa.steady_key`): a steady call's kernel with that key says it again
+    kernel: tuple[Any, ...] | None = None
 
     def holds(self, trace: Trace, name: str) -> bool:
         """What the slot relies on beyond the call's key still holds: in a long run, its combination is still
@@ -112,25 +115,27 @@ class Slot:
 
 
 def keep_counting(trace: Trace, name: str, key: tuple[Any, ...], backend: str | None, rows: Any, *,
-                  owner: nn.Module, facts: tuple[Any, ...] | None = None) -> None:  # fmt: skip
+                  owner: nn.Module, facts: tuple[Any, ...] | None = None,
+                  kernel: tuple[Any, ...] | None = None) -> None:  # fmt: skip
     """Keep the slot of a long run's module whose call was just counted as its previous one."""
     entry = trace.monitor.modules[name]  # type: ignore[union-attr]
     combination = entry.last
     if combination is not None:  # (always: the call was just counted as it)
         trace.slots[id(owner)] = Slot(key, rows, entry=entry, combination=combination,
-                                      seen=entry.seen[combination], backend=backend, facts=facts)  # fmt: skip
+                                      seen=entry.seen[combination], backend=backend, facts=facts,
+                                      kernel=kernel)  # fmt: skip
 
 
 def keep_recording(trace: Trace, name: str, key: tuple[Any, ...], projection: Projection | str,
                    refs: tuple[Any, ...], rows: Any, *, owner: nn.Module, signature: Any = None,
-                   facts: tuple[Any, ...] | None = None) -> None:  # fmt: skip
+                   facts: tuple[Any, ...] | None = None, kernel: tuple[Any, ...] | None = None) -> None:  # fmt: skip
     """Keep the slot of a plain trace's module whose record was just remembered as its previous one, built
     from ``refs`` (:func:`qkvtrace.tracer.again.previous`: the module, and its projection and slice record)."""
     last = trace.last_record(owner)
     if last is not None:
         trace.slots[id(owner)] = Slot(key, rows, last=last, projection=projection,
                                       base=refs[2] if len(refs) == 3 else None, signature=signature,
-                                      facts=facts)  # fmt: skip
+                                      facts=facts, kernel=kernel)  # fmt: skip
 
 
 @dataclass(slots=True, eq=False)

@@ -19,9 +19,9 @@ import contextlib
 import inspect
 import sys
 import types
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -47,11 +47,17 @@ from qkvtrace.tracer.build import (
     wants_maps,
 )
 
+if TYPE_CHECKING:
+    from qkvtrace.tracer.session import Trace
+
 __all__ = ["OpenMHA", "observe_forward", "observe_function", "observe_native"]
 
 _MHA_FORWARD_CODE = inspect.unwrap(nn.MultiheadAttention.forward).__code__
 _LAYER_FORWARD_CODE = inspect.unwrap(nn.TransformerEncoderLayer.forward).__code__
 _EVIDENCE = paths.shared_evidence()
+
+#: an empty mapping no call writes to (the default of a call's frame locals and bound arguments)
+_NOTHING: Mapping[str, Any] = types.MappingProxyType({})
 
 _NATIVE_MHA_ARGS = (
     "query", "key", "value", "embed_dim", "num_head", "qkv_weight", "qkv_bias",
@@ -67,53 +73,64 @@ def arg(args: tuple[Any, ...], kwargs: dict[str, Any], names: tuple[str, ...], n
 
 
 class OpenMHA:
-    """A multi-head attention call that has started and not yet ended (on this thread)."""
+    """A multi-head attention call that has started and not yet ended (on this thread).
 
-    __slots__ = ("ask_refusals", "attn_mask", "backend", "batch_first", "bound", "canonical", "core", "error",
-                 "evidence", "inputs", "kernel_rows", "kernel_source", "key", "kpm", "local", "map_args", "module",
-                 "ops", "path", "projection", "query", "refusals", "refusals_source", "targets")  # fmt: skip
+    What a call does not set keeps the class's default: a steady call sets a handful of its fields, and
+    making one is two stores (an instance of ``__slots__`` stores every field on every call)."""
+
+    path: str | None = None
+    #: ``why_not_fast_path`` and the canonical masks, read from PyTorch's frame
+    local: Mapping[str, Any] = _NOTHING
+    backend: str | None = None
+    evidence = EVIDENCE_WITNESSED
+    #: the call's arguments bound to their names, and whether its tensors are batch-first
+    bound: Mapping[str, Any] = _NOTHING
+    batch_first = False
+    query: Any = None
+    kpm: Any = None
+    attn_mask: Any = None
+    #: masks as PyTorch's ``_canonical_mask`` makes them, for direct calls
+    canonical = False
+    refusals: dict[str, list[str]] | None = None
+    refusals_source: str | None = None
+    #: asks PyTorch's reasons for the kernel's call once a record is made (``refusals``, ``refusals_source``)
+    ask_refusals: Callable[[], tuple[dict[str, list[str]] | None, str | None]] | None = None
+    error: str | None = None
+    projection: Projection | str | None = None
+    #: the backward side of the call, from its SDPA kernel's output when one ran
+    core: routes.Core | None = None
+    #: the bound arguments an attention map is computed from (only when a trace asked for maps)
+    map_args: dict[str, Any] | None = None
+    #: fully-masked query rows of a fallback whose SDPA kernel was given no mask (PyTorch dropped it)
+    kernel_rows: Any = None
+    #: what a fallback's SDPA kernel received (Q and K projected, masks merged), when maps or health are due
+    kernel_source: Any = None
+    #: the facts of the call's arguments its module's slot is checked against (:func:`_steady_key`)
+    key: tuple[Any, ...] | None = None
+    #: the slot whose key the call has (its kernel may be one the slot knows)
+    slot: slots.Slot | None = None
+    #: what the call's SDPA kernel said, with the key of its arguments, for its module's slot
+    kernel: tuple[Any, ...] | None = None
 
     def __init__(self, module: nn.Module, targets: list[Target]) -> None:
         self.module = module
         self.targets = targets
-        self.path: str | None = None
-        #: ``why_not_fast_path`` and the canonical masks, read from PyTorch's frame
-        self.local: dict[str, Any] = {}
-        self.backend: str | None = None
+        #: the kernels that ran (``None``: not known)
         self.ops: list[str] | None = []
-        self.evidence = EVIDENCE_WITNESSED
         #: what the record's ``inputs`` gets beside what :func:`_inputs` reads from ``bound`` (made with the record)
         self.inputs: dict[str, Any] = {}
-        #: the call's arguments bound to their names, and whether its tensors are batch-first
-        self.bound: dict[str, Any] = {}
-        self.batch_first = False
-        self.query: Any = None
-        self.kpm: Any = None
-        self.attn_mask: Any = None
-        #: masks as PyTorch's ``_canonical_mask`` makes them, for direct calls
-        self.canonical: bool = False
-        self.refusals: dict[str, list[str]] | None = None
-        self.refusals_source: str | None = None
-        #: asks PyTorch's reasons for the kernel's call once a record is made (``refusals``, ``refusals_source``)
-        self.ask_refusals: Callable[[], tuple[dict[str, list[str]] | None, str | None]] | None = None
-        self.error: str | None = None
-        self.projection: Projection | str | None = None
-        #: the backward side of the call, from its SDPA kernel's output when one ran
-        self.core: routes.Core | None = None
-        #: the bound arguments an attention map is computed from (only when a trace asked for maps)
-        self.map_args: dict[str, Any] | None = None
-        #: fully-masked query rows of a fallback whose SDPA kernel was given no mask (PyTorch dropped it)
-        self.kernel_rows: Any = None
-        #: what a fallback's SDPA kernel received (Q and K projected, masks merged), when maps or health are due
-        self.kernel_source: Any = None
-        #: the facts of the call's arguments its module's slot is checked against (:func:`_steady_key`)
-        self.key: tuple[Any, ...] | None = None
+
+
+_LOCAL = registry.thread_state()
 
 
 def _innermost() -> OpenMHA | None:
-    stack = registry.open_calls()
-    if stack and isinstance(stack[-1], OpenMHA):
-        return stack[-1]
+    """This thread's innermost open call when it is a multi-head attention call (asked on every call)."""
+    stack = _LOCAL.stack
+    if stack:
+        ctx = stack[-1]
+        if isinstance(ctx, OpenMHA):
+            return ctx
     return None
 
 
@@ -172,12 +189,18 @@ def observe_forward(original: Callable[..., Any], args: tuple[Any, ...], kwargs:
     found = registry.covering(module)
     if not found:
         return original(*args, **kwargs)
-    ctx = OpenMHA(module, _targets(found))
     a = _bind(_MHA_NAMES, _MHA_DEFAULTS, args[1:], kwargs)
-    ctx.query, ctx.kpm, ctx.attn_mask = a["query"], a["key_padding_mask"], a["attn_mask"]
-    ctx.bound, ctx.batch_first = a, bool(module.batch_first)
+    key = None
     if len(found) == 1:  # one trace records the call: its module's slot may know it (:mod:`..slots`)
-        ctx.key = _steady_key(module, a)
+        key = _steady_key(module, a)
+        if key is not None:
+            trace, name = found[0]
+            slot = trace.slots.get(id(module))
+            if slot is not None and slot.key == key and slot.facts is not None and slot.holds(trace, name):
+                return _steady_call(slot, trace, name, module, a, original, args, kwargs)
+    ctx = OpenMHA(module, _targets(found))
+    ctx.query, ctx.kpm, ctx.attn_mask = a["query"], a["key_padding_mask"], a["attn_mask"]
+    ctx.bound, ctx.batch_first, ctx.key = a, bool(module.batch_first), key
     if wants_maps(ctx.targets):
         ctx.map_args = a
     return _run(ctx, original, args, kwargs)
@@ -189,8 +212,11 @@ def _steady_key(module: nn.Module, a: dict[str, Any]) -> tuple[Any, ...] | None:
     what the call itself then says (path, reasons, backend, evidence, kernels, what its kernel received).
     ``None`` for a masked call or nested tensors."""
     q, k, v = a["query"], a["key"], a["value"]
-    if a["key_padding_mask"] is not None or a["attn_mask"] is not None or not _plain_tensor(q) or \
-            not _plain_tensor(k) or not _plain_tensor(v):  # fmt: skip
+    if a["key_padding_mask"] is not None or a["attn_mask"] is not None:
+        return None
+    tensor = torch.Tensor
+    if not (isinstance(q, tensor) and isinstance(k, tensor) and isinstance(v, tensor)) or q.is_nested or \
+            k.is_nested or v.is_nested:  # fmt: skip
         return None
     return (q.shape, k.shape, v.shape, q.dtype, q.device, q is k, k is v, bool(a["need_weights"]),
             bool(a["average_attn_weights"]), bool(a["is_causal"]), module.training, module.batch_first,
@@ -198,7 +224,7 @@ def _steady_key(module: nn.Module, a: dict[str, Any]) -> tuple[Any, ...] | None:
             paths.sdp_flags())  # the switches: PyTorch's refusals of a switched-off backend say so  # fmt: skip
 
 
-def _inputs(module: nn.Module, a: dict[str, Any], batch_first: bool) -> dict[str, Any]:
+def _inputs(module: nn.Module, a: Mapping[str, Any], batch_first: bool) -> dict[str, Any]:
     """Shapes, dtype, device, flags and modes of an MHA call, from its bound arguments."""
     query, key, value = a["query"], a["key"], a["value"]
     return {
@@ -222,7 +248,11 @@ def _read_frame(ctx: OpenMHA, caller: types.FrameType | None) -> None:
     frame = frame_of(_MHA_FORWARD_CODE, caller)
     if frame is not None:
         local = frame.f_locals
-        ctx.local = {k: local.get(k) for k in ("why_not_fast_path", "key_padding_mask", "attn_mask")}
+        ctx.local = {
+            "why_not_fast_path": local.get("why_not_fast_path"),
+            "key_padding_mask": local.get("key_padding_mask"),
+            "attn_mask": local.get("attn_mask"),
+        }
 
 
 # -- the C++ fast path ---------------------------------------------------------------
@@ -237,7 +267,7 @@ def observe_native(original: Callable[..., Any], args: tuple[Any, ...], kwargs: 
            arg(args, kwargs, _NATIVE_MHA_ARGS, "mask") is None,
            bool(arg(args, kwargs, _NATIVE_MHA_ARGS, "need_weights", True)),
            arg(args, kwargs, _NATIVE_MHA_ARGS, "mask_type"))  # fmt: skip
-    _read_frame(ctx, sys._getframe(1))
+    _read_frame(ctx, sys._getframe(2))  # (the wrapper's frame: PyTorch's is the next)
     ctx.path = "fast"
     out, ops, evidence = _EVIDENCE.run(key, original, *args, **kwargs)
     ctx.ops, ctx.evidence = ops, evidence
@@ -258,7 +288,7 @@ def observe_function(original: Callable[..., Any], args: tuple[Any, ...], kwargs
     ctx = _innermost()
     if ctx is not None and ctx.path is None and not ctx.canonical:
         ctx.path = "fallback"
-        _read_frame(ctx, sys._getframe(1))
+        _read_frame(ctx, sys._getframe(2))  # (the wrapper's frame: PyTorch's is the next)
         return original(*args, **kwargs)
     if not registry.is_active():
         return original(*args, **kwargs)
@@ -377,20 +407,11 @@ def _finish(ctx: OpenMHA, out: Any) -> None:
         if t.has_layers:
             layer_reason = _layer_reason(module)
             break
-    facts = None
-    if ctx.key is not None and ctx.error is None:
-        ops = None if ctx.ops is None else tuple(ctx.ops)
-        facts = (ctx.path, ctx.local.get("why_not_fast_path"), layer_reason, ctx.backend, ctx.evidence, ops,
-                 tuple(ctx.inputs.items()))  # fmt: skip
-        slot = ctx.targets[0][0].slots.get(id(module))
-        if slot is not None and slot.key == ctx.key and slot.facts == facts and slot.holds(*ctx.targets[0][:2]):
-            _steady(slot, ctx, out)
-            _release(ctx)
-            return
+    facts = _facts(ctx, layer_reason) if ctx.key is not None and ctx.error is None else None
     if ctx.error is None and _counted_again(ctx, out, rows, layer_reason):
         if facts is not None:  # (the facts hold the evidence: a slot filled by a witnessed call is not a cached one's)
             trace, name, _ = ctx.targets[0]
-            slots.keep_counting(trace, name, ctx.key, ctx.backend, 0, owner=module, facts=facts)  # type: ignore[arg-type]
+            slots.keep_counting(trace, name, ctx.key, ctx.backend, 0, owner=module, facts=facts, kernel=ctx.kernel)  # type: ignore[arg-type]
         _release(ctx)
         return
     built_from = None
@@ -409,7 +430,7 @@ def _finish(ctx: OpenMHA, out: Any) -> None:
             again.repeat(found, ctx.targets, module, projection, core, output)
             if facts is not None:
                 slots.keep_recording(ctx.targets[0][0], ctx.targets[0][1], ctx.key, projection,  # type: ignore[arg-type]
-                                     built_from[1], 0, owner=module, facts=facts)  # fmt: skip
+                                     built_from[1], 0, owner=module, facts=facts, kernel=ctx.kernel)  # fmt: skip
             return
     inputs = _inputs(module, ctx.bound, batch_first=ctx.batch_first)  # read now that a record is made
     inputs.update(ctx.inputs)
@@ -460,22 +481,52 @@ def _finish(ctx: OpenMHA, out: Any) -> None:
     deliver(call, ctx.targets, module, projection, core, source, built_from)
     if facts is not None and built_from is not None:
         slots.keep_recording(ctx.targets[0][0], ctx.targets[0][1], ctx.key, projection, built_from[1], 0,  # type: ignore[arg-type]
-                             owner=module, facts=facts)  # fmt: skip
+                             owner=module, facts=facts, kernel=ctx.kernel)  # fmt: skip
 
 
 # -- a module's steady calls (:mod:`qkvtrace.tracer.slots`) ------------------------------------
 
 
-def _steady(slot: slots.Slot, ctx: OpenMHA, out: Any) -> None:
-    """Capture only what is its own of a call its module's slot knows."""
-    trace, name, index = ctx.targets[0]
+def _steady_call(slot: slots.Slot, trace: Trace, name: str, module: nn.Module, a: dict[str, Any],
+                 original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:  # fmt: skip
+    """Run a call whose key its module's slot holds, and capture only what is its own once the call said what the
+    slot's call said (path, reasons, backend, evidence, kernels, what its kernel received); else record it in
+    full. (No map is due: a slot is kept only where no trace computes maps, and a long run's holds only while
+    no health is due.)"""
+    ctx = OpenMHA(module, [(trace, name, trace.take_index())])
+    ctx.query, ctx.bound, ctx.batch_first, ctx.key = a["query"], a, bool(module.batch_first), slot.key
+    ctx.slot = slot
+    stack = registry.open_calls()
+    stack.append(ctx)
+    try:
+        out = original(*args, **kwargs)
+    except BaseException as exc:
+        ctx.error = f"{type(exc).__name__}: {exc}"
+        _pop(ctx, stack)
+        with contextlib.suppress(Exception):  # the user's exception goes on, unchanged, whatever happens here
+            _finish(ctx, None)
+        raise
+    _pop(ctx, stack)
+    if _facts(ctx, _layer_reason(module) if trace.has_layers else None) != slot.facts:
+        _finish(ctx, out)
+        return out
+    if ctx.kernel is not None:  # its kernel's arguments were not the slot's, and it said the same: now they are
+        slot.kernel = ctx.kernel
     result = out[0] if isinstance(out, tuple) else out
     if slot.entry is not None:  # a long run: counted, nothing else
         slot.count(trace, nan_count(result))
-        return
-    training = ctx.inputs["training"] if "training" in ctx.inputs else bool(ctx.module.training)
+        return out
+    training = ctx.inputs["training"] if "training" in ctx.inputs else bool(module.training)
     core = _core(ctx, result, ctx.inputs.get("num_heads"), (True, True, training))
-    slot.record(trace, ctx.module, name, index, nan_count(result), None, core)
+    slot.record(trace, module, name, ctx.targets[0][2], nan_count(result), None, core)
+    return out
+
+
+def _facts(ctx: OpenMHA, layer_reason: str | None) -> tuple[Any, ...]:
+    """What a call said beyond its key (:func:`_steady_key`): a slot's call is one that says the same."""
+    ops = None if ctx.ops is None else tuple(ctx.ops)
+    return (ctx.path, ctx.local.get("why_not_fast_path"), layer_reason, ctx.backend, ctx.evidence, ops,
+            tuple(ctx.inputs.items()))  # fmt: skip
 
 
 def _core(ctx: OpenMHA, result: Any, num_heads: Any, given: tuple[Any, ...]) -> routes.Core | None:
@@ -519,8 +570,7 @@ def _built_from(ctx: OpenMHA, layer_reason: str | None, projection: Projection |
 def _release(ctx: OpenMHA) -> None:
     """Let go of the call's tensors and frame locals once its record is made, or it was counted."""
     ctx.query = ctx.kpm = ctx.attn_mask = ctx.map_args = ctx.kernel_source = ctx.ask_refusals = ctx.core = None
-    ctx.bound = {}
-    ctx.local = {}
+    ctx.bound = ctx.local = _NOTHING
 
 
 def _counted_again(ctx: OpenMHA, out: Any, rows: Any, layer_reason: str | None) -> bool:

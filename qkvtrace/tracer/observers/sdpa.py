@@ -47,7 +47,7 @@ from qkvtrace.tracer.build import (
     wants_backward,
     wants_maps,
 )
-from qkvtrace.tracer.install import redispatch_sdpa, relevant_overrides
+from qkvtrace.tracer.install import overridden, redispatch_sdpa, relevant_overrides
 from qkvtrace.tracer.observers.mha import OpenMHA, arg
 
 __all__ = ["OpenOverride", "fully_masked_rows", "observe_sdpa"]
@@ -132,9 +132,8 @@ def observe_sdpa(original: Callable[..., Any], args: tuple[Any, ...], kwargs: di
     if replay.active():  # a module run again to read its rows: the call it was run for ends the run
         replay.offer([arg(args, kwargs, _SDPA_ARGS, n) for n in ("query", "key", "value")])
         return redispatch_sdpa(original, args, kwargs)
-    relevant = relevant_overrides(args, kwargs)
-    if torch.overrides.has_torch_function(relevant):
-        return _observe_override(original, args, kwargs, relevant)
+    if overridden(args, kwargs):
+        return _observe_override(original, args, kwargs, relevant_overrides(args, kwargs))
     stack = registry.open_calls()
     enclosing = stack[-1] if stack else None
     if isinstance(enclosing, OpenOverride):  # made on behalf of an override that is being recorded
@@ -311,13 +310,20 @@ def _learn(a: _Args, backend: str | None, ops: list[str] | None) -> None:
 
 
 def _kernel_of_mha(ctx: OpenMHA, original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Report a fallback's kernel to its call: the backend, kernels, evidence and what the kernel received; for a
+    call its module's slot knows, what the slot's kernel said when the kernel's arguments have the slot kernel's
+    key (:func:`steady_key`: everything that decides them), else found out anew."""
+    key = steady_key(ctx.module, args, kwargs) if ctx.key is not None else None  # (a call a slot may take)
+    slot = ctx.slot
+    if key is not None and slot is not None and slot.kernel is not None and slot.kernel[0] == key:
+        return _steady_kernel(ctx, slot.kernel, original, args, kwargs)
     a = _Args(args, kwargs)
     backend = a.backend()
     ctx.backend = backend
     owner = ctx.targets[0][0]
     ctx.ask_refusals = lambda: a.refusals(owner, backend)
-    ctx.inputs["dropout_p"] = a.dropout_p  # what the fallback handed its kernel
-    ctx.inputs.update(a.decisive())
+    added = {"dropout_p": a.dropout_p, **a.decisive()}  # what the fallback handed its kernel
+    ctx.inputs.update(added)
     if a.mask is None:  # PyTorch dropped the masks it was given (is_causal, no padding mask, no weights)
         ctx.kernel_rows = fully_masked_rows(a.q, a.k, None, a.is_causal)
     if ctx.map_args is not None:
@@ -329,6 +335,23 @@ def _kernel_of_mha(ctx: OpenMHA, original: Callable[..., Any], args: tuple[Any, 
     ctx.ops = list(ops) if ops is not None else None
     ctx.evidence = evidence
     ctx.core = routes.sdpa_core(out, a.q, a.k, a.v, key=sig) if wants_backward(ctx.targets) else None
+    if key is not None and evidence == EVIDENCE_CACHED:  # (a witnessed kernel's evidence is its call's own)
+        ctx.kernel = (key, backend, None if ops is None else tuple(ops), evidence, added, sig)
+    return out
+
+
+def _steady_kernel(ctx: OpenMHA, kernel: tuple[Any, ...], original: Callable[..., Any], args: tuple[Any, ...],
+                   kwargs: dict[str, Any]) -> Any:  # fmt: skip
+    """The kernel of a steady call, with the key of its module's slot's kernel: what that kernel said, its call
+    made, and its backward core found (PyTorch's reasons asked only if the call is recorded in full)."""
+    _, backend, ops, evidence, added, sig = kernel
+    ctx.backend, ctx.evidence = backend, evidence  # (no rows: the kernel of an unmasked call is given no mask)
+    ctx.ops = None if ops is None else list(ops)
+    ctx.inputs.update(added)
+    owner = ctx.targets[0][0]
+    ctx.ask_refusals = lambda: _Args(args, kwargs).refusals(owner, backend)
+    out = original(*args, **kwargs)
+    ctx.core = routes.sdpa_core(out, args[0], args[1], args[2], key=sig) if wants_backward(ctx.targets) else None
     return out
 
 
