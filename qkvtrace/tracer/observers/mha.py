@@ -516,8 +516,12 @@ def _steady_call(slot: slots.Slot, trace: Trace, name: str, module: nn.Module, a
     if slot.entry is not None:  # a long run: counted, nothing else
         slot.count(trace, nan_count(result))
         return out
-    training = ctx.inputs["training"] if "training" in ctx.inputs else bool(module.training)
-    core = _core(ctx, result, ctx.inputs.get("num_heads"), (True, True, training))
+    core = ctx.core
+    if core is None and trace.record_routes:  # the way to the core of the slot's calls (its key's: made once)
+        found = slot.signature
+        if found is None:
+            found = slot.signature = _core_key(ctx, None, (True, True, bool(module.training)))
+        core = routes.find_core(result, (ctx.query,), heads=found[1], key=found[0])
     slot.record(trace, module, name, ctx.targets[0][2], nan_count(result), None, core)
     return out
 
@@ -534,11 +538,17 @@ def _core(ctx: OpenMHA, result: Any, num_heads: Any, given: tuple[Any, ...]) -> 
     given, and its training flag); ``None`` where no trace wants it."""
     if ctx.core is not None or not wants_backward(ctx.targets):
         return ctx.core
+    key, heads = _core_key(ctx, num_heads, given)
+    return routes.find_core(result, (ctx.query,), heads=heads, key=key)
+
+
+def _core_key(ctx: OpenMHA, num_heads: Any, given: tuple[Any, ...]) -> tuple[tuple[Any, ...], int | None]:
+    """The signature the call's backward core is found by, and its number of heads."""
     heads = getattr(ctx.module, "num_heads", None) or num_heads
     a = ctx.bound
     key = ("mha", ctx.path or "unknown", bool(a["need_weights"]), a["query"] is a["key"] and a["key"] is a["value"],
            given)  # fmt: skip
-    return routes.find_core(result, (ctx.query,), heads=int(heads) if heads else None, key=key)
+    return key, int(heads) if heads else None
 
 
 def _plain_tensor(t: Any) -> bool:
