@@ -314,6 +314,57 @@ def test_fast_paths_next_to_hand_written_attention_are_unchanged() -> None:
                          ("encoder.layers.0.self_attn", "fused_encoder_layer")]  # fmt: skip
 
 
+def test_fallbacks_next_to_hand_written_attention_are_one_call_each() -> None:
+    """In training, next to attention written by hand, a MultiheadAttention and an encoder layer's take their
+    fallback: each is one call of its module, in the order the model makes them. Witness: the model's own
+    forward (the calls it makes, by construction) and its untraced output."""
+    torch.manual_seed(0)
+    model, x = Mixed().train(), torch.randn(B, T, E)
+    want = model(x)
+    with qkvtrace.trace(model) as t:
+        got = model(x)
+    assert torch.equal(got, want)
+    assert [(c.module, c.path) for c in t.calls] == [("attn", "hand_written"), ("mha", "fallback"),
+                                                      ("attn", "hand_written"),
+                                                      ("encoder.layers.0.self_attn", "fallback")]  # fmt: skip
+
+
+class CallsSharedMHA(SelfAttention):
+    """Attention written by hand whose output then goes through a MultiheadAttention its parent owns (shared,
+    not a child of this module)."""
+
+    def __init__(self, shared: nn.MultiheadAttention) -> None:
+        super().__init__("matmul_causal")
+        object.__setattr__(self, "shared", shared)  # not registered here: the parent owns it
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        return self.shared(y, y, y, need_weights=False)[0]  # type: ignore[operator]
+
+
+class SharesMHA(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mha = nn.MultiheadAttention(E, H, batch_first=True)
+        self.attn = CallsSharedMHA(self.mha)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attn(x)
+
+
+def test_a_multihead_attention_called_inside_a_watched_module_is_one_call() -> None:
+    """A MultiheadAttention called (in training: its fallback) inside a module watched for attention written by
+    hand is one call of its own. Witness: the model's own forward (the calls it makes, by construction) and
+    its untraced output."""
+    torch.manual_seed(0)
+    model, x = SharesMHA().train(), torch.randn(B, T, E)
+    want = model(x)
+    with qkvtrace.trace(model) as t:
+        got = [model(x) for _ in range(3)][-1]
+    assert torch.equal(got, want)
+    assert [c.path for c in t.calls if c.module == "mha"] == ["fallback"] * 3, [(c.module, c.path) for c in t.calls]
+
+
 class SdpaAttention(nn.Module):
     """An attention-looking module that calls SDPA itself: watched until its first SDPA call."""
 

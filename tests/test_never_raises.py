@@ -150,6 +150,34 @@ def test_a_failing_observer_changes_nothing_the_caller_sees(
     assert not registry.open_calls(), "no half-open call is left on the thread"
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("steady", [False, True], ids=["first", "steady"])
+def test_a_fallback_whose_reason_cannot_be_read_is_one_call_as_it_was(steady: bool,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reading PyTorch's reason from the fallback's frame fails (on a module's first call, or on a call its
+    module's slot knows): the caller gets what the untraced call gives, the trace says what it could not
+    read, and the module's one call is one call -- not also taken for a direct call of the function.
+
+    Witness: the same model's untraced run (output and random state), and the calls the test makes.
+    """
+    torch.manual_seed(0)
+    model = SelfAttend(_mha(True))
+    x = _input(True)
+    plain, plain_rng = _run(model, x, True)
+    with qkvtrace.trace(model) as t:
+        if steady:
+            for _ in range(3):
+                _run(model, x, True)
+        monkeypatch.setattr(mha, "_read_frame", _boom)
+        traced, traced_rng = _run(model, x, True)
+        monkeypatch.undo()
+    assert torch.equal(plain, traced)
+    assert torch.equal(plain_rng, traced_rng)
+    assert len(t.calls) == (4 if steady else 1), [c.path for c in t.calls]
+    assert any("could not be recorded (Boom: injected)" in w for w in t.result.warnings)
+    assert not registry.open_calls(), "no half-open call is left on the thread"
+
+
 @pytest.mark.parametrize("where", ["before", "after"])
 def test_a_refused_call_raises_pytorchs_exception_even_when_observing_fails(
     where: str, monkeypatch: pytest.MonkeyPatch

@@ -188,9 +188,17 @@ def _observed(
 
 
 def _make_wrapper(
-    label: str, original: Callable[..., Any], observe: Observer, compiled: Callable[..., Any] | None
+    label: str,
+    original: Callable[..., Any],
+    observe: Observer,
+    compiled: Callable[..., Any] | None,
+    ahead: Callable[[], bool] | None = None,
 ) -> Callable[..., Any]:
     """A wrapper of ``original`` that hands eager calls to ``observe``.
+
+    ``ahead``: asked first, unless attention written by hand is watched; when it says it observed all there is
+    of the call (before it runs), the wrapper makes the call itself. If it fails, the failure is reported and
+    the call made as without a trace.
 
     The closure names start with ``_qkv_`` so that they never shadow a name
     in PyTorch's source when TorchScript resolves it (see the module docstring).
@@ -198,8 +206,10 @@ def _make_wrapper(
     _qkv_label = label
     _qkv_original = original
     _qkv_observe = observe
+    _qkv_ahead = ahead
     _qkv_observed = observed
     _qkv_guarded = _observed
+    _qkv_failed = registry.report_failure
     _qkv_watching = _HAND_WRITTEN_ON
     _qkv_compiled = compiled
     _qkv_is_compiling = compat.is_compiling
@@ -212,6 +222,14 @@ def _make_wrapper(
             return _qkv_original(*args, **kwargs)
         if _qkv_watching[0]:
             return _qkv_observed(_qkv_label, _qkv_observe, _qkv_original, args, kwargs)
+        if _qkv_ahead is not None:
+            try:
+                done = _qkv_ahead()
+            except Exception as exc:
+                _qkv_failed(_qkv_label, exc)
+                done = True
+            if done:
+                return _qkv_original(*args, **kwargs)
         return _qkv_guarded(_qkv_label, _qkv_observe, _qkv_original, args, kwargs)
 
     globs = getattr(original, "__globals__", None)
@@ -281,7 +299,8 @@ class Installation:
             if owner is None:
                 continue
             original = _current(owner, attr)
-            wrapper = _make_wrapper(label, original, observe, compiled)
+            ahead = mha.ahead_of_function if observe is mha.observe_function else None
+            wrapper = _make_wrapper(label, original, observe, compiled, ahead)
             targets.append(_Target(label, owner, attr, aten, original, wrapper))
         return targets
 

@@ -50,7 +50,7 @@ from qkvtrace.tracer.build import (
 if TYPE_CHECKING:
     from qkvtrace.tracer.session import Trace
 
-__all__ = ["OpenMHA", "observe_forward", "observe_function", "observe_native"]
+__all__ = ["OpenMHA", "ahead_of_function", "observe_forward", "observe_function", "observe_native"]
 
 _MHA_FORWARD_CODE = inspect.unwrap(nn.MultiheadAttention.forward).__code__
 _LAYER_FORWARD_CODE = inspect.unwrap(nn.TransformerEncoderLayer.forward).__code__
@@ -284,11 +284,24 @@ _FN_DEFAULTS: dict[str, Any] = {
 }
 
 
-def observe_function(original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def ahead_of_function() -> bool:
+    """What the wrapper of ``F.multi_head_attention_forward`` asks first (its ``ahead``): for the fallback of
+    this thread's open ``MultiheadAttention`` call, the path and PyTorch's reason noted -- all there is to
+    observe of it, so the wrapper then makes the call itself; ``False`` for any other call."""
+    return _fallback_noted(sys._getframe(1))
+
+
+def _fallback_noted(caller: types.FrameType | None) -> bool:
     ctx = _innermost()
-    if ctx is not None and ctx.path is None and not ctx.canonical:
-        ctx.path = "fallback"
-        _read_frame(ctx, sys._getframe(2))  # (the wrapper's frame: PyTorch's is the next)
+    if ctx is None or ctx.path is not None:  # (a direct call's is the fallback already)
+        return False
+    ctx.path = "fallback"
+    _read_frame(ctx, caller)
+    return True
+
+
+def observe_function(original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    if _fallback_noted(sys._getframe(2)):  # (the wrapper's frame, or its watch's: PyTorch's is above)
         return original(*args, **kwargs)
     if not registry.is_active():
         return original(*args, **kwargs)
