@@ -13,7 +13,8 @@ same with every head's attention weights computed beside the call (the least a
 map costs), next to the records with ``attention_maps=True``.
 
 One ``nn.MultiheadAttention(64, 8)`` in training mode on a ``(2, 10, 64)`` input,
-``need_weights`` left at its default, then a model's own SDPA call with dropout on
+``need_weights`` left at its default, then with ``need_weights=False`` (the call an
+encoder layer makes: the fallback's kernel is an SDPA call), then a model's own SDPA call with dropout on
 ``(2, 4, 16, 32)`` (``overhead.py``'s W5): 200 calls per sample, 25 samples per arm,
 interleaved untraced / traced; the CPU time of the fastest sample of each arm (the
 one least disturbed by the machine) gives the cost per call in microseconds.
@@ -66,6 +67,18 @@ def main() -> None:
         arms.append(("floor with a map: + softmax(QKᵀ) on the side", {"floor": True}, lambda: _floor(maps=True)))
         arms.append(("records with maps (attention_maps=True)", {"attention_maps": True}, contextlib.nullcontext))
     _measure(arms, mha, work, cpu, lambda: mha(x, x, x))
+
+    def kernel_work() -> None:
+        for _ in range(CALLS):
+            mha(x, x, x, need_weights=False)
+
+    print("  the same MultiheadAttention with need_weights=False (an encoder layer's call: its kernel an SDPA call):")
+    kernel_arms: list[tuple[str, dict[str, Any], Callable[[], Any]]] = [
+        ("records (need_weights=False)", {}, contextlib.nullcontext),
+        ('long run (keep="changes") (need_weights=False)', {"keep": "changes"}, contextlib.nullcontext),
+    ]
+    kernel_work()
+    _measure(kernel_arms, mha, kernel_work, cpu, lambda: mha(x, x, x, need_weights=False))
     # a model's own SDPA call (benchmarks/overhead.py's W5): dropout, so PyTorch refuses its first choice
     sdpa = _DropoutAttention().train()
     q, k, v = (torch.randn(2, 4, 16, 32) for _ in range(3))

@@ -401,3 +401,19 @@ def test_a_steady_multihead_attention_call_learns_its_kernels_new_arguments() ->
     assert torch.equal(traced, mha(x, x, x, need_weights=False)[0])
     assert len(set(before)) == 1 and after[0] > before[0], (before, after)
     assert after[1:] == before[:1] * 3, (before, after)
+
+
+@pytest.mark.parametrize("need_weights", [True, False])
+def test_steady_multihead_attention_records_of_a_trace_without_routes_say_so(need_weights: bool) -> None:
+    """A trace opened with ``routes=False``: every record of a MultiheadAttention's steady calls says that no
+    backward kernel was recorded, and why. Witness: the option the test passes (the trace's own promise for it)."""
+    torch.manual_seed(10)
+    mha = nn.MultiheadAttention(16, 2)
+    x = torch.randn(5, 2, 16)
+    with qkvtrace.trace(mha, routes=False) as t:
+        for _ in range(4):
+            mha(x, x, x, need_weights=need_weights)
+    assert len(t.calls) == 4
+    assert all(c.backward_kernel is None and "routes=False" in (c.backward_reason or "") for c in t.calls), [
+        (c.backward_kernel, c.backward_reason) for c in t.calls
+    ]

@@ -88,6 +88,7 @@ class Slot:
     facts: tuple[Any, ...] | None = None
     #: what the SDPA kernel of a ``MultiheadAttention`` fallback said, with the key of its arguments
     #: (:func:`qkvtrace.tracer.observers.sdpa.steady_key`): a steady call's kernel with that key says it again
+    #: (learnt from the first steady call whose kernel was found out in full)
     kernel: tuple[Any, ...] | None = None
 
     def holds(self, trace: Trace, name: str) -> bool:
@@ -115,27 +116,25 @@ class Slot:
 
 
 def keep_counting(trace: Trace, name: str, key: tuple[Any, ...], backend: str | None, rows: Any, *,
-                  owner: nn.Module, facts: tuple[Any, ...] | None = None,
-                  kernel: tuple[Any, ...] | None = None) -> None:  # fmt: skip
+                  owner: nn.Module, facts: tuple[Any, ...] | None = None) -> None:  # fmt: skip
     """Keep the slot of a long run's module whose call was just counted as its previous one."""
     entry = trace.monitor.modules[name]  # type: ignore[union-attr]
     combination = entry.last
     if combination is not None:  # (always: the call was just counted as it)
         trace.slots[id(owner)] = Slot(key, rows, entry=entry, combination=combination,
-                                      seen=entry.seen[combination], backend=backend, facts=facts,
-                                      kernel=kernel)  # fmt: skip
+                                      seen=entry.seen[combination], backend=backend, facts=facts)  # fmt: skip
 
 
 def keep_recording(trace: Trace, name: str, key: tuple[Any, ...], projection: Projection | str,
                    refs: tuple[Any, ...], rows: Any, *, owner: nn.Module, signature: Any = None,
-                   facts: tuple[Any, ...] | None = None, kernel: tuple[Any, ...] | None = None) -> None:  # fmt: skip
+                   facts: tuple[Any, ...] | None = None) -> None:  # fmt: skip
     """Keep the slot of a plain trace's module whose record was just remembered as its previous one, built
     from ``refs`` (:func:`qkvtrace.tracer.again.previous`: the module, and its projection and slice record)."""
     last = trace.last_record(owner)
     if last is not None:
         trace.slots[id(owner)] = Slot(key, rows, last=last, projection=projection,
                                       base=refs[2] if len(refs) == 3 else None, signature=signature,
-                                      facts=facts, kernel=kernel)  # fmt: skip
+                                      facts=facts)  # fmt: skip
 
 
 @dataclass(slots=True, eq=False)

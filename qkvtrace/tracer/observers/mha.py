@@ -424,7 +424,7 @@ def _finish(ctx: OpenMHA, out: Any) -> None:
     if ctx.error is None and _counted_again(ctx, out, rows, layer_reason):
         if facts is not None:  # (the facts hold the evidence: a slot filled by a witnessed call is not a cached one's)
             trace, name, _ = ctx.targets[0]
-            slots.keep_counting(trace, name, ctx.key, ctx.backend, 0, owner=module, facts=facts, kernel=ctx.kernel)  # type: ignore[arg-type]
+            slots.keep_counting(trace, name, ctx.key, ctx.backend, 0, owner=module, facts=facts)  # type: ignore[arg-type]
         _release(ctx)
         return
     built_from = None
@@ -443,7 +443,7 @@ def _finish(ctx: OpenMHA, out: Any) -> None:
             again.repeat(found, ctx.targets, module, projection, core, output)
             if facts is not None:
                 slots.keep_recording(ctx.targets[0][0], ctx.targets[0][1], ctx.key, projection,  # type: ignore[arg-type]
-                                     built_from[1], 0, owner=module, facts=facts, kernel=ctx.kernel)  # fmt: skip
+                                     built_from[1], 0, owner=module, facts=facts)  # fmt: skip
             return
     inputs = _inputs(module, ctx.bound, batch_first=ctx.batch_first)  # read now that a record is made
     inputs.update(ctx.inputs)
@@ -494,7 +494,7 @@ def _finish(ctx: OpenMHA, out: Any) -> None:
     deliver(call, ctx.targets, module, projection, core, source, built_from)
     if facts is not None and built_from is not None:
         slots.keep_recording(ctx.targets[0][0], ctx.targets[0][1], ctx.key, projection, built_from[1], 0,  # type: ignore[arg-type]
-                             owner=module, facts=facts, kernel=ctx.kernel)  # fmt: skip
+                             owner=module, facts=facts)  # fmt: skip
 
 
 # -- a module's steady calls (:mod:`qkvtrace.tracer.slots`) ------------------------------------
@@ -523,7 +523,7 @@ def _steady_call(slot: slots.Slot, trace: Trace, name: str, module: nn.Module, a
     if _facts(ctx, _layer_reason(module) if trace.has_layers else None) != slot.facts:
         _finish(ctx, out)
         return out
-    if ctx.kernel is not None:  # its kernel's arguments were not the slot's, and it said the same: now they are
+    if ctx.kernel is not None:  # its kernel was found out in full and said what the slot's said: its key is the slot's
         slot.kernel = ctx.kernel
     result = out[0] if isinstance(out, tuple) else out
     if slot.entry is not None:  # a long run: counted, nothing else
