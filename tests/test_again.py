@@ -27,7 +27,7 @@ from torch import nn
 import qkvtrace
 from qkvtrace import paths
 from qkvtrace.tracer import again, build
-from qkvtrace.tracer.observers import mha as mha_observer
+from qkvtrace.tracer.observers import mha_facts
 from qkvtrace.tracer.observers import sdpa as sdpa_observer
 
 
@@ -92,7 +92,7 @@ def _no_shortcut() -> Iterator[None]:
     """Every record built in full: no previous record is ever found, and no call has a key a slot could know."""
     with mock.patch.object(again, "previous", lambda *a, **k: None), \
             mock.patch.object(sdpa_observer, "steady_key", lambda *a, **k: None), \
-            mock.patch.object(mha_observer, "_steady_key", lambda *a, **k: None):  # fmt: skip
+            mock.patch.object(mha_facts, "steady_key", lambda *a, **k: None):  # fmt: skip
         yield
 
 

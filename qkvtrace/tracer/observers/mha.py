@@ -19,18 +19,17 @@ import contextlib
 import inspect
 import sys
 import types
-from collections.abc import Callable, Hashable, Mapping
-from dataclasses import asdict
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qkvtrace import maps, masks, paths
+from qkvtrace import paths
 from qkvtrace.monitor import combination_key, mask_kind
 from qkvtrace.records import EVIDENCE_WITNESSED, AttentionCall
-from qkvtrace.slices import PartSpec, Projection, ProjectionSpec, Rows, whole
+from qkvtrace.slices import Projection
 from qkvtrace.tracer import again, registry, routes, slots
 from qkvtrace.tracer.build import (
     Target,
@@ -39,13 +38,11 @@ from qkvtrace.tracer.build import (
     deliver,
     dtype_name,
     frame_of,
-    modes,
     nan_count,
-    nested_lengths,
-    shape,
     wants_backward,
     wants_maps,
 )
+from qkvtrace.tracer.observers import mha_facts
 
 if TYPE_CHECKING:
     from qkvtrace.tracer.session import Trace
@@ -53,7 +50,6 @@ if TYPE_CHECKING:
 __all__ = ["OpenMHA", "ahead_of_function", "observe_forward", "observe_function", "observe_native"]
 
 _MHA_FORWARD_CODE = inspect.unwrap(nn.MultiheadAttention.forward).__code__
-_LAYER_FORWARD_CODE = inspect.unwrap(nn.TransformerEncoderLayer.forward).__code__
 _EVIDENCE = paths.shared_evidence()
 
 #: an empty mapping no call writes to (the default of a call's frame locals and bound arguments)
@@ -105,7 +101,7 @@ class OpenMHA:
     kernel_rows: Any = None
     #: what a fallback's SDPA kernel received (Q and K projected, masks merged), when maps or health are due
     kernel_source: Any = None
-    #: the facts of the call's arguments its module's slot is checked against (:func:`_steady_key`)
+    #: the facts of the call's arguments its module's slot is checked against (:func:`~.mha_facts.steady_key`)
     key: tuple[Any, ...] | None = None
     #: the slot whose key the call has (its kernel may be one the slot knows)
     slot: slots.Slot | None = None
@@ -117,7 +113,8 @@ class OpenMHA:
         self.targets = targets
         #: the kernels that ran (``None``: not known)
         self.ops: list[str] | None = []
-        #: what the record's ``inputs`` gets beside what :func:`_inputs` reads from ``bound`` (made with the record)
+        #: what the record's ``inputs`` gets beside what :func:`.mha_facts.inputs_of` reads from ``bound``
+        #: (made with the record)
         self.inputs: dict[str, Any] = {}
 
 
@@ -192,7 +189,7 @@ def observe_forward(original: Callable[..., Any], args: tuple[Any, ...], kwargs:
     a = _bind(_MHA_NAMES, _MHA_DEFAULTS, args[1:], kwargs)
     key = None
     if len(found) == 1:  # one trace records the call: its module's slot may know it (:mod:`..slots`)
-        key = _steady_key(module, a)
+        key = mha_facts.steady_key(module, a)
         if key is not None:
             trace, name = found[0]
             slot = trace.slots.get(id(module))
@@ -204,43 +201,6 @@ def observe_forward(original: Callable[..., Any], args: tuple[Any, ...], kwargs:
     if wants_maps(ctx.targets):
         ctx.map_args = a
     return _run(ctx, original, args, kwargs)
-
-
-def _steady_key(module: nn.Module, a: dict[str, Any]) -> tuple[Any, ...] | None:
-    """The facts of an unmasked ``MultiheadAttention`` call that its record's inputs are made of (:func:`_inputs`)
-    and the backend switches, read from its arguments and module; its slot is checked against them and against
-    what the call itself then says (path, reasons, backend, evidence, kernels, what its kernel received).
-    ``None`` for a masked call or nested tensors."""
-    q, k, v = a["query"], a["key"], a["value"]
-    if a["key_padding_mask"] is not None or a["attn_mask"] is not None:
-        return None
-    tensor = torch.Tensor
-    if not (isinstance(q, tensor) and isinstance(k, tensor) and isinstance(v, tensor)) or q.is_nested or \
-            k.is_nested or v.is_nested:  # fmt: skip
-        return None
-    return (q.shape, k.shape, v.shape, q.dtype, q.device, q is k, k is v, bool(a["need_weights"]),
-            bool(a["average_attn_weights"]), bool(a["is_causal"]), module.training, module.batch_first,
-            torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.is_autocast_enabled(),
-            paths.sdp_flags())  # the switches: PyTorch's refusals of a switched-off backend say so  # fmt: skip
-
-
-def _inputs(module: nn.Module, a: Mapping[str, Any], batch_first: bool) -> dict[str, Any]:
-    """Shapes, dtype, device, flags and modes of an MHA call, from its bound arguments."""
-    query, key, value = a["query"], a["key"], a["value"]
-    return {
-        "query_shape": shape(query),
-        "key_shape": shape(key),
-        "value_shape": shape(value),
-        "nested_lengths": nested_lengths(query),
-        "dtype": dtype_name(getattr(query, "dtype", None)),
-        "device": getattr(getattr(query, "device", None), "type", None),
-        "batch_first": batch_first,
-        "need_weights": bool(a["need_weights"]),
-        "average_attn_weights": bool(a["average_attn_weights"]),
-        "is_causal": bool(a["is_causal"]),
-        "self_attention": query is key and key is value,
-        **modes(module),
-    }
 
 
 def _read_frame(ctx: OpenMHA, caller: types.FrameType | None) -> None:
@@ -314,7 +274,7 @@ def observe_function(original: Callable[..., Any], args: tuple[Any, ...], kwargs
     ctx.path = "fallback"
     ctx.canonical = True
     ctx.query, ctx.kpm, ctx.attn_mask = a["query"], a["key_padding_mask"], a["attn_mask"]
-    ctx.projection = _passed_projection(module, a)
+    ctx.projection = mha_facts.passed_projection(module, a)
     ctx.bound = a  # batch_first stays False: this function takes (L, N, E) or (L, E)
     ctx.inputs["num_heads"] = a["num_heads"]
     ctx.inputs["training"] = bool(a["training"])  # the argument, not the module's flag
@@ -323,78 +283,7 @@ def observe_function(original: Callable[..., Any], args: tuple[Any, ...], kwargs
     return _run(ctx, original, args, kwargs)
 
 
-def _passed_projection(module: nn.Module, a: dict[str, Any]) -> Projection | str:
-    """The Q/K/V slices of the weights a direct call passed, named as ``module``'s parameters."""
-    names = {id(p): n for n, p in module.named_parameters()}
-    bias = a["in_proj_bias"]
-    bias_name = names.get(id(bias)) if bias is not None else None
-    query = a["query"]
-    e = int(query.shape[-1]) if isinstance(query, torch.Tensor) and not query.is_nested else None
-    if e is None:
-        return "the query is a nested tensor; the embedding width is unknown"
-    rows: list[Rows] = [((0, e),), ((e, 2 * e),), ((2 * e, 3 * e),)]
-    if a["use_separate_proj_weight"]:
-        weights = [a["q_proj_weight"], a["k_proj_weight"], a["v_proj_weight"]]
-        wnames = [names.get(id(w)) if w is not None else None for w in weights]
-        if any(n is None for n in wnames):
-            return "the q/k/v_proj_weight passed are not parameters of the calling module"
-        parts = [PartSpec(n, whole(w), bias_name, r if bias_name else (), 0, _PASSED)  # type: ignore[arg-type]
-                 for n, w, r in zip(wnames, weights, rows, strict=True)]  # fmt: skip
-        return Projection(module, ProjectionSpec("separate", *parts))
-    weight = a["in_proj_weight"]
-    wname = names.get(id(weight)) if weight is not None else None
-    if wname is None:
-        return "the in_proj_weight passed is not a parameter of the calling module"
-    parts = [PartSpec(wname, r, bias_name, r if bias_name else (), 0, _PASSED) for r in rows]
-    return Projection(module, ProjectionSpec("packed", *parts))
-
-
-#: the evidence of the slices of weights passed to ``F.multi_head_attention_forward``
-_PASSED = "by definition: F.multi_head_attention_forward (in_proj_weight chunked in q, k, v order)"
-
-
 # -- the record ------------------------------------------------------------------------
-
-
-def _fully_masked(ctx: OpenMHA, query: torch.Tensor, kpm_c: Any, attn_c: Any) -> Any:
-    """Query rows of an MHA call whose keys are all blocked by PyTorch's canonical masks."""
-    module = ctx.module
-    batch_first = ctx.batch_first
-    if query.dim() == 3:
-        b, length = (query.shape[0], query.shape[1]) if batch_first else (query.shape[1], query.shape[0])
-    else:
-        b, length = 1, query.shape[0]
-    heads = int(getattr(module, "num_heads", 0) or ctx.inputs.get("num_heads") or 1)
-    with torch.no_grad():
-        return masks.count_fully_masked(
-            (b, heads, length),
-            masks.blocked_by_additive(kpm_c) if isinstance(kpm_c, torch.Tensor) else None,
-            masks.blocked_by_additive(attn_c) if isinstance(attn_c, torch.Tensor) else None,
-        )
-
-
-def _mask_info(original: Any, canonical: Any) -> dict[str, Any] | None:
-    if not isinstance(original, torch.Tensor):
-        return None
-    with torch.no_grad():
-        if isinstance(canonical, torch.Tensor) and canonical.is_floating_point():
-            blocked = masks.blocked_by_additive(canonical)
-            true_means = masks.true_means_from_canonical(original, canonical)
-        else:
-            blocked = masks.blocked_by_additive(original) if original.is_floating_point() else original
-            true_means = None
-        return asdict(masks.mask_info(original, blocked, true_means))
-
-
-def _canonical(mask: Any, name: str, query: Any) -> Any:
-    """PyTorch's own reading of a mask (``F._canonical_mask``), for calls whose frame holds none."""
-    canonical_mask = getattr(F, "_canonical_mask", None)
-    if not isinstance(mask, torch.Tensor) or canonical_mask is None or not isinstance(query, torch.Tensor):
-        return None
-    try:
-        return canonical_mask(mask=mask, mask_name=name, other_type=None, other_name="", target_type=query.dtype)
-    except (RuntimeError, TypeError, AssertionError):
-        return None
 
 
 def _finish(ctx: OpenMHA, out: Any) -> None:
@@ -407,20 +296,20 @@ def _finish(ctx: OpenMHA, out: Any) -> None:
     masked = ctx.error is None and (ctx.kpm is not None or ctx.attn_mask is not None)
     if masked:
         if ctx.canonical:
-            kpm_c = _canonical(ctx.kpm, "key_padding_mask", query)
-            attn_c = _canonical(ctx.attn_mask, "attn_mask", query)
+            kpm_c = mha_facts.canonical(ctx.kpm, "key_padding_mask", query)
+            attn_c = mha_facts.canonical(ctx.attn_mask, "attn_mask", query)
         else:  # masks as PyTorch's own _canonical_mask left them in forward's frame (additive floats)
             kpm_c, attn_c = local.get("key_padding_mask"), local.get("attn_mask")
         if ctx.kernel_rows is not None:  # PyTorch may drop a mask (is_causal without padding or weights)
             rows = ctx.kernel_rows
         elif isinstance(query, torch.Tensor) and not query.is_nested:
-            rows = _fully_masked(ctx, query, kpm_c, attn_c)
+            rows = mha_facts.fully_masked(ctx, query, kpm_c, attn_c)
     layer_reason = None
     for t, _, _ in ctx.targets:
         if t.has_layers:
-            layer_reason = _layer_reason(module)
+            layer_reason = mha_facts.layer_reason(module)
             break
-    facts = _facts(ctx, layer_reason) if ctx.key is not None and ctx.error is None else None
+    facts = mha_facts.facts(ctx, layer_reason) if ctx.key is not None and ctx.error is None else None
     if ctx.error is None and _counted_again(ctx, out, rows, layer_reason):
         if facts is not None:  # (the facts hold the evidence: a slot filled by a witnessed call is not a cached one's)
             trace, name, _ = ctx.targets[0]
@@ -432,7 +321,7 @@ def _finish(ctx: OpenMHA, out: Any) -> None:
         # a call like its module's previous one is recorded from that record (:mod:`qkvtrace.tracer.again`)
         first = ctx.targets[0][0]
         projection = ctx.projection if ctx.projection is not None else first.projection(module)
-        built_from = _built_from(ctx, layer_reason, projection, first)
+        built_from = mha_facts.built_from(ctx, layer_reason, projection, first)
         found = again.previous(ctx.targets, module, *built_from)
         if found is not None:
             result = out[0] if isinstance(out, tuple) else out
@@ -445,7 +334,7 @@ def _finish(ctx: OpenMHA, out: Any) -> None:
                 slots.keep_recording(ctx.targets[0][0], ctx.targets[0][1], ctx.key, projection,  # type: ignore[arg-type]
                                      built_from[1], 0, owner=module, facts=facts)  # fmt: skip
             return
-    inputs = _inputs(module, ctx.bound, batch_first=ctx.batch_first)  # read now that a record is made
+    inputs = mha_facts.inputs_of(module, ctx.bound, batch_first=ctx.batch_first)  # read now that a record is made
     inputs.update(ctx.inputs)
     ctx.inputs = inputs
     if ctx.ask_refusals is not None:  # asked now that a record is made (a steady-state call needs none)
@@ -453,13 +342,13 @@ def _finish(ctx: OpenMHA, out: Any) -> None:
         ctx.ask_refusals = None
     if ctx.error is not None:  # the inputs were refused: record them as given, measure nothing
         rows = None
-        inputs["key_padding_mask"] = _mask_info(ctx.kpm, None)
-        inputs["attn_mask"] = _mask_info(ctx.attn_mask, None)
+        inputs["key_padding_mask"] = mha_facts.mask_info(ctx.kpm, None)
+        inputs["attn_mask"] = mha_facts.mask_info(ctx.attn_mask, None)
     elif not masked:
         inputs["key_padding_mask"] = inputs["attn_mask"] = None
     else:
-        inputs["key_padding_mask"] = _mask_info(ctx.kpm, kpm_c)
-        inputs["attn_mask"] = _mask_info(ctx.attn_mask, attn_c)
+        inputs["key_padding_mask"] = mha_facts.mask_info(ctx.kpm, kpm_c)
+        inputs["attn_mask"] = mha_facts.mask_info(ctx.attn_mask, attn_c)
     first = ctx.targets[0][0]
     projection = ctx.projection if ctx.projection is not None else first.projection(module)
     call = AttentionCall(
@@ -487,7 +376,7 @@ def _finish(ctx: OpenMHA, out: Any) -> None:
         result = out[0] if isinstance(out, tuple) else out
         given = (inputs.get("key_padding_mask") is None, inputs.get("attn_mask") is None, inputs.get("training"))
         core = _core(ctx, result, inputs.get("num_heads"), given)
-    source = _map_source(ctx, kpm_c, attn_c) if ctx.map_args is not None else None
+    source = mha_facts.map_source(ctx, kpm_c, attn_c) if ctx.map_args is not None else None
     if call.sdpa_refusals is None and call.sdpa_refusals_source is not None:  # "not asked" depends on the moment
         built_from = None
     _release(ctx)
@@ -520,7 +409,7 @@ def _steady_call(slot: slots.Slot, trace: Trace, name: str, module: nn.Module, a
             _finish(ctx, None)
         raise
     _pop(ctx, stack)
-    if _facts(ctx, _layer_reason(module) if trace.has_layers else None) != slot.facts:
+    if mha_facts.facts(ctx, mha_facts.layer_reason(module) if trace.has_layers else None) != slot.facts:
         _finish(ctx, out)
         return out
     if ctx.kernel is not None:  # its kernel was found out in full and said what the slot's said: its key is the slot's
@@ -533,17 +422,10 @@ def _steady_call(slot: slots.Slot, trace: Trace, name: str, module: nn.Module, a
     if core is None and trace.record_routes:  # the way to the core of the slot's calls (its key's: made once)
         found = slot.signature
         if found is None:
-            found = slot.signature = _core_key(ctx, None, (True, True, bool(module.training)))
+            found = slot.signature = mha_facts.core_key(ctx, None, (True, True, bool(module.training)))
         core = routes.find_core(result, (ctx.query,), heads=found[1], key=found[0])
     slot.record(trace, module, name, ctx.targets[0][2], nan_count(result), None, core)
     return out
-
-
-def _facts(ctx: OpenMHA, layer_reason: str | None) -> tuple[Any, ...]:
-    """What a call said beyond its key (:func:`_steady_key`): a slot's call is one that says the same."""
-    ops = None if ctx.ops is None else tuple(ctx.ops)
-    return (ctx.path, ctx.local.get("why_not_fast_path"), layer_reason, ctx.backend, ctx.evidence, ops,
-            tuple(ctx.inputs.items()))  # fmt: skip
 
 
 def _core(ctx: OpenMHA, result: Any, num_heads: Any, given: tuple[Any, ...]) -> routes.Core | None:
@@ -551,43 +433,12 @@ def _core(ctx: OpenMHA, result: Any, num_heads: Any, given: tuple[Any, ...]) -> 
     given, and its training flag); ``None`` where no trace wants it."""
     if ctx.core is not None or not wants_backward(ctx.targets):
         return ctx.core
-    key, heads = _core_key(ctx, num_heads, given)
+    key, heads = mha_facts.core_key(ctx, num_heads, given)
     return routes.find_core(result, (ctx.query,), heads=heads, key=key)
-
-
-def _core_key(ctx: OpenMHA, num_heads: Any, given: tuple[Any, ...]) -> tuple[tuple[Any, ...], int | None]:
-    """The signature the call's backward core is found by, and its number of heads."""
-    heads = getattr(ctx.module, "num_heads", None) or num_heads
-    a = ctx.bound
-    key = ("mha", ctx.path or "unknown", bool(a["need_weights"]), a["query"] is a["key"] and a["key"] is a["value"],
-           given)  # fmt: skip
-    return key, int(heads) if heads else None
 
 
 def _plain_tensor(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and not t.is_nested
-
-
-def _built_from(ctx: OpenMHA, layer_reason: str | None, projection: Projection | str,
-                first: Any) -> tuple[Hashable, tuple[Any, ...]]:  # fmt: skip
-    """Everything an unmasked call's record is made from (:func:`_inputs` and what its kernel added, the path,
-    reasons, backend and kernels, the slices) and what PyTorch's refusals for its kernel are asked from, but
-    the per-call numbers: a call with the same key and refs is recorded from its module's previous record.
-    The kernel's tensors follow from the query's shape, dtype and device, the module and the modes; the
-    facts that decide its backend beyond those (dropout, scale, head size, grad, strides) are in
-    ``ctx.inputs``."""
-    a, module, path = ctx.bound, ctx.module, ctx.path or "unknown"
-    q, k, v = a["query"], a["key"], a["value"]
-    added = tuple((n, tuple(x) if type(x) is list else x) for n, x in ctx.inputs.items())
-    key = (path, None if path == "fast" else ctx.local.get("why_not_fast_path"), layer_reason, ctx.backend,
-           None if ctx.ops is None else tuple(ctx.ops), ctx.evidence, q.shape, shape(k), shape(v), q.dtype, q.device,
-           ctx.batch_first, bool(a["need_weights"]), bool(a["average_attn_weights"]), bool(a["is_causal"]),
-           q is k and k is v, bool(module.training), torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
-           torch.is_autocast_enabled(), paths.sdp_flags(), added,
-           projection if isinstance(projection, str) else None)  # fmt: skip
-    if isinstance(projection, str):
-        return key, (module,)
-    return key, (module, projection, first.norms.qkv(projection))
 
 
 def _release(ctx: OpenMHA) -> None:
@@ -601,7 +452,7 @@ def _counted_again(ctx: OpenMHA, out: Any, rows: Any, layer_reason: str | None) 
     if not counts_only(ctx.targets):
         return False
     path = ctx.path or "unknown"
-    extra = ctx.inputs  # as the record's inputs would say them (:func:`_inputs`, then what the call added)
+    extra = ctx.inputs  # as the record's inputs would say them (:func:`.mha_facts.inputs_of`, then the call's)
     training = extra["training"] if "training" in extra else bool(ctx.module.training)
     key = combination_key(path=path, sdpa_backend=ctx.backend, dtype=dtype_name(getattr(ctx.query, "dtype", None)),
                           training=training,
@@ -612,38 +463,3 @@ def _counted_again(ctx: OpenMHA, out: Any, rows: Any, layer_reason: str | None) 
     return count_again(ctx.targets, key, ctx.backend, lambda: {"nan_count": nan_count(result),
                                                                "fully_masked_rows": rows})  # fmt: skip
 
-
-def _map_source(ctx: OpenMHA, kpm_c: Any, attn_c: Any) -> Any:
-    """Where this call's attention map comes from (masks as PyTorch canonicalised them), or why none."""
-    a = ctx.map_args
-    if a is None or ctx.error is not None:
-        return None
-    if ctx.path not in ("fast", "fallback"):
-        return "not computed: no MultiheadAttention path was observed for this call"
-    if ctx.path == "fallback" and ctx.kernel_source is not None:
-        return ctx.kernel_source  # the Q and K the fallback projected: not projected a second time
-    if ctx.kpm is not None and kpm_c is None:
-        kpm_c = _canonical(ctx.kpm, "key_padding_mask", ctx.query)
-    if ctx.attn_mask is not None and attn_c is None:
-        attn_c = _canonical(ctx.attn_mask, "attn_mask", ctx.query)
-    if (ctx.kpm is not None and kpm_c is None) or (ctx.attn_mask is not None and attn_c is None):
-        return "not computed: PyTorch's canonical form of the masks could not be read"
-    # the fallback hands SDPA is_causal=True instead of the mask when there is no padding mask and no weights
-    causal = ctx.path == "fallback" and bool(a["is_causal"]) and kpm_c is None and not a["need_weights"]
-    if ctx.canonical:
-        return maps.function_source(a, kpm_c, attn_c, causal)
-    module = ctx.module
-    return maps.mha_source(module, a["query"], a["key"], kpm_c, attn_c, batch_first=bool(module.batch_first),
-                           causal=causal)  # fmt: skip
-
-
-def _layer_reason(mha: nn.Module) -> str | None:
-    """The enclosing encoder layer's ``why_not_sparsity_fast_path``, verbatim, read from its frame."""
-    frame = frame_of(_LAYER_FORWARD_CODE, sys._getframe(2))
-    if frame is None:
-        return None
-    local = frame.f_locals
-    if getattr(local.get("self"), "self_attn", None) is not mha:
-        return None
-    reason = local.get("why_not_sparsity_fast_path")
-    return reason if isinstance(reason, str) else None
