@@ -141,8 +141,10 @@ def _targets(found: list[tuple[Any, str]]) -> list[Target]:
     return [(t, name, t.take_index()) for t, name in found]
 
 
-def _run(ctx: OpenMHA, original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Run the call with ``ctx`` open; record it whether it returns or raises."""
+def _run(ctx: OpenMHA, original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+         slot: slots.Slot | None = None) -> Any:  # fmt: skip
+    """Run the call with ``ctx`` open; record it whether it returns or raises (captured by ``slot`` when the call
+    says what the slot's call said)."""
     stack = registry.open_calls()
     stack.append(ctx)
     try:
@@ -154,7 +156,8 @@ def _run(ctx: OpenMHA, original: Callable[..., Any], args: tuple[Any, ...], kwar
             _finish(ctx, None)
         raise
     _pop(ctx, stack)
-    _finish(ctx, out)
+    if slot is None or not _steady(slot, ctx, out):
+        _finish(ctx, out)
     return out
 
 
@@ -398,34 +401,29 @@ def _steady_call(slot: slots.Slot, trace: Trace, name: str, module: nn.Module, a
     ctx = OpenMHA(module, [(trace, name, trace.take_index())])
     ctx.query, ctx.bound, ctx.batch_first, ctx.key = a["query"], a, bool(module.batch_first), slot.key
     ctx.slot = slot
-    stack = registry.open_calls()
-    stack.append(ctx)
-    try:
-        out = original(*args, **kwargs)
-    except BaseException as exc:
-        ctx.error = f"{type(exc).__name__}: {exc}"
-        _pop(ctx, stack)
-        with contextlib.suppress(Exception):  # the user's exception goes on, unchanged, whatever happens here
-            _finish(ctx, None)
-        raise
-    _pop(ctx, stack)
+    return _run(ctx, original, args, kwargs, slot)
+
+
+def _steady(slot: slots.Slot, ctx: OpenMHA, out: Any) -> bool:
+    """Capture a call its module's slot knows, if it said what the slot's call said; ``False`` if it did not."""
+    trace, name, index = ctx.targets[0]
+    module = ctx.module
     if mha_facts.facts(ctx, mha_facts.layer_reason(module) if trace.has_layers else None) != slot.facts:
-        _finish(ctx, out)
-        return out
+        return False
     if ctx.kernel is not None:  # its kernel was found out in full and said what the slot's said: its key is the slot's
         slot.kernel = ctx.kernel
     result = out[0] if isinstance(out, tuple) else out
     if slot.entry is not None:  # a long run: counted, nothing else
         slot.count(trace, nan_count(result))
-        return out
+        return True
     core = ctx.core
     if core is None and trace.record_routes:  # the way to the core of the slot's calls (its key's: made once)
         found = slot.signature
         if found is None:
             found = slot.signature = mha_facts.core_key(ctx, None, (True, True, bool(module.training)))
         core = routes.find_core(result, (ctx.query,), heads=found[1], key=found[0])
-    slot.record(trace, module, name, ctx.targets[0][2], nan_count(result), None, core)
-    return out
+    slot.record(trace, module, name, index, nan_count(result), None, core)
+    return True
 
 
 def _core(ctx: OpenMHA, result: Any, num_heads: Any, given: tuple[Any, ...]) -> routes.Core | None:
