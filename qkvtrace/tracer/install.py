@@ -65,7 +65,10 @@ the observer fails anywhere, the caller gets exactly what the call gave --
 its result, or its own exception -- (the call is made then if the observer
 failed before making it), the thread's open calls are put back as they were,
 and every open trace of the thread says in ``warnings`` what could not be
-read.
+read. A wrapper whose observer may have nothing to do but note something
+before the call (the fallback of an open ``MultiheadAttention`` call) asks
+that step first and, when it was all, makes the call itself; if the step
+fails, the traces say so the same way and the call is made as without one.
 """
 
 from __future__ import annotations
