@@ -12,6 +12,7 @@ where the call itself builds no graph.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
@@ -627,6 +628,22 @@ def test_param_of_names_what_is_missing() -> None:
         slices.param_of(model, "proj.nothing")
     with pytest.raises(AttributeError, match=r"^Linear has no tensor 'in_features'$"):
         slices.param_of(model.proj, "in_features")
+
+
+def test_param_of_reads_each_tensor_where_pytorch_finds_it() -> None:
+    """Witness: PyTorch's own attribute lookup (``getattr`` through each child) of every name, on a module with
+    nested children, a scripted child whose children are not in a plain dict, and a plain tensor set on a child
+    (as FSDP sets the views of its flat parameter)."""
+    torch.manual_seed(0)
+    model = _Named(blk=_Named(inner=nn.Sequential(nn.Linear(E, E))),
+                   scripted=torch.jit.script(nn.Sequential(nn.Linear(E, E))))  # fmt: skip
+    object.__setattr__(model.blk, "flat_view", torch.zeros(3))  # not registered: found by getattr only
+    names = ["blk.inner.0.weight", "blk.inner.0.bias", "scripted.0.weight", "scripted.0.bias", "blk.flat_view"]
+    for name in names:
+        want = functools.reduce(getattr, name.split("."), model)
+        assert slices.param_of(model, name) is want, name
+    with pytest.raises(AttributeError, match=r"^_Named has no tensor 'scripted\.0\.nothing'$"):
+        slices.param_of(model, "scripted.0.nothing")
 
 
 def _latent() -> tuple[nn.Module, slices.Projection]:
