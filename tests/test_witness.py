@@ -450,3 +450,23 @@ def test_every_recorded_path_is_in_the_vocabulary() -> None:
             assert t.calls and all(c.path in documented for c in t.calls), [c.path for c in t.calls]
             seen |= {c.path for c in t.calls}
     assert len(seen) >= 3  # the demos reach several paths, so the check is not vacuous
+
+
+def test_an_attention_traced_without_its_encoder_layer_names_no_layer_reason() -> None:
+    """A trace of a layer's MultiheadAttention alone does not cover the layer: its records name no encoder layer's
+    reason; a trace of the layer names the one PyTorch's frame held. Witness: ``why_not_sparsity_fast_path``
+    itself, read on an un-instrumented run of the same layer, and the module each trace was given."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)  # training: refused
+    x = torch.randn(2, 5, 16)
+    _, reasons = local_at_return(nn.TransformerEncoderLayer.forward.__code__, "why_not_sparsity_fast_path",
+                                 lambda: layer(x))  # fmt: skip
+    assert reasons and reasons[0]
+    with qkvtrace.trace(layer.self_attn) as alone:
+        for _ in range(3):
+            layer(x)
+    with qkvtrace.trace(layer) as whole:
+        for _ in range(3):
+            layer(x)
+    assert [c.why_not_fused_layer for c in alone.calls] == [None] * 3
+    assert [c.why_not_fused_layer for c in whole.calls] == [reasons[0]] * 3

@@ -124,8 +124,8 @@ def overridden(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
 
 def redispatch_sdpa(original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Call SDPA as PyTorch would: ``__torch_function__`` overrides first, with ``func`` = PyTorch's builtin."""
-    relevant = relevant_overrides(args, kwargs)
-    if torch.overrides.has_torch_function(relevant):
+    if overridden(args, kwargs):
+        relevant = relevant_overrides(args, kwargs)
         _SHIMS.meet(relevant)
         return torch.overrides.handle_torch_function(_SDPA_BUILTIN, relevant, *args, **kwargs)
     return original(*args, **kwargs)

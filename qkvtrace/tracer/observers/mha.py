@@ -307,11 +307,7 @@ def _finish(ctx: OpenMHA, out: Any) -> None:
             rows = ctx.kernel_rows
         elif isinstance(query, torch.Tensor) and not query.is_nested:
             rows = mha_facts.fully_masked(ctx, query, kpm_c, attn_c)
-    layer_reason = None
-    for t, _, _ in ctx.targets:
-        if t.has_layers:
-            layer_reason = mha_facts.layer_reason(module)
-            break
+    layer_reason = mha_facts.layer_reason(module, ctx.targets)
     facts = mha_facts.facts(ctx, layer_reason) if ctx.key is not None and ctx.error is None else None
     if ctx.error is None and _counted_again(ctx, out, rows, layer_reason):
         if facts is not None:  # (the facts hold the evidence: a slot filled by a witnessed call is not a cached one's)
@@ -408,7 +404,7 @@ def _steady(slot: slots.Slot, ctx: OpenMHA, out: Any) -> bool:
     """Capture a call its module's slot knows, if it said what the slot's call said; ``False`` if it did not."""
     trace, name, index = ctx.targets[0]
     module = ctx.module
-    if mha_facts.facts(ctx, mha_facts.layer_reason(module) if trace.has_layers else None) != slot.facts:
+    if mha_facts.facts(ctx, mha_facts.layer_reason(module, ctx.targets)) != slot.facts:
         return False
     if ctx.kernel is not None:  # its kernel was found out in full and said what the slot's said: its key is the slot's
         slot.kernel = ctx.kernel

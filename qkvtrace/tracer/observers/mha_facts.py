@@ -20,7 +20,7 @@ from torch import nn
 
 from qkvtrace import maps, masks, paths
 from qkvtrace.slices import PartSpec, Projection, ProjectionSpec, Rows, whole
-from qkvtrace.tracer.build import dtype_name, frame_of, modes, nested_lengths, shape
+from qkvtrace.tracer.build import Target, dtype_name, frame_of, modes, nested_lengths, shape
 
 if TYPE_CHECKING:
     from qkvtrace.tracer.observers.mha import OpenMHA
@@ -203,8 +203,14 @@ def map_source(ctx: OpenMHA, kpm_c: Any, attn_c: Any) -> Any:
                            causal=causal)  # fmt: skip
 
 
-def layer_reason(mha: nn.Module) -> str | None:
-    """The enclosing encoder layer's ``why_not_sparsity_fast_path``, verbatim, read from its frame."""
+def layer_reason(mha: nn.Module, targets: list[Target]) -> str | None:
+    """The enclosing encoder layer's ``why_not_sparsity_fast_path``, verbatim, read from its frame; ``None``
+    without looking where no trace recording the call has an encoder layer."""
+    for t, _, _ in targets:
+        if t.has_layers:
+            break
+    else:
+        return None
     frame = frame_of(_LAYER_FORWARD_CODE, sys._getframe(2))
     if frame is None:
         return None
