@@ -13,6 +13,8 @@ where the call itself builds no graph.
 from __future__ import annotations
 
 import functools
+import re
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
@@ -646,6 +648,17 @@ def test_param_of_reads_each_tensor_where_pytorch_finds_it() -> None:
         slices.param_of(model, "scripted.0.nothing")
 
 
+def test_param_of_names_a_missing_first_child_as_pytorch_does() -> None:
+    """Witness: the error PyTorch's own ``get_submodule`` raises for the same child. Catches the lookup going on
+    from no module (an error about ``NoneType``) when the first child of a dotted name is not there."""
+    model = _Named(proj=nn.Linear(E, E))
+    for name in ["nothing.weight", "nothing.deeper.weight"]:
+        with pytest.raises(AttributeError) as pytorch:
+            model.get_submodule(name.rpartition(".")[0])
+        with pytest.raises(AttributeError, match=f"^{re.escape(str(pytorch.value))}$"):
+            slices.param_of(model, name)
+
+
 def _latent() -> tuple[nn.Module, slices.Projection]:
     """K made of rows of two weights (latent attention's rotary part), built by hand."""
     torch.manual_seed(0)
@@ -684,6 +697,36 @@ def test_a_part_made_of_two_weights_has_their_joint_norms() -> None:
     assert float(got["k"].pass_bias_grad_norm) == pytest.approx(2.0)
     assert got["v"].pass_grad_norm is None and got["q"].pass_bias_grad_norm is None  # not handed in
     assert float(got["q"].grad_norm) == pytest.approx(float(model.q.weight.grad.norm()), rel=1e-6)
+
+
+def test_a_joint_norm_follows_the_one_weight_that_changed() -> None:
+    """Witness: the norm of the concatenation of both weights' rows, computed in the test after each change. The
+    K bias changed alone (the record is made again; both weight norms are the numbers read at the last settle),
+    then the K weight alone (its norm computed again, the other piece's read). Before any settle the joint norm is
+    a 0-dim tensor (no host read, DESIGN.md principle 7) made without a warning. Catches the numbers summed
+    wrongly or not at all, a number stacked with a tensor unconverted or converted from nothing, the joint of
+    tensors read to a number, and a tensor copied through ``new_tensor`` (PyTorch warns)."""
+    model, projection = _latent()
+    cache = slices.NormCache()
+    kw, rw = model.kv.weight.detach().clone(), model.rope.weight.detach().clone()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        first = cache.qkv(projection)
+    assert isinstance(first.k.weight_norm, torch.Tensor) and first.k.weight_norm.dim() == 0
+    cache.settle()
+    assert first.k.weight_norm == pytest.approx(float(torch.cat([kw[:E], rw]).norm()), rel=1e-6)
+    with torch.no_grad():
+        model.kv.bias.add_(1.0)
+    second = cache.qkv(projection)
+    cache.settle()
+    assert second is not first
+    assert float(second.k.weight_norm) == pytest.approx(float(torch.cat([kw[:E], rw]).norm()), rel=1e-6)
+    assert float(second.k.bias_norm) == pytest.approx(float(model.kv.bias.detach()[:E].norm()), rel=1e-6)
+    with torch.no_grad():
+        model.kv.weight.mul_(2.0)
+    third = cache.qkv(projection)
+    cache.settle()
+    assert float(third.k.weight_norm) == pytest.approx(float(torch.cat([2 * kw[:E], rw]).norm()), rel=1e-6)
 
 
 def test_grad_slices_before_any_backward_are_none() -> None:
@@ -748,6 +791,81 @@ def test_norms_of_inference_tensors_are_never_stale() -> None:
         w.mul_(3)
         second = float(cache.norm(w, ((0, 4),)))
     assert first == pytest.approx(4.0) and second == pytest.approx(12.0)
+
+
+def test_norm_cache_tells_apart_two_tensors_from_one_address() -> None:
+    """Witness: rows by construction (``arange``): the first two rows of a weight and of its transpose (a tied
+    weight), norms computed in the test. Both tensors start at the same address and share one version counter,
+    so only the tensor itself tells their norms apart. Catches the cache keyed without the tensor."""
+    w = torch.arange(36.0).reshape(6, 6)
+    tied = w.t()
+    assert tied.data_ptr() == w.data_ptr() and tied._version == w._version  # the case this test is about
+    cache = slices.NormCache()
+    assert float(cache.norm(w, ((0, 2),))) == pytest.approx(float(torch.linalg.vector_norm(w[:2])), rel=1e-6)
+    assert float(cache.norm(tied, ((0, 2),))) == pytest.approx(float(torch.linalg.vector_norm(w[:, :2])), rel=1e-6)
+
+
+def test_a_settled_norm_is_the_number_read() -> None:
+    """Witness: ``torch.linalg.vector_norm`` of the rows in the test. Once :meth:`NormCache.settle` read the
+    norms, the norm of an unchanged parameter is that number (a Python float), as its docstring says. Catches
+    the number dropped at the settle (the norm computed again, a tensor)."""
+    w = torch.randn(6, 8)
+    cache = slices.NormCache()
+    first = cache.norm(w, ((0, 2),))
+    cache.settle()
+    again = cache.norm(w, ((0, 2),))
+    assert type(again) is float
+    assert again == pytest.approx(float(first)) == pytest.approx(float(torch.linalg.vector_norm(w[:2])), rel=1e-6)
+
+
+def test_settle_after_the_cache_emptied_itself_reads_every_record() -> None:
+    """Witness: ``torch.linalg.vector_norm`` of the Q rows in the test. 4,097 records between two settles (as
+    tensors swapped on every call, FSDP's, make): the cache empties itself at 4,096, and the settle that follows
+    still reads the records made before, skipping the norms the cache no longer holds. Catches the settle
+    reading an emptied entry."""
+    mha = nn.MultiheadAttention(E, H, bias=False)
+    base = slices.mha_projection(mha)
+    cache = slices.NormCache()
+    first = cache.qkv(base)
+    # each a new spec object: a new record
+    kept = [slices.Projection(mha, slices.ProjectionSpec("packed", *(ps for _, ps in base.spec.parts())))
+            for _ in range(4096)]  # fmt: skip
+    last = [cache.qkv(p) for p in kept][-1]
+    cache.settle()
+    want = float(torch.linalg.vector_norm(mha.in_proj_weight.detach()[:E]))
+    assert type(first.q.weight_norm) is float and type(last.q.weight_norm) is float
+    assert first.q.weight_norm == pytest.approx(want, rel=1e-6) and last.q.weight_norm == pytest.approx(want, rel=1e-6)
+
+
+def test_qkv_of_a_scripted_mha_reads_its_parameters_where_pytorch_finds_them() -> None:
+    """Witness: ``torch.linalg.vector_norm`` of rows ``[0,E)``, ``[E,2E)``, ``[2E,3E)`` of the scripted module's
+    own ``in_proj_weight`` and ``in_proj_bias``, taken in the test. A ScriptModule keeps its parameters in no plain
+    dict. Catches that wrapper read as if it were one."""
+    scripted = torch.jit.script(nn.MultiheadAttention(E, H))
+    assert type(scripted._parameters) is not dict  # the case this test is about
+    info = slices.NormCache().qkv(slices.mha_projection(scripted))
+    w, b = scripted.in_proj_weight.detach(), scripted.in_proj_bias.detach()
+    for i, part in enumerate("qkv"):
+        got, rows = getattr(info, part), slice(i * E, (i + 1) * E)
+        assert float(got.weight_norm) == pytest.approx(float(torch.linalg.vector_norm(w[rows])), rel=1e-6)
+        assert float(got.bias_norm) == pytest.approx(float(torch.linalg.vector_norm(b[rows])), rel=1e-6)
+
+
+def test_records_of_a_model_made_under_inference_mode_follow_its_weights() -> None:
+    """Witness: ``torch.linalg.vector_norm`` of the Q rows, taken in the test before each trace. A model built
+    under ``inference_mode`` holds inference tensors, which keep no version counter (PyTorch raises on
+    ``_version``); its weights changed in place between two traces must not leave the first record in place.
+    Catches the states of such parameters not taken (a stale record, or an error)."""
+    with torch.inference_mode():
+        mha = nn.MultiheadAttention(E, H)
+        x = torch.randn(L, B, E)
+    for scale in (1.0, 3.0):
+        with torch.inference_mode():
+            mha.in_proj_weight.mul_(scale)
+            want = float(torch.linalg.vector_norm(mha.in_proj_weight[:E]))
+            with qkvtrace.trace(mha) as t:
+                mha(x, x, x)
+        assert t.calls[0].qkv.q.weight_norm == pytest.approx(want, rel=1e-6), scale
 
 
 def test_an_unknown_projection_is_recorded_with_its_reason() -> None:
