@@ -364,6 +364,42 @@ def test_a_steady_call_whose_graph_differs_is_followed_when_its_backward_runs(re
         assert getattr(t.routes[3], part).norm == 0.0, part
 
 
+@pytest.mark.parametrize("read_before_backward", [False, True])
+def test_a_steady_call_whose_graph_has_no_core_any_more_says_so_once_its_backward_runs(
+    read_before_backward: bool,
+) -> None:
+    """Witnesses: the autograd graphs of un-instrumented runs of the module (graph_names): before its projection
+    is frozen they hold the softmax and the matmul with V (attention_core); after, with an input that needs no
+    gradient, no node of the attention at all -- by construction, nothing below the output projection requires
+    grad. The frozen calls keep their module's call signature (a parameter's requires_grad is not part of it),
+    so the trace takes them as steady calls with the earlier calls' core, and corrects them when their backward
+    pass meets the new graph -- whether their records were read before it or not."""
+    torch.manual_seed(6)
+    m = nn.MultiheadAttention(E, H, batch_first=True)
+    x = _weights(7)
+    before = m(x, x, x)[0]
+    with torch.no_grad():  # (a frozen copy: the witness of the graph the frozen calls build)
+        frozen = copy.deepcopy(m)
+    frozen.in_proj_weight.requires_grad_(False)
+    frozen.in_proj_bias.requires_grad_(False)
+    after = frozen(x, x, x)[0]
+    assert not any("Softmax" in n or "Bmm" in n for n in graph_names(after))
+    with qkvtrace.trace(m) as t:
+        for _ in range(3):  # the way to the core, found for this signature, then followed
+            _loss(m(x, x, x)[0]).backward()
+        m.in_proj_weight.requires_grad_(False)
+        m.in_proj_bias.requires_grad_(False)
+        outs = [m(x, x, x)[0] for _ in range(2)]
+        if read_before_backward:
+            assert len(t.calls) == 5
+        for out in outs:
+            _loss(out).backward()
+    assert [c.backward_kernel for c in t.calls] == [attention_core(before)] * 3 + [None, None]
+    assert t.calls[3].backward_reason is not None and t.calls[3].backward_reason == t.calls[4].backward_reason
+    assert [c.route_reason for c in t.calls] == [None] * 5
+    assert [r.call for r in t.routes] == [0, 1, 2]
+
+
 class _FoldedHeads(nn.Module):
     """Attention written by hand on [B*H, T, d] tensors (heads folded into the batch, as Bloom keeps them); it keeps
     the tensors it hands to the attention, with their .grad retained, for the test to read."""

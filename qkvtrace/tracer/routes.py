@@ -30,7 +30,7 @@ from qkvtrace.slices import norm_of
 
 __all__ = [
     "Core", "Source", "Verdict", "find_core", "grad_norms", "head_norms", "no_graph_reason", "register", "sdpa_core",
-    "tensor_sources",
+    "steady_verdict", "tensor_sources",
 ]  # fmt: skip
 
 #: a fused attention backward node (SDPA's flash / efficient / cuDNN / math-for-MPS kernels, FlexAttention)
@@ -215,6 +215,61 @@ def find_core(out: Any, inputs: Sequence[Any], *, heads: int | None = None, key:
         if recipe is not None:
             _RECIPES[cache_key] = recipe
     return core
+
+
+def steady_verdict(out: Any, inputs: tuple[Any, ...], *, heads: int | None, key: Any,
+                   watch: Callable[[int, str, Core], None], index: int, module: str,
+                   fused: bool = False) -> Verdict | None:  # fmt: skip
+    """What a steady call's core says, for a call whose way to its core its signature's first call found and
+    whose core is followed only when the backward pass reaches the call's output node (as :func:`find_core`
+    defers it): one hook on that node, which follows the way then (and searches this call's graph if it
+    differs, correcting what was said) and hands the core found to ``watch`` (with the call's ``index`` and
+    ``module``, as :meth:`~qkvtrace.tracer.gradients.GradientRecorder.watch_routes` takes them). ``None`` where
+    that does not apply (no graph, no way known, no routes, no node named in a hook; with ``fused``, a core
+    that is not a fused node: :func:`sdpa_core` reads those routes at the tensors): :func:`find_core` then.
+
+    A call's core costs, this way, the verdict and one hook; the core itself is made only in the backward pass.
+    """
+    start = getattr(out, "grad_fn", None)  # (``None`` under no_grad and in inference mode)
+    if start is None or _CURRENT_NODE is None:
+        return None
+    recipe = _RECIPES.get((key, start.name(), heads))
+    if recipe is None or not recipe.sources or (fused and not _FUSED.search(recipe.kernel)):
+        return None  # (a core with no routes to follow: :func:`find_core` says why)
+    said = Verdict(recipe.kernel, None, None, [])
+    start.register_prehook(_Follow(recipe, inputs, heads, said, (watch, index, module)))
+    return said
+
+
+class _Follow:
+    """The hook on a steady call's output node (:func:`steady_verdict`): holds no node, and lets go of the
+    call's inputs once followed."""
+
+    __slots__ = ("followed", "heads", "inputs", "recipe", "said", "watch")
+
+    def __init__(self, recipe: Recipe, inputs: tuple[Any, ...], heads: int | None, said: Verdict,
+                 watch: tuple[Callable[[int, str, Core], None], int, str]) -> None:  # fmt: skip
+        self.recipe, self.inputs, self.heads, self.said, self.watch = recipe, inputs, heads, said, watch
+        self.followed = False
+
+    def __call__(self, grad_outputs: Sequence[torch.Tensor | None]) -> None:
+        if self.followed:  # (a graph kept for another backward pass: its routes' hooks stay)
+            return
+        self.followed = True
+        start = _CURRENT_NODE()  # type: ignore[misc]  # (registered only where PyTorch names the node in a hook)
+        if start is None:
+            return
+        said = self.said
+        core = _replay(start, self.recipe)
+        if core is None:  # this call's graph differs from its signature's first: search it
+            core = _search(start, self.inputs, self.heads)
+            core.stamp(said)
+            for record in said.waiting or ():
+                core.stamp(record)
+        said.waiting = None  # records built from it from now on say what it says
+        self.inputs = ()
+        watch, index, module = self.watch
+        watch(index, module, core)
 
 
 def _follow(node: Any, steps: Steps) -> Any:

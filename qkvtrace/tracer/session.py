@@ -334,6 +334,11 @@ class Trace:
         if self.record_routes and core is not None:
             self._grads.watch_routes(call.index, call.module, core)
 
+    def watch_routes(self, index: int, module: str, core: Core) -> None:
+        """Keep the gradients reaching call ``index``'s Q, K and V (its ``core``, found in the backward pass of a
+        trace that records routes)."""
+        self._grads.watch_routes(index, module, core)
+
     def capture(self, captured: slots.Capture, module: str, core: Core | None) -> None:
         """A call its slot captured (:mod:`.slots`): its record is built when the records are read."""
         self._captured.append(captured)

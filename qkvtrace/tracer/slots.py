@@ -104,13 +104,17 @@ class Slot:
         trace.monitor.count_steady(self.entry, self.seen, self.backend, nan_count, self.rows)  # type: ignore[union-attr, arg-type]
 
     def record(self, trace: Trace, owner: nn.Module, name: str, index: int, nan_count: Any,
-               norms: tuple[Any, Any, Any] | None, core: routes.Core | None) -> None:  # fmt: skip
+               norms: tuple[Any, Any, Any] | None, core: routes.Core | None,
+               said: routes.Verdict | None = None) -> None:  # fmt: skip
         """Record, in a plain trace, a call the slot knows: captured, its record built when the records are read
         (:func:`build`), with what its backward core says then (corrected, when the backward pass finds the
         call's graph differs from its signature's, before or after the record is built).
-        ``norms``: the Q, K and V a model's own SDPA call received (``None``: the slot's record's are kept)."""
+        ``norms``: the Q, K and V a model's own SDPA call received (``None``: the slot's record's are kept).
+        ``said``: what its core says where the core is followed only in the backward pass
+        (:func:`~qkvtrace.tracer.routes.steady_verdict`; ``core`` is then ``None``)."""
         rank, world = compat.distributed_rank()
-        said = _NO_ROUTES if core is None else core.verdict()
+        if said is None:
+            said = _NO_ROUTES if core is None else core.verdict()
         trace.capture((self.last.record, index, threading.current_thread().name, rank, world, nan_count,  # type: ignore[union-attr]
                        self.rows, norms, said), name, core)  # fmt: skip
 

@@ -413,12 +413,16 @@ def _steady(slot: slots.Slot, ctx: OpenMHA, out: Any) -> bool:
         slot.count(trace, nan_count(result))
         return True
     core = ctx.core
+    said = None
     if core is None and trace.record_routes:  # the way to the core of the slot's calls (its key's: made once)
         found = slot.signature
         if found is None:
             found = slot.signature = mha_facts.core_key(ctx, None, (True, True, bool(module.training)))
-        core = routes.find_core(result, (ctx.query,), heads=found[1], key=found[0])
-    slot.record(trace, module, name, index, nan_count(result), None, core)
+        said = routes.steady_verdict(result, (ctx.query,), heads=found[1], key=found[0], watch=trace.watch_routes,
+                                     index=index, module=name)  # fmt: skip
+        if said is None:
+            core = routes.find_core(result, (ctx.query,), heads=found[1], key=found[0])
+    slot.record(trace, module, name, index, nan_count(result), None, core, said)
     return True
 
 
@@ -456,4 +460,3 @@ def _counted_again(ctx: OpenMHA, out: Any, rows: Any, layer_reason: str | None) 
     result = out[0] if isinstance(out, tuple) else out
     return count_again(ctx.targets, key, ctx.backend, lambda: {"nan_count": nan_count(result),
                                                                "fully_masked_rows": rows})  # fmt: skip
-

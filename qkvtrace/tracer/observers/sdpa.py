@@ -263,8 +263,13 @@ def _steady(slot: slots.Slot, owner: nn.Module, trace: Any, name: str, original:
         slot.count(trace, nan_count(out))
         return out
     q, k, v = args[0], args[1], args[2]
-    core = routes.sdpa_core(out, q, k, v, key=slot.signature) if trace.record_routes else None
-    slot.record(trace, owner, name, index, nan_count(out), (norm_of(q), norm_of(k), norm_of(v)), core)
+    core = said = None
+    if trace.record_routes:
+        said = routes.steady_verdict(out, (q, k, v), heads=None, key=slot.signature, watch=trace.watch_routes,
+                                     index=index, module=name, fused=True)  # fmt: skip
+        if said is None:
+            core = routes.sdpa_core(out, q, k, v, key=slot.signature)
+    slot.record(trace, owner, name, index, nan_count(out), (norm_of(q), norm_of(k), norm_of(v)), core, said)
     return out
 
 
