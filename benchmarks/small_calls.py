@@ -64,6 +64,9 @@ def main() -> None:
         arms += [(f"routes on, without {part}", {}, off) for part, off in _parts().items()]
     if "--floor" in sys.argv:
         arms.append(("floor: reason and NaN count only, no qkvtrace", {"floor": True}, _floor))
+        arms.append(("exact floor: + facts compared with the last call's", {"floor": True}, lambda: _floor(exact=True)))
+        arms.append(("exact floor with records: + a record and a hook", {"floor": True},
+                     lambda: _floor(exact=True, records=True)))  # fmt: skip
         arms.append(("floor with a map: + softmax(QKᵀ) on the side", {"floor": True}, lambda: _floor(maps=True)))
         arms.append(("records with maps (attention_maps=True)", {"attention_maps": True}, contextlib.nullcontext))
     _measure(arms, mha, work, cpu, lambda: mha(x, x, x))
@@ -142,24 +145,50 @@ def _parts() -> dict[str, Callable[[], Any]]:
 
 
 @contextlib.contextmanager
-def _floor(maps: bool = False) -> Iterator[None]:
+def _floor(maps: bool = False, exact: bool = False, records: bool = False) -> Iterator[None]:
     """Wrappers that read PyTorch's reason from its frame and count the output's NaNs, and nothing else.
 
     ``maps``: also the attention weights of every head, computed on the side from the call's own query and
     key (the two projections, Q·Kᵀ scaled, softmax) -- the arithmetic any map made beside the kernel needs.
+    ``exact``: also what a long run must do to stay exact: the facts a record is made of (shapes, dtype,
+    device, flags, modes; the masks left out: these calls pass none) and PyTorch's reason compared with the
+    module's previous call's, and the call counted. ``records``: also a record of each call (a tuple) and a
+    hook on its output's backward node (where a gradient's routes are read from).
     """
     forward, function = torch.nn.MultiheadAttention.forward, torch.nn.functional.multi_head_attention_forward
     seen: list[Any] = []
+    state: dict[str, Any] = {"reason": None, "last": None, "calls": 0, "changes": 0}
+
+    def hook(grad_outputs: Any) -> None:
+        return None
 
     def wrapped_forward(self: torch.nn.MultiheadAttention, *args: Any, **kwargs: Any) -> Any:
+        if exact:
+            q, k, v = args[:3]
+            key = (q.shape, k.shape, v.shape, q.dtype, q.device, q is k, k is v, kwargs.get("need_weights", True),
+                   kwargs.get("average_attn_weights", True), kwargs.get("is_causal", False), self.training,
+                   self.batch_first, torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
+                   torch.is_autocast_enabled())  # fmt: skip
         out = forward(self, *args, **kwargs)
-        seen.append(torch.isnan(out[0]).sum())  # kept on its device, as a record keeps it
+        nans = torch.isnan(out[0]).sum()  # kept on its device, as a record keeps it
+        seen.append(nans)
+        if exact:
+            said = (key, state["reason"])
+            if said != state["last"]:
+                state["last"] = said
+                state["changes"] += 1
+            state["calls"] += 1
+        if records:
+            seen.append((state["calls"], nans, said))
+            node = out[0].grad_fn
+            if node is not None:
+                node.register_prehook(hook)
         if maps:
             seen.append(_weights(self, args[0], args[1]))
         return out
 
     def wrapped_function(*args: Any, **kwargs: Any) -> Any:
-        seen.append(sys._getframe(1).f_locals.get("why_not_fast_path"))
+        state["reason"] = sys._getframe(1).f_locals.get("why_not_fast_path")
         return function(*args, **kwargs)
 
     with (_replaced(torch.nn.MultiheadAttention, "forward", wrapped_forward),
