@@ -7,6 +7,7 @@ same call on a copy of the model (for the gradients that reach Q, K, V).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import math
@@ -398,6 +399,49 @@ def test_a_steady_call_whose_graph_has_no_core_any_more_says_so_once_its_backwar
     assert t.calls[3].backward_reason is not None and t.calls[3].backward_reason == t.calls[4].backward_reason
     assert [c.route_reason for c in t.calls] == [None] * 5
     assert [r.call for r in t.routes] == [0, 1, 2]
+
+
+def _layer_routes(traced: bool) -> tuple[list[float], list[Any]]:
+    """Six training steps of an encoder layer with dropout (its SDPA kernel decomposed), PyTorch's fast path
+    switched off from the fifth; the norm of the gradient of each step's Q as its SDPA kernel received it
+    (retained by a wrapper of ``F.scaled_dot_product_attention``, un-instrumented: ``traced`` False), or the
+    trace's routes (``traced``)."""
+    torch.manual_seed(11)
+    layer = nn.TransformerEncoderLayer(E, H, dim_feedforward=32, dropout=0.1, batch_first=True)
+    x = _weights(12)
+    kept: list[torch.Tensor] = []
+    sdpa = F.scaled_dot_product_attention
+
+    def keeping(q: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        q.retain_grad()
+        kept.append(q)
+        return sdpa(q, *args, **kwargs)
+
+    steps = contextlib.ExitStack()
+    if traced:
+        t = steps.enter_context(qkvtrace.trace(layer))
+    else:
+        steps.callback(setattr, F, "scaled_dot_product_attention", sdpa)
+        F.scaled_dot_product_attention = keeping
+    steps.callback(torch.backends.mha.set_fastpath_enabled, torch.backends.mha.get_fastpath_enabled())
+    with steps:
+        for i in range(6):
+            torch.backends.mha.set_fastpath_enabled(i < 4)
+            _loss(layer(x)).backward()
+    if traced:
+        return [r.q.norm for r in t.routes], list(t.calls)
+    return [q.grad.norm().item() for q in kept], []  # type: ignore[union-attr]
+
+
+def test_a_steady_encoder_layer_call_recorded_in_full_reads_its_routes_where_its_kernel_received_q() -> None:
+    """Witness: PyTorch's own ``.grad`` of the Q each step's attention handed its SDPA kernel, in an
+    un-instrumented run of the same seeds (dropout draws alike: tracing changes no output). The fifth step's
+    layer reason changes (the fast path switched off), so its call is recorded in full although its kernel is
+    its module's steady kernel: its routes are read where that kernel received Q, as on the first call."""
+    witness, _ = _layer_routes(traced=False)
+    got, calls = _layer_routes(traced=True)
+    assert [c.why_not_fused_layer == calls[4].why_not_fused_layer for c in calls] == [False] * 4 + [True] * 2
+    assert got == pytest.approx(witness, rel=1e-5)
 
 
 class _FoldedHeads(nn.Module):

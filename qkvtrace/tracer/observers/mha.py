@@ -107,6 +107,9 @@ class OpenMHA:
     slot: slots.Slot | None = None
     #: what the call's SDPA kernel said, with the key of its arguments, for its module's slot
     kernel: tuple[Any, ...] | None = None
+    #: a steady call's SDPA kernel: its output, Q, K, V and signature (its backward core is found from them only
+    #: where the call is recorded: :func:`_steady`, :func:`_core`)
+    kernel_call: tuple[Any, Any, Any, Any, Any] | None = None
 
     def __init__(self, module: nn.Module, targets: list[Target]) -> None:
         self.module = module
@@ -414,7 +417,13 @@ def _steady(slot: slots.Slot, ctx: OpenMHA, out: Any) -> bool:
         return True
     core = ctx.core
     said = None
-    if core is None and trace.record_routes:  # the way to the core of the slot's calls (its key's: made once)
+    if core is None and trace.record_routes and ctx.kernel_call is not None:  # its SDPA kernel's core
+        out, q, k, v, sig = ctx.kernel_call
+        said = routes.steady_verdict(out, (q, k, v), heads=None, key=sig, watch=trace.watch_routes, index=index,
+                                     module=name, fused=True)  # fmt: skip
+        if said is None:
+            core = routes.sdpa_core(out, q, k, v, key=sig)
+    elif core is None and trace.record_routes:  # the way to the core of the slot's calls (its key's: made once)
         found = slot.signature
         if found is None:
             found = slot.signature = mha_facts.core_key(ctx, None, (True, True, bool(module.training)))
@@ -431,6 +440,9 @@ def _core(ctx: OpenMHA, result: Any, num_heads: Any, given: tuple[Any, ...]) -> 
     given, and its training flag); ``None`` where no trace wants it."""
     if ctx.core is not None or not wants_backward(ctx.targets):
         return ctx.core
+    if ctx.kernel_call is not None:  # a steady call's SDPA kernel, recorded in full
+        out, q, k, v, sig = ctx.kernel_call
+        return routes.sdpa_core(out, q, k, v, key=sig)
     key, heads = mha_facts.core_key(ctx, num_heads, given)
     return routes.find_core(result, (ctx.query,), heads=heads, key=key)
 
@@ -442,6 +454,7 @@ def _plain_tensor(t: Any) -> bool:
 def _release(ctx: OpenMHA) -> None:
     """Let go of the call's tensors and frame locals once its record is made, or it was counted."""
     ctx.query = ctx.kpm = ctx.attn_mask = ctx.map_args = ctx.kernel_source = ctx.ask_refusals = ctx.core = None
+    ctx.kernel_call = None
     ctx.bound = ctx.local = _NOTHING
 
 

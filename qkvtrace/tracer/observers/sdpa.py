@@ -347,8 +347,9 @@ def _kernel_of_mha(ctx: OpenMHA, original: Callable[..., Any], args: tuple[Any, 
 
 def _steady_kernel(ctx: OpenMHA, kernel: tuple[Any, ...], original: Callable[..., Any], args: tuple[Any, ...],
                    kwargs: dict[str, Any]) -> Any:  # fmt: skip
-    """The kernel of a steady call, with the key of its module's slot's kernel: what that kernel said, its call
-    made, and its backward core found (PyTorch's reasons asked only if the call is recorded in full)."""
+    """The kernel of a steady call, with the key of its module's slot's kernel: what that kernel said, and its call
+    made (PyTorch's reasons asked, and its backward core found, only where the call is recorded: its
+    ``kernel_call``)."""
     _, backend, ops, evidence, added, sig = kernel
     ctx.backend, ctx.evidence = backend, evidence  # (no rows: the kernel of an unmasked call is given no mask)
     ctx.ops = None if ops is None else list(ops)
@@ -356,7 +357,7 @@ def _steady_kernel(ctx: OpenMHA, kernel: tuple[Any, ...], original: Callable[...
     owner = ctx.targets[0][0]
     ctx.ask_refusals = lambda: _Args(args, kwargs).refusals(owner, backend)
     out = original(*args, **kwargs)
-    ctx.core = routes.sdpa_core(out, args[0], args[1], args[2], key=sig) if wants_backward(ctx.targets) else None
+    ctx.kernel_call = (out, args[0], args[1], args[2], sig)
     return out
 
 
