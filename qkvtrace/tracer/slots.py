@@ -90,6 +90,9 @@ class Slot:
     #: (:func:`qkvtrace.tracer.observers.sdpa.steady_key`): a steady call's kernel with that key says it again
     #: (learnt from the first steady call whose kernel was found out in full)
     kernel: tuple[Any, ...] | None = None
+    #: ``False`` once a steady call's backward core could not be left to its backward pass
+    #: (:func:`~qkvtrace.tracer.routes.steady_verdict`: a decomposed SDPA kernel, no graph), decided by the key
+    follows: bool = True
 
     def holds(self, trace: Trace, name: str) -> bool:
         """What the slot relies on beyond the call's key still holds: in a long run, its combination is still
