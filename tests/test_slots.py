@@ -158,17 +158,39 @@ class _Dropped(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
 
 
-@pytest.mark.parametrize("kind", ["decomposed", "fused"])
-def test_a_steady_call_asks_once_per_slot_whether_its_core_can_wait_for_the_backward_pass(kind: str) -> None:
+@pytest.mark.parametrize(("kind", "fused"), [("own", False), ("own", True), ("layer", False), ("layer", True)])
+def test_a_steady_call_asks_once_per_slot_whether_its_core_can_wait_for_the_backward_pass(
+    kind: str, fused: bool
+) -> None:
     """Witness: the interpreter's own profile hook (``sys.setprofile``), naming every function of qkvtrace's
-    files each steady call runs, and the autograd graph of the call's output (its backward node's name, as
-    PyTorch gives it). A decomposed kernel's core cannot wait (its routes are read at its tensors): only the
-    slot's first steady call asks; a fused one's waits on every call."""
+    files each steady call runs, and the autograd graph of the kernel's output in an un-instrumented run (its
+    backward node's name, as PyTorch gives it). A decomposed kernel's core (dropout, on the CPU) cannot wait:
+    its routes are read at its tensors, so only the slot's first steady call asks; a fused one's waits on every
+    call. A model's own SDPA call, and an encoder layer's (its MultiheadAttention's fallback kernel)."""
     torch.manual_seed(3)
-    model = _Dropped() if kind == "decomposed" else Direct()
     q, k, v = (torch.randn(1, 2, 4, 8, requires_grad=True) for _ in range(3))
-    fused = "ScaledDotProduct" in model(q, k, v).grad_fn.name()
-    assert fused == (kind == "fused")
+    x = torch.randn(1, 4, 16)
+    model: nn.Module
+    if kind == "own":
+        model = Direct() if fused else _Dropped()
+        args: tuple[torch.Tensor, ...] = (q, k, v)
+    else:
+        model = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0 if fused else 0.1, batch_first=True)
+        args = (x,)
+    nodes: list[str] = []
+    sdpa = F.scaled_dot_product_attention
+
+    def named(*a: Any, **kw: Any) -> torch.Tensor:
+        out = sdpa(*a, **kw)
+        nodes.append(out.grad_fn.name())
+        return out
+
+    F.scaled_dot_product_attention = named
+    try:
+        model(*args)
+    finally:
+        F.scaled_dot_product_attention = sdpa
+    assert ("ScaledDotProduct" in nodes[0]) == fused
     asked: list[int] = []
 
     def names(frame: Any, event: str, arg: Any) -> None:
@@ -180,12 +202,12 @@ def test_a_steady_call_asks_once_per_slot_whether_its_core_can_wait_for_the_back
             asked.append(0)
             sys.setprofile(names)
             try:
-                model(q, k, v)
+                model(*args)
             finally:
                 sys.setprofile(None)
     assert len(t.calls) == 8
     first = asked.index(1)  # the slot's first steady call
-    assert asked[first + 1 :] == ([0] if kind == "decomposed" else [1]) * (7 - first)
+    assert asked[first + 1 :] == ([1] if fused else [0]) * (7 - first)
 
 
 def test_a_long_runs_steady_calls_hold_no_more_memory_the_more_there_are() -> None:

@@ -419,8 +419,10 @@ def _steady(slot: slots.Slot, ctx: OpenMHA, out: Any) -> bool:
     said = None
     if core is None and trace.record_routes and ctx.kernel_call is not None:  # its SDPA kernel's core
         out, q, k, v, sig = ctx.kernel_call
-        said = routes.steady_verdict(out, (q, k, v), heads=None, key=sig, watch=trace.watch_routes, index=index,
-                                     module=name, fused=True)  # fmt: skip
+        if slot.follows:  # (a decomposed kernel's core cannot wait: asked once per slot)
+            said = routes.steady_verdict(out, (q, k, v), heads=None, key=sig, watch=trace.watch_routes,
+                                         index=index, module=name, fused=True)  # fmt: skip
+            slot.follows = said is not None
         if said is None:
             core = routes.sdpa_core(out, q, k, v, key=sig)
     elif core is None and trace.record_routes:  # the way to the core of the slot's calls (its key's: made once)
