@@ -198,7 +198,7 @@ WITNESSED: list[tuple[str, str, list[str]]] = [
     ("docs/development.md", "nothing the cache keeps is a tensor once a trace closed",
      ["tests/test_trace_reopen.py::test_a_closed_trace_leaves_no_tensor_alive_in_what_it_keeps_for_the_next[mha]",
       "tests/test_trace_reopen.py::test_a_closed_trace_leaves_no_tensor_alive_in_what_it_keeps_for_the_next[sdpa]"]),
-    ("docs/development.md", "A steady call now runs 21 of qkvtrace's functions in a long run and 30 with records",
+    ("docs/development.md", "A steady call now runs 21 of qkvtrace's functions in a long run and 31 with records",
      ["tests/test_slots.py::test_a_steady_call_runs_a_constant_handful_of_functions[changes-direct-23]",
       "tests/test_slots.py::test_a_steady_call_runs_a_constant_handful_of_functions[all-direct-31]"]),
 ]  # fmt: skip

@@ -141,10 +141,9 @@ def test_a_steady_call_runs_a_constant_handful_of_functions(keep: str, kind: str
     MultiheadAttention (whose two wrappers and PyTorch's reason stay); a projected call's slot also looks its
     Q/K/V slice record up again (each weight's version and storage). An encoder layer's MultiheadAttention
     (``need_weights=False``: its fallback's SDPA kernel is a third wrapped call) ran 66 and 81 while its kernel
-    was found out anew on every call. Measured on 2026-12-05, later: 21, 30, 48, 30, 43, 45 and 59; then 21, 30,
-    38, 30, 34, 44 and 48 once a steady call's backward core was left to its backward pass (each bound one or two
-    more; the direct call's one more, as it asks once per slot whether its core can wait); a MultiheadAttention
-    whose slot is never taken (its facts not kept) ran 85 with records."""
+    was found out anew on every call. Measured on 2026-12-05, later: 21, 30, 48, 30, 43, 45 and 59; then 21, 31,
+    39, 30, 35, 44 and 49 once a steady call's backward core was left to its backward pass (each bound at most two
+    more); a MultiheadAttention whose slot is never taken (its facts not kept) ran 85 with records."""
     counts = _functions_per_call(keep, 60, kind)
     assert len(set(counts)) == 1, counts
     assert counts[0] <= most, counts[0]

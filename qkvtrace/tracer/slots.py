@@ -90,8 +90,7 @@ class Slot:
     #: (:func:`qkvtrace.tracer.observers.sdpa.steady_key`): a steady call's kernel with that key says it again
     #: (learnt from the first steady call whose kernel was found out in full)
     kernel: tuple[Any, ...] | None = None
-    #: ``False`` once a steady call's backward core could not be left to its backward pass
-    #: (:func:`~qkvtrace.tracer.routes.steady_verdict`: a decomposed SDPA kernel, no graph), decided by the key
+    #: ``False`` once a steady call's backward core could not be left to its backward pass (:meth:`verdict`)
     follows: bool = True
 
     def holds(self, trace: Trace, name: str) -> bool:
@@ -105,6 +104,19 @@ class Slot:
     def count(self, trace: Trace, nan_count: Any) -> None:
         """Count, in a long run, a call the slot knows: its NaN count added to its module's, nothing else."""
         trace.monitor.count_steady(self.entry, self.seen, self.backend, nan_count, self.rows)  # type: ignore[union-attr, arg-type]
+
+    def verdict(self, trace: Trace, index: int, name: str, out: Any, inputs: tuple[Any, ...], *, heads: int | None,
+                key: Any, fused: bool = False) -> routes.Verdict | None:  # fmt: skip
+        """What a steady call's core says where it can be left to its backward pass
+        (:func:`~qkvtrace.tracer.routes.steady_verdict`, its hook watched by ``trace``), else ``None``: the caller
+        finds the core. Asked until it cannot be so once -- a decomposed SDPA kernel's never can (its key decides
+        it), nor a call with no graph -- then no more: the core found instead says the same, only later."""
+        if not self.follows:
+            return None
+        said = routes.steady_verdict(out, inputs, heads=heads, key=key, watch=trace.watch_routes, index=index,
+                                     module=name, fused=fused)  # fmt: skip
+        self.follows = said is not None
+        return said
 
     def record(self, trace: Trace, owner: nn.Module, name: str, index: int, nan_count: Any,
                norms: tuple[Any, Any, Any] | None, core: routes.Core | None,

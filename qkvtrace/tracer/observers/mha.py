@@ -419,18 +419,14 @@ def _steady(slot: slots.Slot, ctx: OpenMHA, out: Any) -> bool:
     said = None
     if core is None and trace.record_routes and ctx.kernel_call is not None:  # its SDPA kernel's core
         out, q, k, v, sig = ctx.kernel_call
-        if slot.follows:  # (a decomposed kernel's core cannot wait: asked once per slot)
-            said = routes.steady_verdict(out, (q, k, v), heads=None, key=sig, watch=trace.watch_routes,
-                                         index=index, module=name, fused=True)  # fmt: skip
-            slot.follows = said is not None
+        said = slot.verdict(trace, index, name, out, (q, k, v), heads=None, key=sig, fused=True)
         if said is None:
             core = routes.sdpa_core(out, q, k, v, key=sig)
     elif core is None and trace.record_routes:  # the way to the core of the slot's calls (its key's: made once)
         found = slot.signature
         if found is None:
             found = slot.signature = mha_facts.core_key(ctx, None, (True, True, bool(module.training)))
-        said = routes.steady_verdict(result, (ctx.query,), heads=found[1], key=found[0], watch=trace.watch_routes,
-                                     index=index, module=name)  # fmt: skip
+        said = slot.verdict(trace, index, name, result, (ctx.query,), heads=found[1], key=found[0])
         if said is None:
             core = routes.find_core(result, (ctx.query,), heads=found[1], key=found[0])
     slot.record(trace, module, name, index, nan_count(result), None, core, said)

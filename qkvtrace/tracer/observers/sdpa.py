@@ -265,10 +265,7 @@ def _steady(slot: slots.Slot, owner: nn.Module, trace: Any, name: str, original:
     q, k, v = args[0], args[1], args[2]
     core = said = None
     if trace.record_routes:
-        if slot.follows:
-            said = routes.steady_verdict(out, (q, k, v), heads=None, key=slot.signature, watch=trace.watch_routes,
-                                         index=index, module=name, fused=True)  # fmt: skip
-            slot.follows = said is not None
+        said = slot.verdict(trace, index, name, out, (q, k, v), heads=None, key=slot.signature, fused=True)
         if said is None:
             core = routes.sdpa_core(out, q, k, v, key=slot.signature)
     slot.record(trace, owner, name, index, nan_count(out), (norm_of(q), norm_of(k), norm_of(v)), core, said)
