@@ -401,6 +401,72 @@ def test_a_steady_call_whose_graph_has_no_core_any_more_says_so_once_its_backwar
     assert [r.call for r in t.routes] == [0, 1, 2]
 
 
+@pytest.mark.parametrize("read_before_backward", [False, True])
+def test_a_first_call_whose_graph_has_no_core_says_so_once_its_backward_runs(read_before_backward: bool) -> None:
+    """Witnesses: the autograd graphs of un-instrumented runs of both modules (graph_names, attention_core): the
+    plain one holds the softmax and the matmul with V; the frozen one (its projection frozen, an input that needs
+    no gradient), by construction, no node of the attention at all. Its first call has the plain module's call
+    signature, so the trace takes the plain call's way to the core for it, to be followed when its backward
+    pass reaches it, and corrects its record then -- whether the record was read before or not."""
+    torch.manual_seed(6)
+    plain = nn.MultiheadAttention(E, H, batch_first=True)
+    frozen = nn.MultiheadAttention(E, H, batch_first=True)
+    frozen.in_proj_weight.requires_grad_(False)
+    frozen.in_proj_bias.requires_grad_(False)
+    x = _weights(7)
+    assert not any("Softmax" in n or "Bmm" in n for n in graph_names(frozen(x, x, x)[0]))
+    witness = attention_core(plain(x, x, x)[0])
+    with qkvtrace.trace(nn.ModuleList([plain, frozen])) as t:
+        _loss(plain(x, x, x)[0]).backward()  # the way to the core, found for this signature
+        out = frozen(x, x, x)[0]
+        if read_before_backward:
+            assert [c.backward_kernel for c in t.calls] == [witness, witness]  # the way taken, not yet followed
+        _loss(out).backward()
+    assert [c.backward_kernel for c in t.calls] == [witness, None]
+    assert t.calls[1].backward_reason is not None
+    assert [r.call for r in t.routes] == [0]
+
+
+@pytest.mark.parametrize("read_before_backward", [False, True])
+def test_a_steady_call_whose_graph_came_back_is_corrected_when_its_backward_runs(read_before_backward: bool) -> None:
+    """Witnesses: the autograd graphs of un-instrumented runs of the module in each state of its weights
+    (graph_names, attention_core): none with every weight frozen (an input that needs no gradient), the softmax
+    and the matmul with V with none frozen, and no node of the attention with only the input projection frozen.
+    The call signature stays the same throughout, so every call after the first is a steady one: the slot stops
+    leaving the core to the backward pass while there is no graph, finds it when the graph comes back, and takes
+    that way for the last call, whose record is corrected by it -- whether it was read before or not."""
+    torch.manual_seed(6)
+    m = nn.MultiheadAttention(E, H, batch_first=True)
+    x = _weights(7)
+
+    def trainable(projection: bool, out: bool) -> None:
+        for p in (m.in_proj_weight, m.in_proj_bias):
+            p.requires_grad_(projection)
+        for p in (m.out_proj.weight, m.out_proj.bias):
+            p.requires_grad_(out)
+
+    trainable(False, False)
+    assert m(x, x, x)[0].grad_fn is None
+    trainable(False, True)
+    assert not any("Softmax" in n or "Bmm" in n for n in graph_names(m(x, x, x)[0]))
+    trainable(True, True)
+    witness = attention_core(m(x, x, x)[0])
+    with qkvtrace.trace(m) as t:
+        trainable(False, False)
+        m(x, x, x)
+        m(x, x, x)  # no graph: the slot stops asking
+        trainable(True, True)
+        _loss(m(x, x, x)[0]).backward()  # the graph back: the way to its core found again
+        trainable(False, True)
+        out = m(x, x, x)[0]  # the way taken, to be followed in its backward pass
+        if read_before_backward:
+            assert [c.backward_kernel for c in t.calls] == [None, None, witness, witness]
+        _loss(out).backward()
+    assert [c.backward_kernel for c in t.calls] == [None, None, witness, None]
+    assert t.calls[3].backward_reason is not None
+    assert [r.call for r in t.routes] == [2]
+
+
 def _layer_routes(traced: bool) -> tuple[list[float], list[Any]]:
     """Six training steps of an encoder layer with dropout (its SDPA kernel decomposed), PyTorch's fast path
     switched off from the fifth; the norm of the gradient of each step's Q as its SDPA kernel received it

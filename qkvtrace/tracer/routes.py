@@ -22,6 +22,7 @@ import re
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -236,20 +237,25 @@ def steady_verdict(out: Any, inputs: tuple[Any, ...], *, heads: int | None, key:
     recipe = _RECIPES.get((key, start.name(), heads))
     if recipe is None or not recipe.sources or (fused and not _FUSED.search(recipe.kernel)):
         return None  # (a core with no routes to follow: :func:`find_core` says why)
-    said = Verdict(recipe.kernel, None, None, [])
-    start.register_prehook(_Follow(recipe, inputs, heads, said, (watch, index, module)))
+    records: list[Any] = []  # (the records built from what is said, corrected with it)
+    said = Verdict(recipe.kernel, None, None, records)
+    start.register_prehook(_Follow(recipe, inputs, heads, (said,), records, partial(watch, index, module)))
     return said
 
 
 class _Follow:
-    """The hook on a steady call's output node (:func:`steady_verdict`): holds no node, and lets go of the
-    call's inputs once followed."""
+    """The hook on a call's output node that follows the way its signature's first call found once the backward
+    pass reaches that node: where this call's graph differs, the graph is searched and what was said of the call
+    (``verdicts``, and ``records`` built from it so far) corrected; then ``then(core)``. It holds no node (a
+    node holding a hook that holds it would never be freed: the node is asked for), and lets go of the call's
+    inputs once followed. (A deferred core's, :func:`register`; a steady call's, :func:`steady_verdict`.)"""
 
-    __slots__ = ("followed", "heads", "inputs", "recipe", "said", "watch")
+    __slots__ = ("followed", "heads", "inputs", "recipe", "records", "then", "verdicts")
 
-    def __init__(self, recipe: Recipe, inputs: tuple[Any, ...], heads: int | None, said: Verdict,
-                 watch: tuple[Callable[[int, str, Core], None], int, str]) -> None:  # fmt: skip
-        self.recipe, self.inputs, self.heads, self.said, self.watch = recipe, inputs, heads, said, watch
+    def __init__(self, recipe: Recipe, inputs: tuple[Any, ...], heads: int | None, verdicts: Sequence[Verdict],
+                 records: list[Any], then: Callable[[Core], None]) -> None:  # fmt: skip
+        self.recipe, self.inputs, self.heads, self.then = recipe, inputs, heads, then
+        self.verdicts, self.records = verdicts, records
         self.followed = False
 
     def __call__(self, grad_outputs: Sequence[torch.Tensor | None]) -> None:
@@ -259,17 +265,15 @@ class _Follow:
         start = _CURRENT_NODE()  # type: ignore[misc]  # (registered only where PyTorch names the node in a hook)
         if start is None:
             return
-        said = self.said
         core = _replay(start, self.recipe)
         if core is None:  # this call's graph differs from its signature's first: search it
             core = _search(start, self.inputs, self.heads)
-            core.stamp(said)
-            for record in said.waiting or ():
+            for record in (*self.verdicts, *self.records):
                 core.stamp(record)
-        said.waiting = None  # records built from it from now on say what it says
+        for said in self.verdicts:
+            said.waiting = None  # records built from it from now on say what it says
         self.inputs = ()
-        watch, index, module = self.watch
-        watch(index, module, core)
+        self.then(core)
 
 
 def _follow(node: Any, steps: Steps) -> Any:
@@ -483,7 +487,8 @@ def register(core: Core, on_grad: Callable[[str, Layout, torch.Tensor], None]) -
     """
     deferred = core.deferred
     if deferred is not None and core.start is not None:
-        core.start.register_prehook(_follow_hook(deferred, on_grad))
+        core.start.register_prehook(_Follow(deferred.recipe, deferred.inputs, deferred.heads, deferred.verdicts,
+                                            deferred.records, partial(register, on_grad=on_grad)))  # fmt: skip
         return
     by_node: dict[int, tuple[Any, list[Source]]] = {}
     for s in core.sources:
@@ -494,31 +499,6 @@ def register(core: Core, on_grad: Callable[[str, Layout, torch.Tensor], None]) -
     for node, sources in by_node.values():
         picks = [(s.part, s.layout, s.index) for s in sources]
         node.register_hook(_node_hook(picks, on_grad))
-
-
-def _follow_hook(deferred: Deferred, on_grad: Callable[[str, Layout, torch.Tensor], None]) -> Any:
-    # holds no node (a node holding a hook that holds it would never be freed): the node is asked for
-    followed = False
-
-    def hook(grad_outputs: Sequence[torch.Tensor | None]) -> None:
-        nonlocal followed
-        if followed or _CURRENT_NODE is None:
-            return
-        followed = True
-        start = _CURRENT_NODE()
-        if start is None:
-            return
-        core = _replay(start, deferred.recipe)
-        if core is None:  # this call's graph differs from its signature's first: search it
-            core = _search(start, deferred.inputs, deferred.heads)
-            for record in (*deferred.verdicts, *deferred.records):
-                core.stamp(record)
-        for said in deferred.verdicts:
-            said.waiting = None  # records built from it from now on say what it says
-        deferred.inputs = ()
-        register(core, on_grad)
-
-    return hook
 
 
 def _tensor_hook(part: str, layout: Layout, on_grad: Callable[[str, Layout, torch.Tensor], None]) -> Any:
