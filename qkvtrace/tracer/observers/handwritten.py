@@ -28,8 +28,10 @@ Why a mode, and why only there: an active ``TorchFunctionMode`` makes
 the mode is switched on only by forward hooks of the candidate modules, and
 no module holding (or held by) PyTorch's attention modules is a candidate.
 A candidate that turns out to call an entry point the tracer wraps (SDPA,
-flex, MHA's function) is no longer watched after that call; while the
-wrapper runs, the mode steps off the stack, so PyTorch decides the kernel as
+flex, MHA's function) is no longer watched after that call, nor is a leaf
+candidate (a module with no children, a candidate by its name alone, such as
+GPT-2's ``c_attn`` projection) once a call of it ended with no product of
+two activations in it; while the wrapper runs, the mode steps off the stack, so PyTorch decides the kernel as
 it would without it. The mode calls every function with the very arguments
 it was given and returns its result untouched; it reads no values (masks and
 biases are named when the trace resolves, :mod:`qkvtrace.patterns`).
@@ -78,6 +80,8 @@ TORCH_ATTENTION = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.Transfo
 _local = threading.local()
 #: modules that called an entry point the tracer wraps while watched: their attention is recorded there
 _entry_users: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+#: leaf candidates a call of which, watched, ended with no product of two activations (:func:`_switch_off`)
+_quiet: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 #: threads with the mode on now (a wrapper looks no further while 0)
 watching = [0]
 #: the hooks of every open trace's watched modules
@@ -121,8 +125,11 @@ class _Node:
 @dataclass
 class _State:
     mode: _Recogniser | None = None
-    #: candidate modules open in this thread (innermost last)
+    #: candidate modules open in this thread (innermost last), with :attr:`products` as each opened
     active: list[nn.Module] = field(default_factory=list)
+    opened_at: list[int] = field(default_factory=list)
+    #: products of two activations seen since the mode came on in this thread
+    products: int = 0
     nodes: dict[int, _Node] = field(default_factory=dict)
     #: activations scaled by a number before any product (Q or K scaled before QKᵀ), and through which steps
     scaled: dict[int, tuple[weakref.ref[torch.Tensor], tuple[tuple[str, Any], ...]]] = field(default_factory=dict)
@@ -201,12 +208,13 @@ def _enter(module: nn.Module, args: Any) -> None:
 
 
 def _switch_on(module: nn.Module) -> None:
-    if compat.is_compiling() or compat.is_jit_tracing() or module in _entry_users:
+    if compat.is_compiling() or compat.is_jit_tracing() or module in _entry_users or module in _quiet:
         return
     if not registry.covering(module):
         return
     st = _state()
     st.active.append(module)
+    st.opened_at.append(st.products)
     if st.mode is None:
         mode = _Recogniser()
         mode.__enter__()
@@ -216,16 +224,24 @@ def _switch_on(module: nn.Module) -> None:
 
 def _leave(module: nn.Module, args: Any, output: Any) -> None:
     try:
-        _switch_off(module)
+        _switch_off(module, output is not None)
     except Exception as exc:  # a hook never raises into the model's call
         registry.report_failure("hand-written attention", exc)
 
 
-def _switch_off(module: nn.Module) -> None:
+def _switch_off(module: nn.Module, returned: bool = True) -> None:
+    """The mode off once the outermost watched module's call ends. A leaf's call that ``returned`` (PyTorch hands
+    an always-called hook no output when the call raised) with no product of two activations in it leaves the
+    leaf unwatched from then on: a leaf is a candidate by its name alone, and a projection or a norm named for
+    attention (GPT-2's ``c_attn``, a reference Llama's ``attention_norm``) would otherwise run every call of
+    its own through the mode."""
     st = getattr(_local, "state", None)
     if st is None or not st.active or st.active[-1] is not module:
         return
     st.active.pop()
+    opened_at = st.opened_at.pop()
+    if returned and st.products == opened_at and next(module.children(), None) is None:
+        _quiet.add(module)
     if st.active or st.mode is None:
         return
     mode, st.mode = st.mode, None
@@ -502,6 +518,7 @@ def _product(nodes: dict[int, _Node], name: str, args: tuple[Any, ...], kwargs: 
         transposed = True
     if not (_activation(a) and _activation(b) and isinstance(out, torch.Tensor)):
         return
+    _state().products += 1
     probs = _node(nodes, a)
     if probs is not None and probs.stage == "probs":
         nodes.pop(id(a), None)

@@ -1,0 +1,178 @@
+"""Which modules stay watched for attention written by hand, call after call.
+
+A module is watched by switching a ``TorchFunctionMode`` on around its
+forward. The witness of whether a module's call was watched is PyTorch's own
+``torch.overrides._is_torch_function_mode_enabled()``, read by the module
+itself inside its forward; the witness of what was recorded is the number of
+forward calls made here, and the kind of attention each module was written
+with.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import qkvtrace
+
+E, H, T, B = 16, 2, 5, 2
+D = E // H
+
+
+def _mode_on() -> bool:
+    return bool(torch.overrides._is_torch_function_mode_enabled())
+
+
+class _Packed(nn.Module):
+    """A projection of a library's own (not ``nn.Linear``), as GPT-2's ``Conv1D``: a leaf."""
+
+    def __init__(self, n_in: int, n_out: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n_in, n_out) / math.sqrt(n_in))
+        self.bias = nn.Parameter(torch.zeros(n_out))
+        self.watched: list[bool] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.watched.append(_mode_on())
+        return torch.addmm(self.bias, x.reshape(-1, x.size(-1)), self.weight).view(*x.shape[:-1], -1)
+
+
+class _GPT2Like(nn.Module):
+    """GPT-2's attention: a projection named ``c_attn`` (a leaf named for attention), then SDPA."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c_attn = _Packed(E, 3 * E)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (t.view(B, T, H, D).transpose(1, 2) for t in self.c_attn(x).split(E, dim=-1))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, E)
+
+
+class _Model(nn.Module):
+    """Attention written by hand (products of two activations seen before each ``c_attn`` call), then GPT-2's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = _HoldsAttend(_Attend())
+        self.attn = _GPT2Like()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attn(self.first(x))
+
+
+def test_a_leaf_named_for_attention_that_makes_no_scores_is_watched_once() -> None:
+    """Witness: the leaf reads PyTorch's own function-mode switch in its forward. Its first call runs inside
+    its holder's first, watched call; every later one, in this trace or the next, runs with no mode on. The
+    calls (the number made here, each of a hand-written attention and an SDPA call) keep their paths, their
+    outputs the untraced run's."""
+    torch.manual_seed(0)
+    model, x = _Model(), torch.randn(B, T, E)
+    with torch.no_grad():
+        want = model(x)
+        model.attn.c_attn.watched.clear()
+        with qkvtrace.trace(model) as first:
+            got = [model(x) for _ in range(3)]
+        with qkvtrace.trace(model) as second:
+            model(x)
+    assert model.attn.c_attn.watched == [True, False, False, False]
+    assert [(c.module, c.path) for c in first.calls + second.calls] == [("first.attn", "hand_written"),
+                                                                        ("attn", "sdpa")] * 4  # fmt: skip
+    assert all(torch.equal(g, want) for g in got)
+
+
+class _Attend(nn.Module):
+    """Attention written by hand in a leaf (no children), named ``attn`` by its holder; it notes whether each of
+    its calls was watched."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.watched: list[bool] = []
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.watched.append(_mode_on())
+        return torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.size(-1)), dim=-1) @ v
+
+
+class _HoldsAttend(nn.Module):
+    """Not a candidate itself (no projection, not named for attention): only its leaf is watched."""
+
+    def __init__(self, attn: nn.Module) -> None:
+        super().__init__()
+        self.attn = attn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        heads = x.view(B, T, H, D).transpose(1, 2)
+        out = self.attn(heads, heads.flip(-1), heads.flip(-2))
+        return out.transpose(1, 2).reshape(B, T, E)
+
+
+def test_a_leaf_that_attends_by_hand_stays_watched() -> None:
+    """Witness: the number of forward calls made here, each of a leaf written here with ``q @ kᵀ``, a
+    softmax and ``@ v``."""
+    torch.manual_seed(0)
+    model, x = _HoldsAttend(_Attend()), torch.randn(B, T, E)
+    with qkvtrace.trace(model) as t:
+        for _ in range(3):
+            model(x)
+    assert [(c.module, c.path) for c in t.calls] == [("attn", "hand_written")] * 3
+    assert model.attn.watched == [True] * 3
+
+
+class _RaisesFirst(_Attend):
+    """A leaf that attends by hand, whose first call raises before any product."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == 1:
+            raise RuntimeError("the model's own error")
+        return super().forward(q, k, v)
+
+
+def test_a_leaf_whose_call_raised_is_still_watched() -> None:
+    """Witness: the error raised here on the first call, and the two forward calls made after it."""
+    torch.manual_seed(0)
+    model, x = _HoldsAttend(_RaisesFirst()), torch.randn(B, T, E)
+    with qkvtrace.trace(model) as t:
+        try:
+            model(x)
+        except RuntimeError as exc:
+            assert str(exc) == "the model's own error"
+        model(x)
+        model(x)
+    assert [(c.module, c.path) for c in t.calls] == [("attn", "hand_written")] * 2
+    assert model.attn.watched == [True] * 2
+
+
+class _LateAttention(nn.Module):
+    """An attention module (it has a child) whose first call only projects, and whose later ones attend."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(E, 3 * E)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        q, k, v = (t.view(B, T, H, D).transpose(1, 2) for t in self.qkv(x).split(E, dim=-1))
+        if self.calls == 1:
+            return v
+        return torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(D), dim=-1) @ v
+
+
+def test_a_module_with_children_stays_watched_after_a_call_without_scores() -> None:
+    """Witness: the number of forward calls made here; only the first (which the module written here makes
+    without attention) has none."""
+    torch.manual_seed(0)
+    model, x = _LateAttention(), torch.randn(B, T, E)
+    with qkvtrace.trace(model) as t:
+        for _ in range(3):
+            model(x)
+    assert [c.path for c in t.calls] == ["hand_written"] * 2
