@@ -176,3 +176,115 @@ def test_a_module_with_children_stays_watched_after_a_call_without_scores() -> N
         for _ in range(3):
             model(x)
     assert [c.path for c in t.calls] == ["hand_written"] * 2
+
+
+class _SwitchableAttention(nn.Module):
+    """An attention module that calls SDPA, or (``by_hand``) writes the same attention by hand; its projection
+    notes whether each call was watched."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = _Packed(E, 3 * E)
+        self.by_hand = False
+        self.fail = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (t.view(B, T, H, D).transpose(1, 2) for t in self.qkv(x).split(E, dim=-1))
+        if self.fail:
+            raise RuntimeError("the model's own error")
+        if self.by_hand:
+            out = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(D), dim=-1) @ v
+        else:
+            out = F.scaled_dot_product_attention(q, k, v)
+        return out.transpose(1, 2).reshape(B, T, E)
+
+
+def test_a_module_switched_from_sdpa_to_attention_by_hand_is_watched_again() -> None:
+    """Witness: the kind of attention each call was written with, set here (as a model's ``attn_implementation``
+    switched from ``"sdpa"`` to ``"eager"``), and the number of calls made. The first call written by hand
+    after calls that used SDPA is not seen, and the trace says so; every later one is recorded, in the same
+    trace and in the next."""
+    torch.manual_seed(0)
+    model, x = _SwitchableAttention(), torch.randn(B, T, E)
+    with torch.no_grad():
+        with qkvtrace.trace(model) as first:
+            model(x)
+            model(x)
+            model.by_hand = True
+            for _ in range(3):
+                model(x)
+        with qkvtrace.trace(model) as second:
+            model(x)
+        model.by_hand = False
+        with qkvtrace.trace(model) as third:
+            model(x)
+            model.by_hand = True
+            model(x)
+    assert [c.path for c in first.calls] == ["sdpa", "sdpa", "hand_written", "hand_written"]
+    assert [c.index for c in first.calls] == [0, 1, 2, 3]
+    (note,) = [w for w in first.result.warnings if "(root) made a call that reached none" in w]
+    assert "not recorded" in note
+    assert [c.path for c in second.calls] == ["hand_written"]
+    assert not any("reached none" in w for w in second.result.warnings)
+    assert [c.path for c in third.calls] == ["sdpa"]
+    assert any("(root) made a call that reached none" in w for w in third.result.warnings)
+
+
+def test_a_call_that_raised_leaves_an_sdpa_user_unwatched() -> None:
+    """Witness: the error raised here before the SDPA call, and PyTorch's own function-mode switch read in the
+    module's projection: after the failed call, the next calls run with no mode on and say nothing of it."""
+    torch.manual_seed(0)
+    model, x = _SwitchableAttention(), torch.randn(B, T, E)
+    with torch.no_grad(), qkvtrace.trace(model) as t:
+        model(x)
+        model.fail = True
+        try:
+            model(x)
+        except RuntimeError as exc:
+            assert str(exc) == "the model's own error"
+        model.fail = False
+        model(x)
+        model(x)
+    assert model.qkv.watched == [True, False, False, False]
+    assert [c.path for c in t.calls] == ["sdpa"] * 3
+    assert not any("reached none" in w for w in t.result.warnings)
+
+
+class _CrossAttention(nn.Module):
+    """Attention written by hand in a module of its own (it has a projection child)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kv = nn.Linear(E, 2 * E)
+
+    def forward(self, q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        k, v = (t.view(B, T, H, D).transpose(1, 2) for t in self.kv(x).split(E, dim=-1))
+        return torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(D), dim=-1) @ v
+
+
+class _BothAttention(nn.Module):
+    """An SDPA user holding attention written by hand, which runs first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(E, 3 * E)
+        self.cross = _CrossAttention()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (t.view(B, T, H, D).transpose(1, 2) for t in self.qkv(x).split(E, dim=-1))
+        return F.scaled_dot_product_attention(self.cross(q, x), k, v).transpose(1, 2).reshape(B, T, E)
+
+
+def test_attention_by_hand_inside_an_sdpa_user_is_recorded_on_every_call() -> None:
+    """Witness: the number of calls made here, each with one attention written by hand and one SDPA call, and
+    PyTorch's own function-mode switch, off once each call returned."""
+    torch.manual_seed(0)
+    model, x = _BothAttention(), torch.randn(B, T, E)
+    modes = []
+    with torch.no_grad(), qkvtrace.trace(model) as t:
+        for _ in range(3):
+            model(x)
+            modes.append(_mode_on())
+    assert [(c.module, c.path) for c in t.calls] == [("cross", "hand_written"), ("", "sdpa")] * 3
+    assert modes == [False] * 3
+    assert not any("reached none" in w for w in t.result.warnings)

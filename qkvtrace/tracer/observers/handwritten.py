@@ -28,7 +28,8 @@ Why a mode, and why only there: an active ``TorchFunctionMode`` makes
 the mode is switched on only by forward hooks of the candidate modules, and
 no module holding (or held by) PyTorch's attention modules is a candidate.
 A candidate that turns out to call an entry point the tracer wraps (SDPA,
-flex, MHA's function) is no longer watched after that call, nor is a leaf
+flex, MHA's function) is no longer watched after that call, until a call of it
+reaches none (then from its next call, and the trace says so), nor is a leaf
 candidate (a module with no children, a candidate by its name alone, such as
 GPT-2's ``c_attn`` projection) once a call of it ended with no product of
 two activations in it; while the wrapper runs, the mode steps off the stack, so PyTorch decides the kernel as
@@ -82,11 +83,20 @@ _local = threading.local()
 _entry_users: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 #: leaf candidates a call of which, watched, ended with no product of two activations (:func:`_switch_off`)
 _quiet: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+#: calls of the entry points the tracer wraps, in any thread: an entry user's call that reached none is watched
+#: again from its next call (a model switched from SDPA to attention written by hand)
+entries = [0]
 #: threads with the mode on now (a wrapper looks no further while 0)
 watching = [0]
 #: the hooks of every open trace's watched modules
 _handles: list[Any] = []
 
+#: what a trace says when a module whose calls reached an entry point made one that did not (``warnings``)
+ENTRY_LEFT = (
+    "{} made a call that reached none of the attention functions the tracer wraps, after calls of it that did: "
+    "it is watched for attention written by hand again from its next call (attention written by hand in that "
+    "call is not recorded)"
+)
 #: what a trace says when it does not watch its model (``warnings``)
 NOT_WATCHED = (
     "attention written by hand is not watched while torch.compile holds compiled code (torch._dynamo.reset() "
@@ -128,6 +138,8 @@ class _State:
     #: candidate modules open in this thread (innermost last), with :attr:`products` as each opened
     active: list[nn.Module] = field(default_factory=list)
     opened_at: list[int] = field(default_factory=list)
+    #: entry users open in this thread, not watched (innermost last), with :data:`entries` as each opened
+    users: list[tuple[nn.Module, int]] = field(default_factory=list)
     #: products of two activations seen since the mode came on in this thread
     products: int = 0
     nodes: dict[int, _Node] = field(default_factory=dict)
@@ -208,7 +220,10 @@ def _enter(module: nn.Module, args: Any) -> None:
 
 
 def _switch_on(module: nn.Module) -> None:
-    if compat.is_compiling() or compat.is_jit_tracing() or module in _entry_users or module in _quiet:
+    if compat.is_compiling() or compat.is_jit_tracing() or module in _quiet:
+        return
+    if module in _entry_users:
+        _state().users.append((module, entries[0]))
         return
     if not registry.covering(module):
         return
@@ -234,9 +249,19 @@ def _switch_off(module: nn.Module, returned: bool = True) -> None:
     an always-called hook no output when the call raised) with no product of two activations in it leaves the
     leaf unwatched from then on: a leaf is a candidate by its name alone, and a projection or a norm named for
     attention (GPT-2's ``c_attn``, a reference Llama's ``attention_norm``) would otherwise run every call of
-    its own through the mode."""
+    its own through the mode. An entry user's call that returned without reaching an entry point makes it a
+    candidate again: its attention, from its next call, may be written by hand."""
     st = getattr(_local, "state", None)
-    if st is None or not st.active or st.active[-1] is not module:
+    if st is None:
+        return
+    if st.users and st.users[-1][0] is module:
+        _, opened_at = st.users.pop()
+        if returned and entries[0] == opened_at:
+            _entry_users.discard(module)
+            for trace, name in registry.covering(module):
+                trace.note(ENTRY_LEFT.format(name or "(root)"))
+        return
+    if not st.active or st.active[-1] is not module:
         return
     st.active.pop()
     opened_at = st.opened_at.pop()
