@@ -15,7 +15,8 @@ map costs), next to the records with ``attention_maps=True``.
 One ``nn.MultiheadAttention(64, 8)`` in training mode on a ``(2, 10, 64)`` input,
 ``need_weights`` left at its default, then with ``need_weights=False`` (the call an
 encoder layer makes: the fallback's kernel is an SDPA call), then a model's own SDPA call with dropout on
-``(2, 4, 16, 32)`` (``overhead.py``'s W5): 200 calls per sample, 25 samples per arm,
+``(2, 4, 16, 32)`` (``overhead.py``'s W5), then a transformers GPT-2 of one layer (if installed: a
+library's attention, its module found on the stack): 200 calls per sample, 25 samples per arm,
 interleaved untraced / traced; the CPU time of the fastest sample of each arm (the
 one least disturbed by the machine) gives the cost per call in microseconds.
 """
@@ -96,6 +97,38 @@ def main() -> None:
         ('long run (keep="changes"), steady state (SDPA)', {"keep": "changes"}, contextlib.nullcontext),
     ]
     _measure(sdpa_arms, sdpa, sdpa_work, cpu, lambda: sdpa(q, k, v))
+    _gpt2(cpu)
+
+
+def _gpt2(cpu: Callable[[Callable[[], None]], float]) -> None:
+    """A transformers GPT-2 of one layer (random weights, SDPA attention), a forward in inference: one attention
+    call of a library's model, its module found on the Python stack, its projection named ``c_attn``."""
+    try:
+        import transformers
+    except ImportError:
+        print("  a transformers GPT-2 forward: skipped (pip install transformers)")
+        return
+    transformers.logging.set_verbosity_error()
+    config = transformers.GPT2Config(n_embd=64, n_layer=1, n_head=4, vocab_size=100, n_positions=64,
+                                     attn_implementation="sdpa")  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    ids = torch.randint(0, 100, (1, 8), generator=torch.Generator().manual_seed(1))
+
+    def work() -> None:
+        with torch.no_grad():
+            for _ in range(CALLS):
+                model(ids)
+
+    def first() -> None:
+        with torch.no_grad():
+            model(ids)
+
+    print("  a transformers GPT-2 forward (1 layer, SDPA attention, inference; ids (1, 8)): one attention call")
+    work()
+    _measure([("records (GPT-2)", {}, contextlib.nullcontext),
+              ('long run (keep="changes") (GPT-2)', {"keep": "changes"}, contextlib.nullcontext)],
+             model, work, cpu, first)  # fmt: skip
 
 
 class _DropoutAttention(torch.nn.Module):

@@ -10,6 +10,7 @@ with.
 
 from __future__ import annotations
 
+import gc
 import math
 
 import torch
@@ -74,13 +75,20 @@ def test_a_leaf_named_for_attention_that_makes_no_scores_is_watched_once() -> No
     with torch.no_grad():
         want = model(x)
         model.attn.c_attn.watched.clear()
-        with qkvtrace.trace(model) as first:
-            got = [model(x) for _ in range(3)]
+        with qkvtrace.trace(model) as first, qkvtrace.trace(model) as inner:
+            hooks = [len(model.attn.c_attn._forward_pre_hooks) + len(model.attn.c_attn._forward_hooks)]
+            got = [model(x)]
+            hooks.append(len(model.attn.c_attn._forward_pre_hooks) + len(model.attn.c_attn._forward_hooks))
+            got += [model(x) for _ in range(2)]
         with qkvtrace.trace(model) as second:
+            hooked = len(model.attn.c_attn._forward_pre_hooks), len(model.attn._forward_pre_hooks)
             model(x)
+    assert hooked == (0, 1)
     assert model.attn.c_attn.watched == [True, False, False, False]
+    assert hooks == [4, 0]  # PyTorch's own lists: each trace's two hooks, then none once the leaf made no scores
     assert [(c.module, c.path) for c in first.calls + second.calls] == [("first.attn", "hand_written"),
                                                                         ("attn", "sdpa")] * 4  # fmt: skip
+    assert [(c.module, c.path) for c in inner.calls] == [(c.module, c.path) for c in first.calls]
     assert all(torch.equal(g, want) for g in got)
 
 
@@ -288,3 +296,21 @@ def test_attention_by_hand_inside_an_sdpa_user_is_recorded_on_every_call() -> No
     assert [(c.module, c.path) for c in t.calls] == [("cross", "hand_written"), ("", "sdpa")] * 3
     assert modes == [False] * 3
     assert not any("reached none" in w for w in t.result.warnings)
+
+
+def test_a_trace_a_step_leaves_no_hook_behind() -> None:
+    """Witness: Python's garbage collector, counting PyTorch's hook handles alive after 5 and after 45 traces of a
+    model whose watched module calls SDPA (so it keeps its hooks while each trace is open)."""
+    from torch.utils.hooks import RemovableHandle
+
+    torch.manual_seed(0)
+    model, x = _SwitchableAttention(), torch.randn(B, T, E)
+
+    def handles_after(traces: int) -> int:
+        for _ in range(traces):
+            with torch.no_grad(), qkvtrace.trace(model):
+                model(x)
+        gc.collect()
+        return sum(type(o) is RemovableHandle for o in gc.get_objects())
+
+    assert handles_after(5) == handles_after(40)

@@ -88,8 +88,9 @@ _quiet: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 entries = [0]
 #: threads with the mode on now (a wrapper looks no further while 0)
 watching = [0]
-#: the hooks of every open trace's watched modules
+#: the hooks of every open trace's watched modules, and each module's
 _handles: list[Any] = []
+_hooks_of: weakref.WeakKeyDictionary[nn.Module, list[Any]] = weakref.WeakKeyDictionary()
 
 #: what a trace says when a module whose calls reached an entry point made one that did not (``warnings``)
 ENTRY_LEFT = (
@@ -172,13 +173,19 @@ def watch_refused() -> bool:
 
 
 def watch(module: nn.Module) -> list[Any]:
-    """Register the hooks that switch the mode on around ``module``'s forward; their handles."""
+    """Register the hooks that switch the mode on around ``module``'s forward; their handles (none for a leaf
+    left unwatched: :func:`_switch_off`)."""
+    if module in _quiet:
+        return []
     pre = module.register_forward_pre_hook(_enter)
     try:
         post = module.register_forward_hook(_leave, always_call=True)
     except TypeError:  # a PyTorch without always_call
         post = module.register_forward_hook(_leave)
     _handles.extend((pre, post))
+    live = (module._forward_pre_hooks, module._forward_hooks)
+    kept = [h for h in _hooks_of.get(module, ()) if any(h.id in hooks for hooks in live)]  # (ended traces' go)
+    _hooks_of[module] = [*kept, pre, post]
     return [pre, post]
 
 
@@ -267,6 +274,7 @@ def _switch_off(module: nn.Module, returned: bool = True) -> None:
     opened_at = st.opened_at.pop()
     if returned and st.products == opened_at and next(module.children(), None) is None:
         _quiet.add(module)
+        unwatch(_hooks_of.pop(module, []))  # (PyTorch calls the hooks it listed before the call: safe here)
     if st.active or st.mode is None:
         return
     mode, st.mode = st.mode, None
