@@ -208,34 +208,48 @@ class _SwitchableAttention(nn.Module):
 
 
 def test_a_module_switched_from_sdpa_to_attention_by_hand_is_watched_again() -> None:
-    """Witness: the kind of attention each call was written with, set here (as a model's ``attn_implementation``
-    switched from ``"sdpa"`` to ``"eager"``), and the number of calls made. The first call written by hand
-    after calls that used SDPA is not seen, and the trace says so; every later one is recorded, in the same
-    trace and in the next."""
+    """Witness: the kind of attention each call was written with, set here between traces (as a model's
+    ``attn_implementation`` switched from ``"sdpa"`` to ``"eager"``), and the number of calls made. The first
+    call written by hand after calls that used SDPA is not seen, and the trace says so; every later one is
+    recorded, in the same trace and in the next; switched back, its SDPA calls are recorded as before."""
     torch.manual_seed(0)
     model, x = _SwitchableAttention(), torch.randn(B, T, E)
     with torch.no_grad():
         with qkvtrace.trace(model) as first:
-            model(x)
-            model(x)
-            model.by_hand = True
             for _ in range(3):
                 model(x)
+        model.by_hand = True
         with qkvtrace.trace(model) as second:
-            model(x)
-        model.by_hand = False
+            for _ in range(3):
+                model(x)
         with qkvtrace.trace(model) as third:
             model(x)
-            model.by_hand = True
+        model.by_hand = False
+        with qkvtrace.trace(model) as fourth:
             model(x)
-    assert [c.path for c in first.calls] == ["sdpa", "sdpa", "hand_written", "hand_written"]
-    assert [c.index for c in first.calls] == [0, 1, 2, 3]
-    (note,) = [w for w in first.result.warnings if "(root) made a call that reached none" in w]
+            model(x)
+    assert [c.path for c in first.calls] == ["sdpa"] * 3
+    assert [c.path for c in second.calls] == ["hand_written"] * 2
+    (note,) = [w for w in second.result.warnings if "(root) made a call that reached none" in w]
     assert "not recorded" in note
-    assert [c.path for c in second.calls] == ["hand_written"]
-    assert not any("reached none" in w for w in second.result.warnings)
-    assert [c.path for c in third.calls] == ["sdpa"]
-    assert any("(root) made a call that reached none" in w for w in third.result.warnings)
+    assert [c.path for c in third.calls] == ["hand_written"]
+    assert [c.path for c in fourth.calls] == ["sdpa"] * 2
+    for t in (first, third, fourth):
+        assert not any("reached none" in w for w in t.result.warnings)
+
+
+def test_an_sdpa_user_keeps_its_hooks_for_its_first_call_of_each_trace_only() -> None:
+    """Witness: PyTorch's own lists of the module's forward hooks, read between the calls made here."""
+    torch.manual_seed(0)
+    model, x = _SwitchableAttention(), torch.randn(B, T, E)
+    hooks = []
+    with torch.no_grad():
+        for _ in range(2):
+            with qkvtrace.trace(model):
+                for _ in range(3):
+                    hooks.append(len(model._forward_pre_hooks) + len(model._forward_hooks))
+                    model(x)
+    assert hooks == [2, 2, 0, 2, 0, 0]  # watched, then checked once (the first trace); checked once (the next)
 
 
 def test_a_call_that_raised_leaves_an_sdpa_user_unwatched() -> None:
@@ -300,11 +314,12 @@ def test_attention_by_hand_inside_an_sdpa_user_is_recorded_on_every_call() -> No
 
 def test_a_trace_a_step_leaves_no_hook_behind() -> None:
     """Witness: Python's garbage collector, counting PyTorch's hook handles alive after 5 and after 45 traces of a
-    model whose watched module calls SDPA (so it keeps its hooks while each trace is open)."""
+    model whose module attends by hand (so it keeps its hooks while each trace is open)."""
     from torch.utils.hooks import RemovableHandle
 
     torch.manual_seed(0)
     model, x = _SwitchableAttention(), torch.randn(B, T, E)
+    model.by_hand = True
 
     def handles_after(traces: int) -> int:
         for _ in range(traces):

@@ -28,8 +28,9 @@ Why a mode, and why only there: an active ``TorchFunctionMode`` makes
 the mode is switched on only by forward hooks of the candidate modules, and
 no module holding (or held by) PyTorch's attention modules is a candidate.
 A candidate that turns out to call an entry point the tracer wraps (SDPA,
-flex, MHA's function) is no longer watched after that call, until a call of it
-reaches none (then from its next call, and the trace says so), nor is a leaf
+flex, MHA's function) is no longer watched after that call; its first call in
+each later trace is checked: if it reaches none, the module is watched from its
+next call (and the trace says so), else its hooks go. Nor is a leaf
 candidate (a module with no children, a candidate by its name alone, such as
 GPT-2's ``c_attn`` projection) once a call of it ended with no product of
 two activations in it; while the wrapper runs, the mode steps off the stack, so PyTorch decides the kernel as
@@ -257,16 +258,21 @@ def _switch_off(module: nn.Module, returned: bool = True) -> None:
     leaf unwatched from then on: a leaf is a candidate by its name alone, and a projection or a norm named for
     attention (GPT-2's ``c_attn``, a reference Llama's ``attention_norm``) would otherwise run every call of
     its own through the mode. An entry user's call that returned without reaching an entry point makes it a
-    candidate again: its attention, from its next call, may be written by hand."""
+    candidate again: its attention, from its next call, may be written by hand; one that reached one leaves it
+    without hooks until the next trace (an entry user is checked on its first call of each trace)."""
     st = getattr(_local, "state", None)
     if st is None:
         return
     if st.users and st.users[-1][0] is module:
         _, opened_at = st.users.pop()
-        if returned and entries[0] == opened_at:
+        if not returned:
+            return
+        if entries[0] == opened_at:
             _entry_users.discard(module)
             for trace, name in registry.covering(module):
                 trace.note(ENTRY_LEFT.format(name or "(root)"))
+        else:  # checked once in each trace that watches it: its hooks go, its later calls run as without them
+            unwatch(_hooks_of.pop(module, []))
         return
     if not st.active or st.active[-1] is not module:
         return
