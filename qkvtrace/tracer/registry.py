@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import types
+import weakref
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
@@ -28,6 +29,10 @@ __all__ = ["covering", "is_active", "open_calls", "owner_module", "register", "r
 _lock = threading.Lock()
 #: the open traces; replaced, never mutated, so readers need no lock
 _traces: tuple[Trace, ...] = ()
+#: the ids of the code objects whose frames may run with a module an open trace covers as ``self``
+#: (:func:`owner_module`), replaced with :data:`_traces`; and, per class, its methods' codes
+_codes: frozenset[int] = frozenset()
+_class_codes: weakref.WeakKeyDictionary[type, tuple[Any, frozenset[types.CodeType]]] = weakref.WeakKeyDictionary()
 
 
 class _Local(threading.local):
@@ -40,15 +45,64 @@ _local = _Local()
 
 
 def register(trace: Trace) -> None:
-    global _traces
+    global _traces, _codes
     with _lock:
         _traces = (*_traces, trace)
+        _codes = _method_codes(_traces)
 
 
 def unregister(trace: Trace) -> None:
-    global _traces
+    global _traces, _codes
     with _lock:
         _traces = tuple(t for t in _traces if t is not trace)
+        _codes = _method_codes(_traces)
+
+
+def _method_codes(traces: tuple[Trace, ...]) -> frozenset[int]:
+    """Where a covered module can be ``self``: every method (``self`` its first parameter) of its class and the
+    classes it inherits from, up to ``nn.Module`` (through decorators that keep ``__wrapped__``), a ``forward``
+    set on the module itself, and ``nn.Module._call_impl``, whose frame every module called has. A class's
+    codes are kept while its ``forward`` is the same."""
+    codes: set[types.CodeType] = {_CALL_IMPL}
+    classes: set[type] = set()
+    for t in traces:
+        for _, m in t.names.values():
+            classes.add(type(m))
+            own = m.__dict__.get("forward")
+            if own is not None:
+                codes.update(_codes_of(own))
+    for cls in classes:
+        kept = _class_codes.get(cls)
+        forward = cls.__dict__.get("forward")
+        if kept is None or kept[0] is not forward:
+            found: set[types.CodeType] = set()
+            for klass in cls.__mro__:
+                if klass is nn.Module or klass is object:
+                    continue
+                for value in vars(klass).values():
+                    found.update(_codes_of(value))
+            kept = _class_codes[cls] = (forward, frozenset(found))
+        codes.update(kept[1])
+    return frozenset(id(c) for c in codes if c.co_argcount and c.co_varnames[0] == "self")
+
+
+def _codes_of(value: Any) -> list[types.CodeType]:
+    """The code of a function, method, static or class method or property, and of each function it wraps."""
+    if isinstance(value, property):
+        return [c for f in (value.fget, value.fset, value.fdel) if f is not None for c in _codes_of(f)]
+    found = []
+    seen = 0
+    while value is not None and seen < 16:  # (a chain of ``__wrapped__``; bounded against a loop)
+        value = getattr(value, "__func__", value)
+        code = getattr(value, "__code__", None)
+        if isinstance(code, types.CodeType):
+            found.append(code)
+        value = getattr(value, "__wrapped__", None)
+        seen += 1
+    return found
+
+
+_CALL_IMPL: types.CodeType = nn.Module._call_impl.__code__
 
 
 def open_traces() -> tuple[Trace, ...]:
@@ -98,9 +152,9 @@ def owner_module(frame: types.FrameType | None) -> tuple[nn.Module, list[tuple[T
     """
     if replay.active():
         return None
+    codes = _codes
     while frame is not None:
-        code = frame.f_code
-        if code.co_argcount and code.co_varnames[0] == "self":
+        if id(frame.f_code) in codes:  # (no other frame's locals are read: reading them costs more)
             obj = frame.f_locals.get("self")
             if isinstance(obj, nn.Module):
                 targets = covering(obj)
