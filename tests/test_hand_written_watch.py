@@ -12,6 +12,10 @@ from __future__ import annotations
 
 import gc
 import math
+import subprocess
+import sys
+import threading
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -329,3 +333,92 @@ def test_a_trace_a_step_leaves_no_hook_behind() -> None:
         return sum(type(o) is RemovableHandle for o in gc.get_objects())
 
     assert handles_after(5) == handles_after(40)
+
+
+class _OwnSdpa(nn.Module):
+    def forward(self, q: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, q, q)
+
+
+def test_another_threads_sdpa_call_does_not_count_for_a_module_being_checked() -> None:
+    """Witness: the kind of attention each call was written with (set here), and the order of the two threads,
+    set here with events: while the switched module's first call in a trace is paused inside its forward,
+    another thread's model makes an SDPA call. That call is not this module's: the module is watched again,
+    and its later calls written by hand are recorded."""
+    torch.manual_seed(0)
+    model, other, x = _SwitchableAttention(), _OwnSdpa(), torch.randn(B, T, E)
+    paused, resumed = threading.Event(), threading.Event()
+    projection = model.qkv.forward
+
+    def pausing(inp: torch.Tensor) -> torch.Tensor:
+        if not paused.is_set():
+            paused.set()
+            assert resumed.wait(10)
+        return projection(inp)
+
+    with torch.no_grad():
+        with qkvtrace.trace(model):
+            model(x)  # an SDPA user now
+        model.by_hand = True
+        model.qkv.forward = pausing  # type: ignore[method-assign]
+        with qkvtrace.trace(model, threads="all") as t, qkvtrace.trace(other, threads="all") as o:
+            first = threading.Thread(target=model, args=(x,))
+            first.start()
+            assert paused.wait(10)
+            second = threading.Thread(target=other, args=(torch.randn(B, H, T, D),))
+            second.start()
+            second.join()
+            resumed.set()
+            first.join()
+            model(x)
+            model(x)
+    assert [c.path for c in o.calls] == ["sdpa"]
+    assert [c.path for c in t.calls] == ["hand_written"] * 2
+    assert any("(root) made a call that reached none" in w for w in t.result.warnings)
+
+
+_CHECKED_THEN_COUNTED = """
+import contextlib, sys, torch
+sys.path.insert(0, sys.argv[1])
+import qkvtrace
+from test_hand_written_watch import B, D, E, H, T, _OwnSdpa, _SwitchableAttention
+
+torch.manual_seed(0)
+plain, user, q, x = _OwnSdpa(), _SwitchableAttention(), torch.randn(B, H, T, D), torch.randn(B, T, E)
+
+def functions_in_a_call():
+    ran = 0
+    def count(frame, event, arg):
+        nonlocal ran
+        if event == "call" and "qkvtrace" in frame.f_code.co_filename:
+            ran += 1
+    with qkvtrace.trace(plain):
+        plain(q)
+        sys.setprofile(count)
+        try:
+            plain(q)
+        finally:
+            sys.setprofile(None)
+    return ran
+
+with torch.no_grad():
+    functions_in_a_call()  # (the model's first trace: what later traces keep of it is made here)
+    before = functions_in_a_call()
+    for fail in (False, False, True):
+        user.fail = fail
+        with qkvtrace.trace(user), contextlib.suppress(RuntimeError):
+            user(x)
+    print(before, functions_in_a_call())
+"""
+
+
+def test_a_checked_module_leaves_the_wrappers_as_they_were() -> None:
+    """Witness: the interpreter's profile hook (``sys.setprofile``), counting calls of qkvtrace's functions in one
+    traced SDPA call of a model with nothing to watch, before and after another model's SDPA user was checked
+    (its first call of a trace), the last time with a call that raised while it was checked. In a fresh
+    interpreter, so that no other test's modules were checked before."""
+    done = subprocess.run([sys.executable, "-c", _CHECKED_THEN_COUNTED, str(Path(__file__).parent)],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    before, after = done.stdout.split()
+    assert after == before

@@ -214,7 +214,6 @@ def _make_wrapper(
     _qkv_guarded = _observed
     _qkv_failed = registry.report_failure
     _qkv_watching = _HAND_WRITTEN_ON
-    _qkv_entries = handwritten.entries
     _qkv_compiled = compiled
     _qkv_is_compiling = compat.is_compiling
     _qkv_is_jit_tracing = compat.is_jit_tracing
@@ -224,7 +223,6 @@ def _make_wrapper(
             if _qkv_compiled is not None:
                 return _qkv_compiled(_qkv_original, args, kwargs)
             return _qkv_original(*args, **kwargs)
-        _qkv_entries[0] += 1
         if _qkv_watching[0]:
             return _qkv_observed(_qkv_label, _qkv_observe, _qkv_original, args, kwargs)
         if _qkv_ahead is not None:

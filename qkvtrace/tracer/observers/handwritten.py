@@ -84,10 +84,7 @@ _local = threading.local()
 _entry_users: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 #: leaf candidates a call of which, watched, ended with no product of two activations (:func:`_switch_off`)
 _quiet: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-#: calls of the entry points the tracer wraps, in any thread: an entry user's call that reached none is watched
-#: again from its next call (a model switched from SDPA to attention written by hand)
-entries = [0]
-#: threads with the mode on now (a wrapper looks no further while 0)
+#: threads with the mode on now, and entry users being checked (a wrapper looks no further while 0)
 watching = [0]
 #: the hooks of every open trace's watched modules, and each module's
 _handles: list[Any] = []
@@ -140,8 +137,9 @@ class _State:
     #: candidate modules open in this thread (innermost last), with :attr:`products` as each opened
     active: list[nn.Module] = field(default_factory=list)
     opened_at: list[int] = field(default_factory=list)
-    #: entry users open in this thread, not watched (innermost last), with :data:`entries` as each opened
-    users: list[tuple[nn.Module, int]] = field(default_factory=list)
+    #: entry users being checked in this thread, not watched (innermost last), each with whether its call has
+    #: reached an entry point yet (:func:`entry_point_called`)
+    users: list[list[Any]] = field(default_factory=list)
     #: products of two activations seen since the mode came on in this thread
     products: int = 0
     nodes: dict[int, _Node] = field(default_factory=dict)
@@ -231,7 +229,8 @@ def _switch_on(module: nn.Module) -> None:
     if compat.is_compiling() or compat.is_jit_tracing() or module in _quiet:
         return
     if module in _entry_users:
-        _state().users.append((module, entries[0]))
+        _state().users.append([module, False])
+        watching[0] += 1  # (so that the wrappers say when an entry point is reached)
         return
     if not registry.covering(module):
         return
@@ -264,10 +263,11 @@ def _switch_off(module: nn.Module, returned: bool = True) -> None:
     if st is None:
         return
     if st.users and st.users[-1][0] is module:
-        _, opened_at = st.users.pop()
+        _, reached = st.users.pop()
+        watching[0] -= 1
         if not returned:
             return
-        if entries[0] == opened_at:
+        if not reached:
             _entry_users.discard(module)
             for trace, name in registry.covering(module):
                 trace.note(ENTRY_LEFT.format(name or "(root)"))
@@ -293,11 +293,16 @@ def _switch_off(module: nn.Module, returned: bool = True) -> None:
 
 
 def entry_point_called() -> bool:
-    """An entry point's wrapper runs: the watched modules around it use that entry point. True when watching."""
+    """An entry point's wrapper runs: the watched modules around it use that entry point, and the entry users being
+    checked around it reached one. True when watching."""
     if not watching[0]:
         return False
     st = getattr(_local, "state", None)
-    if st is None or st.mode is None:
+    if st is None:
+        return False
+    for user in st.users:
+        user[1] = True
+    if st.mode is None:
         return False
     for m in st.active:
         _entry_users.add(m)
