@@ -252,19 +252,55 @@ def _rows(t: torch.Tensor, rows: Rows, dim: int = 0) -> torch.Tensor:
 def norm_of(t: torch.Tensor) -> torch.Tensor:
     """``t``'s 2-norm as a 0-dim float32 tensor on its device (no host read), computed in float32.
 
-    A view whose rows are apart in memory (the Q, K and V an attention call
-    receives, a column slice of a weight) is reduced row by row first: one
-    reduction over such a view walks it element by element, several times
-    slower than the norm of each row and then of the rows' norms (the same
-    number, with the rows summed apart).
+    A large view whose elements are not one dense block (the Q, K and V an
+    attention call receives, cut from one packed projection; a column slice
+    of a weight) is reduced over its dense runs first, then over their norms:
+    one reduction over such a view walks it element by element, several
+    times slower (the same number, summed in another order). A dense view in
+    any order of its dimensions, and a small one, is reduced at once.
     """
     if t.requires_grad:  # detached: no autograd record (a tensor that needs no gradient gets none anyway)
         t = t.detach()
     if t.dtype != torch.float32:
         t = t.float()
-    if t.dim() > 1 and t.stride(-1) == 1 and not t.is_contiguous():
-        return torch.linalg.vector_norm(torch.linalg.vector_norm(t, dim=-1))
+    if t.dim() > 1 and t.numel() >= _RUNS_FROM and not t.is_contiguous():
+        layout = (t.shape, t.stride())
+        runs = _RUNS.get(layout, _UNKNOWN)
+        if runs is _UNKNOWN:
+            if len(_RUNS) >= _MAX_LAYOUTS:
+                _RUNS.clear()
+            runs = _RUNS[layout] = dense_run(*layout)
+        if runs is not None:
+            return torch.linalg.vector_norm(torch.linalg.vector_norm(t, dim=runs))
     return torch.linalg.vector_norm(t)
+
+
+def dense_run(shape: Sequence[int], stride: Sequence[int]) -> tuple[int, ...] | None:
+    """The dimensions of the innermost dense run of a view's elements (those whose strides, in decreasing
+    order, each step over exactly the run inside them, down to stride 1), or ``None`` where reducing them
+    first gains nothing: the view is dense in some order (PyTorch reorders such a reduction itself), or no
+    dimension has stride 1. A dimension of size 1, or of stride 0 (``expand``), neither joins a run nor
+    breaks one."""
+    dims = sorted((d for d in range(len(shape)) if shape[d] > 1 and stride[d]), key=lambda d: stride[d], reverse=True)
+    run: list[int] = []
+    span = 1
+    for d in reversed(dims):
+        if stride[d] != span:
+            break
+        run.append(d)
+        span *= shape[d]
+    if not run or len(run) == len(dims):
+        return None
+    return tuple(sorted(run))
+
+
+#: from how many elements :func:`norm_of` reduces a view's dense runs first (measured on one CPU thread, a
+#: ``[B, H, T, D]`` view of a packed projection: 4,096 elements 3.1 against 3.4 µs at once; 131,072: 11 against 68)
+_RUNS_FROM = 4096
+#: (shape, strides) -> :func:`dense_run`'s answer, for the layouts seen lately
+_RUNS: dict[tuple[Any, ...], tuple[int, ...] | None] = {}
+_MAX_LAYOUTS = 256
+_UNKNOWN = object()
 
 
 _MAX_CACHED = 4096

@@ -80,3 +80,80 @@ def test_a_conv1d_weight_used_by_columns_and_its_gradient() -> None:
         assert info.weight_norm == pytest.approx(float(weight.detach()[:, cols].double().norm()), rel=1e-6)
         grad = getattr(grads, part).grad_norm
         assert grad == pytest.approx(float(weight.grad[:, cols].double().norm()), rel=1e-6)
+
+
+def _packed_heads(x: torch.Tensor) -> list[torch.Tensor]:
+    """GPT-2's layout: ``[B, T, 3E]`` split along the last dimension, each part viewed as ``[B, H, T, D]``."""
+    b, t, _ = x.shape
+    return [p.view(b, t, H, -1).transpose(1, 2) for p in x.split(x.shape[-1] // 3, dim=-1)]
+
+
+def _interleaved_heads(x: torch.Tensor) -> list[torch.Tensor]:
+    """Q, K and V interleaved per head (``[B, T, H, 3, D]``): only each head's ``D`` values lie together."""
+    b, t, _ = x.shape
+    parts = x.view(b, t, H, 3, -1).transpose(1, 2)
+    return [parts[:, :, :, i] for i in range(3)]
+
+
+def _batch_inner(x: torch.Tensor) -> list[torch.Tensor]:
+    """``nn.MultiheadAttention``'s layout: ``[T, B, E]`` parts made contiguous, viewed as ``[B·H, T, D]``: dense
+    in another order of their dimensions."""
+    b, t, e3 = x.shape
+    return [p.transpose(0, 1).contiguous().view(t, b * H, -1).transpose(0, 1).reshape(b, H, t, -1)
+            for p in x.split(e3 // 3, dim=-1)]  # fmt: skip
+
+
+def _expanded_key(x: torch.Tensor) -> list[torch.Tensor]:
+    """One key/value head shared by every query head (``expand``: stride 0 across the heads)."""
+    q, k, v = _packed_heads(x)
+    return [q, k[:, :1].expand_as(k), v[:, :1].expand_as(v)]
+
+
+@pytest.mark.parametrize("layout", [_packed_heads, _interleaved_heads, _batch_inner, _expanded_key])
+def test_activation_norms_of_large_views(layout: object) -> None:
+    """Views large enough (``[2, 4, 64, 16]``, 8,192 values) to be reduced over their dense runs first, in the
+    layouts models hand SDPA. Witness: ``torch.linalg.vector_norm`` in float64 of a contiguous copy of each
+    tensor the model passed, against the record's ``activation_norm`` (relative 1e-5)."""
+    seen: list[torch.Tensor] = []
+
+    class Views(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen[:] = layout(x)  # type: ignore[operator]
+            return F.scaled_dot_product_attention(*seen)
+
+    torch.manual_seed(2)
+    x = torch.randn(2, 64, 3 * 64)
+    model = Views()
+    with torch.no_grad(), qkvtrace.trace(model) as t:
+        model(x)
+    (call,) = t.calls
+    for part, tensor in zip("qkv", seen, strict=True):
+        want = float(torch.linalg.vector_norm(tensor.contiguous().double()))
+        assert getattr(call.qkv, part).activation_norm == pytest.approx(want, rel=1e-5)
+
+
+def test_the_dense_run_of_a_view() -> None:
+    """Which dimensions of a view are reduced first. Witness: the layouts built here, whose dense runs are known by
+    construction (GPT-2's heads: the H·D values of a token's part lie together; interleaved heads: a head's D values;
+    a weight's column slice: each row's; a dense view in any order, or one with no unit stride: none)."""
+    from qkvtrace.slices import dense_run
+
+    x = torch.zeros(2, 64, 3 * 64)
+    q = _packed_heads(x)[0]  # [2, 4, 64, 16], strides (12288, 16, 192, 1)
+    assert dense_run(q.shape, q.stride()) == (1, 3)
+    q = _interleaved_heads(x)[0]
+    assert dense_run(q.shape, q.stride()) == (3,)
+    w = torch.zeros(96, 128)[:, 32:64]
+    assert dense_run(w.shape, w.stride()) == (1,)
+    assert dense_run(_batch_inner(x)[0].shape, _batch_inner(x)[0].stride()) is None  # dense, dimensions reordered
+    assert dense_run((4, 8, 1, 16), (128, 16, 999, 1)) is None  # dense once the size-1 dimension is passed over
+    assert dense_run((4, 8, 16), (256, 32, 2)) is None  # no unit stride
+    assert dense_run((4, 8, 16), (0, 16, 1)) is None  # stride 0 (expand) outermost: the rest is dense
+    assert dense_run((4, 3, 8, 16), (512, 0, 16, 1)) == (2, 3)  # heads expanded between dense runs
+    # overlapping windows (as ``unfold`` makes): the run ends at the first dimension that does not continue it, even
+    # where an outer one would
+    assert dense_run((2, 2, 16), (16, 8, 1)) == (2,)
+    # permuted, then cut along its dimension 3 (the original dimension 1): the values of the first four of its five
+    # [6, 7] blocks lie together, for each of the 4 along dimension 1 (the original outermost, stride 210 > 4·42)
+    t = torch.zeros(4, 5, 6, 7).permute(2, 0, 3, 1)[:, :, :, :4]
+    assert dense_run(t.shape, t.stride()) == (0, 2, 3)
