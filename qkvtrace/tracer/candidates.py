@@ -8,16 +8,21 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
 
 from torch import nn
 
 from qkvtrace import compat
+from qkvtrace.records import TraceResult, Unobserved
 from qkvtrace.slices import Projection, guess_projection
 from qkvtrace.tracer.observers import handwritten
 
+if TYPE_CHECKING:
+    from qkvtrace.tracer.structure import Walked
+
 __all__ = ["compiled_before", "hand_written_candidates", "inside_compiled", "looks_like_attention",
-           "named_for_attention", "region_notes", "regions", "related", "runs_compiled", "unobserved_reason",
-           "user_names", "within"]
+           "named_for_attention", "note_unobserved", "region_notes", "regions", "related", "runs_compiled",
+           "unobserved_reason", "user_names", "within"]
 
 _WRAPPER_PARTS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
 _ATTENTION_NAME = re.compile(r"attn|attention", re.IGNORECASE)
@@ -179,3 +184,34 @@ def unobserved_reason(name: str, found: list[tuple[str, str]], before: str | Non
         "by hand (matmul of two activations, softmax over the last axis, matmul with a third) was "
         "recognised in its forward; or it did not run in the trace"
     )
+
+
+def note_unobserved(result: TraceResult, walked: Walked, seen: list[str], names: Iterable[tuple[str, nn.Module]],
+                    compiled_codes: frozenset[int]) -> None:  # fmt: skip
+    """Add to a closing trace's ``result`` its model's attention-looking modules that made no recorded call (with
+    why, where it can be said) and the notes on its compiled or scripted regions. ``seen``: the names of the
+    modules that made a recorded call; ``names``: the trace's ``(name, module)`` entries; ``compiled_codes``:
+    the code objects Dynamo had compiled when the trace opened."""
+    regions_found = walked.answer("regions", lambda: regions(walked.named()))
+    compiled_modules = {c.module for c in result.compiled}
+    result.warnings += region_notes(regions_found, [c.module for c in result.calls],
+                                    [c.module for c in result.compiled])  # fmt: skip
+    seen_names = seen + sorted(compiled_modules)
+    looking = walked.answer("looking like attention", lambda: sorted(
+        (name, i) for i, (name, looks) in enumerate(zip(walked.structure.names, walked.looks_like_attention(),
+                                                        strict=True)) if looks))  # fmt: skip
+    entries = list(names)
+    for name, i in looking:
+        m = walked.modules[i]
+        if any(related(name, s) for s in seen_names):
+            continue
+        before = compiled_before(entries, name, compiled_codes)
+        reason = unobserved_reason(name, regions_found, before)
+        result.unobserved.append(Unobserved(module=name, module_type=type(m).__name__, reason=reason))
+    if handwritten.NOT_WATCHED in result.warnings:
+        # only worth saying when something stayed silent: every attention-looking module seen (eager or in a
+        # compiled graph) leaves no hand-written attention the watch could have found
+        result.warnings.remove(handwritten.NOT_WATCHED)
+        silent = [u.module or "(root)" for u in result.unobserved]
+        if silent:
+            result.warnings.append(f"{handwritten.NOT_WATCHED}; made no recorded call: {', '.join(silent)}")

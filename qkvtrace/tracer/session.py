@@ -30,7 +30,6 @@ from qkvtrace.records import (
     MapTensors,
     RouteRecord,
     TraceResult,
-    Unobserved,
     squared_shares,
 )
 from qkvtrace.slices import NormCache, Projection
@@ -480,28 +479,8 @@ class Trace:
         """Attention-looking modules with no recorded call, and the compiled/scripted regions."""
         walked = self._walked
         assert walked is not None  # (asked as the trace closes, before it lets the model go)
-        regions = walked.answer("regions", lambda: found_candidates.regions(walked.named()))
-        compiled_modules = {c.module for c in self._result.compiled}
-        self._result.warnings += found_candidates.region_notes(regions, [c.module for c in self._result.calls],
-                                                               [c.module for c in self._result.compiled])  # fmt: skip
-        seen_names = [self.names[i][0] for i in self._seen if i in self.names] + sorted(compiled_modules)
-        looking = walked.answer("looking like attention", lambda: sorted(
-            (name, i) for i, (name, looks) in enumerate(zip(walked.structure.names, walked.looks_like_attention(),
-                                                            strict=True)) if looks))  # fmt: skip
-        for name, i in looking:
-            m = walked.modules[i]
-            if any(found_candidates.related(name, s) for s in seen_names):
-                continue
-            before = found_candidates.compiled_before(self.names.values(), name, self._compiled_before)
-            reason = found_candidates.unobserved_reason(name, regions, before)
-            self._result.unobserved.append(Unobserved(module=name, module_type=type(m).__name__, reason=reason))
-        if handwritten.NOT_WATCHED in self._result.warnings:
-            # only worth saying when something stayed silent: every attention-looking module seen (eager or in a
-            # compiled graph) leaves no hand-written attention the watch could have found
-            self._result.warnings.remove(handwritten.NOT_WATCHED)
-            silent = [u.module or "(root)" for u in self._result.unobserved]
-            if silent:
-                self._result.warnings.append(f"{handwritten.NOT_WATCHED}; made no recorded call: {', '.join(silent)}")
+        seen = [self.names[i][0] for i in self._seen if i in self.names]
+        found_candidates.note_unobserved(self._result, walked, seen, self.names.values(), self._compiled_before)
 
     def _read_compiled_before(self) -> None:
         """Records of the graphs torch.compile made for the model's modules before the trace opened."""
