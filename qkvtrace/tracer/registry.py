@@ -32,7 +32,10 @@ _traces: tuple[Trace, ...] = ()
 #: the ids of the code objects whose frames may run with a module an open trace covers as ``self``
 #: (:func:`owner_module`), replaced with :data:`_traces`; and, per class, its methods' codes
 _codes: frozenset[int] = frozenset()
-_class_codes: weakref.WeakKeyDictionary[type, tuple[Any, frozenset[types.CodeType]]] = weakref.WeakKeyDictionary()
+#: (the class's ``forward``, the ids of its methods' codes, those codes: held, so that no id is another code's)
+_class_codes: weakref.WeakKeyDictionary[type, tuple[Any, frozenset[int], list[types.CodeType]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 class _Local(threading.local):
@@ -63,26 +66,31 @@ def _method_codes(traces: tuple[Trace, ...]) -> frozenset[int]:
     classes it inherits from, up to ``nn.Module`` (through decorators that keep ``__wrapped__``), a ``forward``
     set on the module itself, and ``nn.Module._call_impl``, whose frame every module called has. A class's
     codes are kept while its ``forward`` is the same."""
-    codes: set[types.CodeType] = {_CALL_IMPL}
+    found: set[int] = {id(_CALL_IMPL)}
     classes: set[type] = set()
     for t in traces:
         for _, m in t.names.values():
             classes.add(type(m))
             own = m.__dict__.get("forward")
             if own is not None:
-                codes.update(_codes_of(own))
+                found.update(_ids(_codes_of(own)))
     for cls in classes:
         kept = _class_codes.get(cls)
         forward = cls.__dict__.get("forward")
         if kept is None or kept[0] is not forward:
-            found: set[types.CodeType] = set()
+            codes: list[types.CodeType] = []
             for klass in cls.__mro__:
                 if klass is nn.Module or klass is object:
                     continue
                 for value in vars(klass).values():
-                    found.update(_codes_of(value))
-            kept = _class_codes[cls] = (forward, frozenset(found))
-        codes.update(kept[1])
+                    codes += _codes_of(value)
+            kept = _class_codes[cls] = (forward, _ids(codes), codes)
+        found |= kept[1]
+    return frozenset(found)
+
+
+def _ids(codes: list[types.CodeType]) -> frozenset[int]:
+    """The ids of the codes among ``codes`` whose first parameter is ``self`` (the caller keeps the codes)."""
     return frozenset(id(c) for c in codes if c.co_argcount and c.co_varnames[0] == "self")
 
 
