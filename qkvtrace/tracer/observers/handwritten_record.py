@@ -16,7 +16,7 @@ from qkvtrace.tracer import folded, registry, routes
 from qkvtrace.tracer.build import Target, deliver, modes, nan_count, qkv_info, shape, wants_backward, wants_maps
 
 if TYPE_CHECKING:
-    from qkvtrace.tracer.observers.handwritten import _Node as Node
+    from qkvtrace.tracer.observers.handwritten_ops import Node
 
 __all__ = ["EVIDENCE", "PATH", "record"]
 
