@@ -15,6 +15,7 @@ import math
 import subprocess
 import sys
 import threading
+import weakref
 from pathlib import Path
 
 import torch
@@ -333,6 +334,35 @@ def test_a_trace_a_step_leaves_no_hook_behind() -> None:
         return sum(type(o) is RemovableHandle for o in gc.get_objects())
 
     assert handles_after(5) == handles_after(40)
+
+
+class _ByHandKeepsRefs(nn.Module):
+    """Attention written by hand whose Q and K are made inside its forward; it keeps weak references to them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(E, 3 * E)
+        self.refs: list[weakref.ref[torch.Tensor]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).split(E, dim=-1)
+        self.refs = [weakref.ref(q), weakref.ref(k)]
+        return (q @ k.transpose(-2, -1) / math.sqrt(E)).softmax(-1) @ v
+
+
+def test_a_watched_call_that_ended_holds_none_of_its_tensors() -> None:
+    """While the trace stays open, the Q and K a watched call made (followed from its scores to its output) are
+    freed once the call has returned and its output is dropped. Witness: Python's weak references to them, taken by
+    the module itself, and the call's record (the attention was recognised)."""
+    torch.manual_seed(0)
+    model, x = _ByHandKeepsRefs(), torch.randn(B, T, E)
+    with torch.no_grad(), qkvtrace.trace(model) as t:
+        out = model(x)
+        del out
+        gc.collect()
+        alive = [r() is not None for r in model.refs]
+    assert [c.path for c in t.calls] == ["hand_written"]
+    assert alive == [False, False]
 
 
 class _OwnSdpa(nn.Module):

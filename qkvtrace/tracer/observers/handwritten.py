@@ -218,9 +218,7 @@ def _switch_off(module: nn.Module, returned: bool = True) -> None:
         return
     mode, st.mode = st.mode, None
     watching[0] -= 1
-    st.nodes.clear()
-    st.scaled.clear()
-    st.folds.clear()
+    st.forget()
     if torch.overrides._get_current_function_mode() is mode:  # type: ignore[attr-defined]
         mode.__exit__(None, None, None)
 

@@ -93,12 +93,19 @@ class State:
     #: activations the module folded ``[B, H, T, d]`` into ``[B·H, T, d]``, with the heads folded
     folds: dict[int, tuple[weakref.ref[torch.Tensor], int]] = field(default_factory=dict)
 
+    def forget(self) -> None:
+        """Drop the dataflow followed so far (the mode goes off, or following it failed)."""
+        self.nodes.clear()
+        self.scaled.clear()
+        self.folds.clear()
+
 
 def state() -> State:
     st = getattr(local, "state", None)
     if st is None:
         st = local.state = State()
     return st
+
 
 @contextlib.contextmanager
 def recognising() -> Iterator[None]:
@@ -114,7 +121,6 @@ def recognising() -> Iterator[None]:
         local.state = saved
 
 
-
 # -- the mode ---------------------------------------------------------------------------------------
 
 
@@ -125,9 +131,7 @@ class Recogniser(TorchFunctionMode):
         try:
             _see(getattr(func, "__name__", ""), args, kwargs, out)
         except Exception as exc:  # the model's call goes on whatever happens here
-            state().nodes.clear()
-            state().scaled.clear()
-            state().folds.clear()
+            state().forget()
             registry.report_failure("hand-written attention", exc)
         return out
 
@@ -343,7 +347,8 @@ def _product(nodes: dict[int, Node], name: str, args: tuple[Any, ...], kwargs: d
         transposed = True
     if not (_activation(a) and _activation(b) and isinstance(out, torch.Tensor)):
         return
-    state().products += 1
+    st = state()
+    st.products += 1
     probs = _node(nodes, a)
     if probs is not None and probs.stage == "probs":
         nodes.pop(id(a), None)
@@ -353,7 +358,7 @@ def _product(nodes: dict[int, Node], name: str, args: tuple[Any, ...], kwargs: d
         _keep(nodes, out, probs, form=(*probs.form, name), stage="partial",
               value=probs.value if probs.value is not None else b)
         return
-    st, before = state(), []
+    before: list[str] = []
     node = Node(weakref.ref(out), "scores", a, b, transposed, (name,), heads=_folded(st, a) or _folded(st, b))
     for part, operand in (("q", a), ("k", b)):  # a number Q or K was scaled by before the product scales QKᵀ too
         factors = _factors(st, operand)
