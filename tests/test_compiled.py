@@ -185,6 +185,21 @@ def test_module_compiled_in_place_inside_the_trace_is_reused_after_it() -> None:
     assert _same(inside, untraced) and _same(after, untraced)
 
 
+def test_a_trace_leaves_the_module_class_alone() -> None:
+    """An open trace sets no attribute of ``nn.Module`` (every module class's attribute caches stay valid), and a
+    module compiled in place inside it still stands aside (the test above).
+
+    Witness: ``nn.Module``'s class attributes read before the trace, compared by identity.
+    """
+    model, x = _fresh("packed-sdpa+mha", False)
+    before = dict(vars(nn.Module))
+    with qkvtrace.trace(model):
+        inside = dict(vars(nn.Module))
+        model(x)
+    assert inside.keys() == before.keys()
+    assert all(inside[name] is before[name] for name in before)
+
+
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
 def test_explain_counts_graphs_and_breaks_alike_traced_and_untraced(train: bool) -> None:
     """``torch._dynamo.explain`` of a compiled call: the same graph and break counts inside a trace as outside.

@@ -54,8 +54,12 @@ Why the identity of PyTorch's functions survives (DESIGN.md, principle 8):
   only to patch it once Dynamo is imported), a traced model's modules
   compiled in place with ``module.compile()`` before the trace, and any
   module compiled in place while a trace is open (``nn.Module.compile``
-  patched; what it made is put back when the last trace closes). While one
-  runs, no thread's attention calls are observed.
+  calls ``torch.compile`` on the module's own call: the wrapped
+  ``torch.compile`` hands that call back standing aside, and what PyTorch
+  made is put back when the last trace closes; ``nn.Module`` itself is not
+  patched, since setting an attribute of a class with hundreds of
+  subclasses empties the attribute caches of them all at every open and
+  close). While one runs, no thread's attention calls are observed.
 
 Why a trace never raises into a call: an observer reads a great deal
 (frames, masks, shapes, norms) around the one call it must make. Each
@@ -75,6 +79,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import inspect
 import sys
 import threading
 import types
@@ -419,8 +424,6 @@ class Installation:
         """Make compiled modules run with PyTorch's own functions: patch ``OptimizedModule.__call__`` if Dynamo
         is imported, else wrap ``torch.compile`` so that its first use patches it."""
         patched = {(id(owner), attr) for owner, attr, _, _ in self._compile_patches}
-        if (id(nn.Module), "compile") not in patched:
-            self._patch(nn.Module, "compile", _compile_in_place(self, nn.Module.compile))
         optimized = compat.compiled_module_types()
         if optimized and (id(optimized[0]), "__call__") not in patched:
             self._patch(optimized[0], "__call__", _standing_aside(self, optimized[0].__call__))
@@ -455,8 +458,13 @@ class Installation:
     def _wrap_compiled(self, module: nn.Module) -> None:
         compiled = module.__dict__.get("_compiled_call_impl")
         if compiled is not None and not getattr(compiled, "_qkv_stands_aside", False):
-            module._compiled_call_impl = _standing_aside(self, compiled)
-            self._compiled_here.append((weakref.ref(module), compiled))
+            module._compiled_call_impl = self._aside_in(module, compiled)
+
+    def _aside_in(self, module: nn.Module, compiled: Any) -> Callable[..., Any]:
+        """``module``'s compiled call ``compiled``, standing aside; ``compiled`` is put back when the last trace
+        closes."""
+        self._compiled_here.append((weakref.ref(module), compiled))
+        return _standing_aside(self, compiled)
 
     # -- names a model's own modules bound ------------------------------------
 
@@ -537,37 +545,31 @@ def _standing_aside(inst: Installation, fn: Callable[..., Any]) -> Callable[...,
     return compiled_call
 
 
-def _compile_in_place(inst: Installation, compile_method: Callable[..., Any]) -> Callable[..., Any]:
-    """``nn.Module.compile`` whose compiled call stands aside while a trace is open (undone when the last closes)."""
-
-    def compile(self: nn.Module, *args: Any, **kwargs: Any) -> None:
-        handwritten.stop_watching_for_compile()
-        compile_method(self, *args, **kwargs)
-        with inst._lock:
-            if inst._count > 0:
-                inst._wrap_compiled(self)
-
-    compile.__wrapped__ = compile_method  # type: ignore[attr-defined]
-    compile.__doc__ = compile_method.__doc__
-    return compile
-
-
 def _compile_then_patch(inst: Installation, compile_fn: Callable[..., Any]) -> Callable[..., Any]:
     """``torch.compile`` that stops the watching for hand-written attention and, once Dynamo is imported,
-    patches ``OptimizedModule.__call__``."""
+    patches ``OptimizedModule.__call__``; called by ``nn.Module.compile`` (a module compiled in place), it hands
+    back the module's compiled call standing aside."""
 
     def compile_(*args: Any, **kwargs: Any) -> Any:
         handwritten.stop_watching_for_compile()
         result = compile_fn(*args, **kwargs)
+        in_place = sys._getframe(1).f_code is _MODULE_COMPILE
         with inst._lock:
             if inst._count > 0:
                 inst._patch_compile()
+                owner = getattr(args[0] if args else kwargs.get("model"), "__self__", None)
+                if in_place and isinstance(owner, nn.Module):
+                    result = inst._aside_in(owner, result)
         return result
 
     compile_.__wrapped__ = compile_fn  # type: ignore[attr-defined]
     compile_.__doc__ = compile_fn.__doc__
     compile_.__name__ = compile_.__qualname__ = "compile"
     return compile_
+
+
+#: the code of ``nn.Module.compile``, whose call of ``torch.compile`` compiles a module in place
+_MODULE_COMPILE = getattr(inspect.unwrap(nn.Module.compile), "__code__", None)
 
 
 def _flex_module() -> Any:
