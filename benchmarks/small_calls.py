@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -68,6 +69,10 @@ def main() -> None:
         arms.append(("exact floor: + facts compared with the last call's", {"floor": True}, lambda: _floor(exact=True)))
         arms.append(("exact floor with records: + a record and a hook", {"floor": True},
                      lambda: _floor(exact=True, records=True)))  # fmt: skip
+        arms.append(("exact floor, guarded: + threads, nesting, errors, compile", {"floor": True},
+                     lambda: _floor(exact=True, guarded=True, modules=(mha,))))  # fmt: skip
+        arms.append(("the same with records: + a record and a hook", {"floor": True},
+                     lambda: _floor(exact=True, records=True, guarded=True, modules=(mha,))))  # fmt: skip
         arms.append(("floor with a map: + softmax(QKᵀ) on the side", {"floor": True}, lambda: _floor(maps=True)))
         arms.append(("records with maps (attention_maps=True)", {"attention_maps": True}, contextlib.nullcontext))
     _measure(arms, mha, work, cpu, lambda: mha(x, x, x))
@@ -178,7 +183,8 @@ def _parts() -> dict[str, Callable[[], Any]]:
 
 
 @contextlib.contextmanager
-def _floor(maps: bool = False, exact: bool = False, records: bool = False) -> Iterator[None]:
+def _floor(maps: bool = False, exact: bool = False, records: bool = False, guarded: bool = False,
+           modules: tuple[torch.nn.Module, ...] = ()) -> Iterator[None]:  # fmt: skip
     """Wrappers that read PyTorch's reason from its frame and count the output's NaNs, and nothing else.
 
     ``maps``: also the attention weights of every head, computed on the side from the call's own query and
@@ -186,23 +192,49 @@ def _floor(maps: bool = False, exact: bool = False, records: bool = False) -> It
     ``exact``: also what a long run must do to stay exact: the facts a record is made of (shapes, dtype,
     device, flags, modes; the masks left out: these calls pass none) and PyTorch's reason compared with the
     module's previous call's, and the call counted. ``records``: also a record of each call (a tuple) and a
-    hook on its output's backward node (where a gradient's routes are read from).
+    hook on its output's backward node (where a gradient's routes are read from). ``guarded``: also what every
+    observer of a user's model must keep, as qkvtrace's wrappers keep it: both wrappers step aside while
+    ``torch.compile`` or the JIT traces them; the module is looked up among the traced ``modules``; the reason goes
+    to this thread's innermost open call (a stack per thread: threads and nested calls keep theirs); the
+    call is counted even when it raises, and its exception goes on unchanged.
     """
     forward, function = torch.nn.MultiheadAttention.forward, torch.nn.functional.multi_head_attention_forward
     seen: list[Any] = []
     state: dict[str, Any] = {"reason": None, "last": None, "calls": 0, "changes": 0}
+    local = threading.local()
+    traced = {id(m) for m in modules}
+    compiling, tracing = torch.compiler.is_compiling, torch._C._is_tracing
 
     def hook(grad_outputs: Any) -> None:
         return None
 
     def wrapped_forward(self: torch.nn.MultiheadAttention, *args: Any, **kwargs: Any) -> Any:
+        if guarded:
+            if compiling() or tracing() or id(self) not in traced:
+                return forward(self, *args, **kwargs)
+            stack = local.__dict__.get("stack")
+            if stack is None:
+                stack = local.stack = []
+            call = [None]
+            stack.append(call)
+            try:
+                out = forward(self, *args, **kwargs)
+            except BaseException:
+                state["calls"] += 1
+                raise
+            finally:
+                stack.pop()
+            state["reason"] = call[0]
+            return _after(self, args, kwargs, out)
+        return _after(self, args, kwargs, forward(self, *args, **kwargs))
+
+    def _after(self: torch.nn.MultiheadAttention, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Any:
         if exact:
             q, k, v = args[:3]
             key = (q.shape, k.shape, v.shape, q.dtype, q.device, q is k, k is v, kwargs.get("need_weights", True),
                    kwargs.get("average_attn_weights", True), kwargs.get("is_causal", False), self.training,
                    self.batch_first, torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
                    torch.is_autocast_enabled())  # fmt: skip
-        out = forward(self, *args, **kwargs)
         nans = torch.isnan(out[0]).sum()  # kept on its device, as a record keeps it
         seen.append(nans)
         if exact:
@@ -221,7 +253,12 @@ def _floor(maps: bool = False, exact: bool = False, records: bool = False) -> It
         return out
 
     def wrapped_function(*args: Any, **kwargs: Any) -> Any:
-        state["reason"] = sys._getframe(1).f_locals.get("why_not_fast_path")
+        if not guarded:
+            state["reason"] = sys._getframe(1).f_locals.get("why_not_fast_path")
+        elif not (compiling() or tracing()):
+            stack = local.__dict__.get("stack")
+            if stack:
+                stack[-1][0] = sys._getframe(1).f_locals.get("why_not_fast_path")
         return function(*args, **kwargs)
 
     with (_replaced(torch.nn.MultiheadAttention, "forward", wrapped_forward),
