@@ -14,9 +14,11 @@ result, exception, or the branch the override itself reports).
 from __future__ import annotations
 
 import functools
+import gc
 import subprocess
 import sys
 import textwrap
+import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -276,6 +278,112 @@ def test_override_class_defined_while_a_trace_is_open() -> None:
     plain = F.scaled_dot_product_attention(q.as_subclass(Late), k, v)
     assert traced_seen[:1] == Late.seen[:1] == ["sdpa"]
     assert torch.equal(plain.as_subclass(torch.Tensor), traced.as_subclass(torch.Tensor))
+
+
+def _compare(cls: Any, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    """An override's body that compares ``func`` with the attribute when it runs."""
+    cls.seen.append("sdpa" if func is torch.nn.functional.scaled_dot_product_attention else "other")
+    return torch.Tensor.__torch_function__.__func__(cls, func, types, args, kwargs)
+
+
+def _look_up(cls: Any, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    """An override's body that looks ``func`` up in a table built at import."""
+    cls.seen.append(_TABLE.get(func, "other"))
+    return torch.Tensor.__torch_function__.__func__(cls, func, types, args, kwargs)
+
+
+def _branches(cls: Any) -> tuple[list[str], list[str]]:
+    """What ``cls``'s override records for an SDPA call untraced, then inside a trace (that opens then)."""
+    q, k, v = _qkv(4, 6)
+    cls.seen = []
+    plain = F.scaled_dot_product_attention(q.as_subclass(cls), k, v)
+    untraced, cls.seen = cls.seen, []
+    with qkvtrace.trace(nn.Linear(1, 1)):
+        traced = F.scaled_dot_product_attention(q.as_subclass(cls), k, v)
+    assert torch.equal(plain.as_subclass(torch.Tensor), traced.as_subclass(torch.Tensor))
+    return untraced[:1], cls.seen[:1]
+
+
+def _opened() -> None:
+    with qkvtrace.trace(nn.Linear(1, 1)):  # the process's override classes read as they are now
+        pass
+
+
+def test_an_override_given_a_new_torch_function_between_two_traces() -> None:
+    """A class read when one trace opened gets a ``__torch_function__`` that compares ``func`` with the attribute
+    before the next opens. Witness: its untraced branch ("sdpa")."""
+
+    class Changed(torch.Tensor):
+        seen: ClassVar[list[str]] = []
+
+    _opened()
+    Changed.__torch_function__ = classmethod(_compare)  # type: ignore[assignment]
+    assert _branches(Changed) == (["sdpa"], ["sdpa"])
+
+
+def test_an_override_defined_between_two_traces() -> None:
+    """A class defined after one trace opened and before the next. Witness: its untraced branch ("sdpa")."""
+    _opened()
+
+    class Between(torch.Tensor):
+        seen: ClassVar[list[str]] = []
+        __torch_function__ = classmethod(_compare)  # type: ignore[assignment]
+
+    assert _branches(Between) == (["sdpa"], ["sdpa"])
+
+
+def test_an_override_in_place_of_one_gone_with_the_very_same_torch_function() -> None:
+    """A class freed after one trace and another defined in its place with the very same ``__torch_function__``
+    object. Witness: the new class's untraced branch ("sdpa")."""
+    shared = classmethod(_compare)
+    gc.collect()  # (classes freed only now would move the others)
+
+    class Gone(torch.Tensor):
+        seen: ClassVar[list[str]] = []
+        __torch_function__ = shared  # type: ignore[assignment]
+
+    gone = weakref.ref(Gone)
+    _opened()
+    del Gone
+    gc.collect()
+    assert gone() is None  # (the class is freed: its place among the subclasses is the next one's)
+
+    class Instead(torch.Tensor):
+        seen: ClassVar[list[str]] = []
+        __torch_function__ = shared  # type: ignore[assignment]
+
+    assert _branches(Instead) == (["sdpa"], ["sdpa"])
+
+
+def test_an_override_when_the_attribute_was_not_swapped_in_the_trace_before() -> None:
+    """A trace that left ``F.scaled_dot_product_attention`` alone (the user had replaced it), then one that swaps it.
+    Witness: the comparing class's untraced branch ("sdpa")."""
+
+    class Compares(torch.Tensor):
+        seen: ClassVar[list[str]] = []
+        __torch_function__ = classmethod(_compare)  # type: ignore[assignment]
+
+    sdpa = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = lambda *a, **k: sdpa(*a, **k)  # a user's own: left alone by the trace
+    try:
+        _opened()
+    finally:
+        F.scaled_dot_product_attention = sdpa
+    assert _branches(Compares) == (["sdpa"], ["sdpa"])
+
+
+def test_an_override_that_no_longer_compares_loses_its_shim() -> None:
+    """A class shimmed in one trace, its ``__torch_function__`` then replaced by a table lookup: the next traces hand
+    it PyTorch's builtin again. Witness: its untraced branch ("sdpa")."""
+
+    class Was(torch.Tensor):
+        seen: ClassVar[list[str]] = []
+        __torch_function__ = classmethod(_compare)  # type: ignore[assignment]
+
+    _opened()  # shimmed
+    Was.__torch_function__ = classmethod(_look_up)  # type: ignore[assignment]
+    _opened()  # read again: nothing to shim
+    assert _branches(Was) == (["sdpa"], ["sdpa"])
 
 
 def test_shims_and_wrappers_are_gone_after_the_trace() -> None:

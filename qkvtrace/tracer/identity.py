@@ -27,6 +27,7 @@ of them keeps a wrapper after the trace.
 
 from __future__ import annotations
 
+import operator
 import threading
 import types
 import weakref
@@ -118,15 +119,33 @@ class Shims:
         #: classes already read (shimmed or not), so a call reads each class once
         self._read: set[type] = set()
         self._swapped: tuple[Swapped, ...] = ()
+        #: the last install's reading of the process's override classes (:meth:`install`)
+        self._scan: _Scan | None = None
+        #: class -> the swapped attributes its shim hands over (while shimmed)
+        self._relevant: dict[type, tuple[Swapped, ...]] = {}
 
     def install(self, swapped: Iterable[Swapped]) -> None:
-        """Shim every override in the process that looks up one of the swapped attributes by name."""
+        """Shim every override in the process that looks up one of the swapped attributes by name.
+
+        The classes are read again only when they, their own ``__torch_function__`` entries or the swapped
+        attributes differ from the last install's: a trace opened once per step finds the same ones."""
         with self._lock:
             self._swapped = tuple(swapped)
             self._read.clear()
-            for root in _roots():
-                for cls in _subclasses(root):
-                    self._consider(cls)
+            classes = [cls for root in _roots() for cls in _subclasses(root)]
+            entries = [cls.__dict__.get("__torch_function__") for cls in classes]
+            scan = self._scan
+            if scan is not None and scan.holds(self._swapped, classes, entries):
+                self._read.update(classes)
+                for ref, relevant in scan.shimmed:
+                    cls = ref()
+                    if cls is not None:
+                        self._shim_class(cls, relevant)
+                return
+            for cls in classes:
+                self._consider(cls)
+            shimmed = [(weakref.ref(cls), relevant) for cls, relevant in self._relevant.items()]
+            self._scan = _Scan(self._swapped, [weakref.ref(cls) for cls in classes], entries, shimmed)
 
     def meet(self, values: Iterable[Any]) -> None:
         """Shim the overrides of these arguments (and the active modes) if they were not read yet."""
@@ -148,6 +167,7 @@ class Shims:
             for cls, entry in self._shimmed.items():
                 setattr(cls, "__torch_function__", entry)  # noqa: B010 -- the very object it had
             self._shimmed.clear()
+            self._relevant.clear()
             self._read.clear()
             self._swapped = ()
 
@@ -160,14 +180,37 @@ class Shims:
             return
         names = _names_of(fn)
         relevant = tuple(s for s in self._swapped if s[1] in names)
-        if not relevant:
-            return
+        if relevant:
+            self._shim_class(cls, relevant)
+
+    def _shim_class(self, cls: type, relevant: tuple[Swapped, ...]) -> None:
         entry = cls.__dict__["__torch_function__"]
         try:
             setattr(cls, "__torch_function__", _shim(entry, relevant))  # noqa: B010
         except (TypeError, AttributeError):  # a class that refuses new attributes keeps its own
             return
         self._shimmed[cls] = entry
+        self._relevant[cls] = relevant
+
+
+class _Scan:
+    """What one reading of the override classes found: the swapped attributes it was read for, the classes in
+    the order they were found (held weakly) with their own ``__torch_function__`` entries, and the classes
+    shimmed with what each shim hands over."""
+
+    __slots__ = ("classes", "entries", "shimmed", "swapped")
+
+    def __init__(self, swapped: tuple[Swapped, ...], classes: list[weakref.ref[type]], entries: list[Any],
+                 shimmed: list[tuple[weakref.ref[type], tuple[Swapped, ...]]]) -> None:  # fmt: skip
+        self.swapped, self.classes, self.entries, self.shimmed = swapped, classes, entries, shimmed
+
+    def holds(self, swapped: tuple[Swapped, ...], classes: list[type], entries: list[Any]) -> bool:
+        """The same swapped attributes, the very classes in the same order, each with the very entry it had."""
+        return (
+            swapped == self.swapped
+            and [ref() for ref in self.classes] == classes
+            and all(map(operator.is_, self.entries, entries))
+        )
 
 
 def _shim(entry: Any, swapped: tuple[Swapped, ...]) -> Any:
