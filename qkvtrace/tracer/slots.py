@@ -188,6 +188,9 @@ def keep(trace: Trace) -> None:
     for owner_id, slot in trace.slots.items():
         if slot.last is None or slot.facts is not None:  # a long run's count, or a MultiheadAttention's
             continue
+        held = kept.get(owner_id)
+        if held is not None and slot.last.record is held.record:
+            continue  # revived from what an earlier trace kept, and held: that stays, equal (no caller has its record)
         record = again.detached(slot.last.record)  # the caller may edit the one it has
         projection = slot.projection
         if isinstance(projection, Projection):
