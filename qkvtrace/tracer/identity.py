@@ -205,10 +205,12 @@ class _Scan:
         self.swapped, self.classes, self.entries, self.shimmed = swapped, classes, entries, shimmed
 
     def holds(self, swapped: tuple[Swapped, ...], classes: list[type], entries: list[Any]) -> bool:
-        """The same swapped attributes, the very classes in the same order, each with the very entry it had."""
+        """The same swapped attributes, the very classes in the same order, each with the very entry it had
+        (compared by identity: a metaclass may define ``==``)."""
         return (
             swapped == self.swapped
-            and [ref() for ref in self.classes] == classes
+            and len(classes) == len(self.classes)
+            and all(map(operator.is_, [ref() for ref in self.classes], classes))
             and all(map(operator.is_, self.entries, entries))
         )
 
