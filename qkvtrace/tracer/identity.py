@@ -32,6 +32,7 @@ import threading
 import types
 import weakref
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -114,15 +115,14 @@ class Shims:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        #: class -> the ``__torch_function__`` entry it had in its ``__dict__``
-        self._shimmed: dict[type, Any] = {}
+        #: class -> the ``__torch_function__`` entry it had in its ``__dict__``, and the swapped attributes its shim
+        #: hands over
+        self._shimmed: dict[type, tuple[Any, tuple[Swapped, ...]]] = {}
         #: classes already read (shimmed or not), so a call reads each class once
         self._read: set[type] = set()
         self._swapped: tuple[Swapped, ...] = ()
         #: the last install's reading of the process's override classes (:meth:`install`)
         self._scan: _Scan | None = None
-        #: class -> the swapped attributes its shim hands over (while shimmed)
-        self._relevant: dict[type, tuple[Swapped, ...]] = {}
 
     def install(self, swapped: Iterable[Swapped]) -> None:
         """Shim every override in the process that looks up one of the swapped attributes by name.
@@ -144,7 +144,7 @@ class Shims:
                 return
             for cls in classes:
                 self._consider(cls)
-            shimmed = [(weakref.ref(cls), relevant) for cls, relevant in self._relevant.items()]
+            shimmed = [(weakref.ref(cls), relevant) for cls, (_, relevant) in self._shimmed.items()]
             self._scan = _Scan(self._swapped, [weakref.ref(cls) for cls in classes], entries, shimmed)
 
     def meet(self, values: Iterable[Any]) -> None:
@@ -164,10 +164,9 @@ class Shims:
 
     def remove(self) -> None:
         with self._lock:
-            for cls, entry in self._shimmed.items():
+            for cls, (entry, _) in self._shimmed.items():
                 setattr(cls, "__torch_function__", entry)  # noqa: B010 -- the very object it had
             self._shimmed.clear()
-            self._relevant.clear()
             self._read.clear()
             self._swapped = ()
 
@@ -189,20 +188,19 @@ class Shims:
             setattr(cls, "__torch_function__", _shim(entry, relevant))  # noqa: B010
         except (TypeError, AttributeError):  # a class that refuses new attributes keeps its own
             return
-        self._shimmed[cls] = entry
-        self._relevant[cls] = relevant
+        self._shimmed[cls] = (entry, relevant)
 
 
+@dataclass(slots=True, eq=False)
 class _Scan:
     """What one reading of the override classes found: the swapped attributes it was read for, the classes in
     the order they were found (held weakly) with their own ``__torch_function__`` entries, and the classes
     shimmed with what each shim hands over."""
 
-    __slots__ = ("classes", "entries", "shimmed", "swapped")
-
-    def __init__(self, swapped: tuple[Swapped, ...], classes: list[weakref.ref[type]], entries: list[Any],
-                 shimmed: list[tuple[weakref.ref[type], tuple[Swapped, ...]]]) -> None:  # fmt: skip
-        self.swapped, self.classes, self.entries, self.shimmed = swapped, classes, entries, shimmed
+    swapped: tuple[Swapped, ...]
+    classes: list[weakref.ref[type]]
+    entries: list[Any]
+    shimmed: list[tuple[weakref.ref[type], tuple[Swapped, ...]]]
 
     def holds(self, swapped: tuple[Swapped, ...], classes: list[type], entries: list[Any]) -> bool:
         """The same swapped attributes, the very classes in the same order, each with the very entry it had
