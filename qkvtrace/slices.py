@@ -366,11 +366,7 @@ class NormCache:
         if isinstance(projection, str):
             return QKVInfo(layout=None, q=None, k=None, v=None, reason=projection)
         module, spec = projection.holder, projection.spec
-        names = self._params.get((id(module), id(spec)))
-        if names is None:
-            names = self._params[(id(module), id(spec))] = sorted(
-                {n for _, ps in spec.parts() for p in ps.pieces() for n in (p.param, p.bias_param) if n is not None}
-            )
+        names = self._names(module, spec)
         # looked up on every call: FSDP swaps the tensors behind these names between sharded and whole
         registered = module._parameters
         if type(registered) is not dict:
@@ -396,6 +392,37 @@ class NormCache:
         self._qkv[key] = (versions, info)
         self._unsettled_qkv.append(info)
         return info
+
+    def stamp(self, projection: Projection) -> tuple[dict[str, Any], tuple[tuple[str, Any, int, int], ...]] | None:
+        """What :meth:`qkv` finds ``projection``'s record by, read now, for a caller that asks on every call whether
+        the record it has is still the one :meth:`qkv` gives (:meth:`qkvtrace.tracer.slots.Slot.holds`): the
+        holder's own parameter dict, and each parameter's name, tensor, version and storage. ``None`` where a
+        quicker check than :meth:`qkv` itself could miss a change: a parameter that is not the holder's own (a
+        child's, whose module may be swapped), a dict that is not a plain one, a tensor that keeps no version or
+        storage of its own."""
+        module = projection.holder
+        registered = module._parameters
+        if type(registered) is not dict:
+            return None
+        pieces = []
+        for n in self._names(module, projection.spec):
+            p = registered.get(n)
+            if p is None:
+                return None
+            try:
+                pieces.append((n, p, p._version, p.data_ptr()))
+            except RuntimeError:  # an inference tensor, or a tensor subclass with no storage of its own
+                return None
+        return registered, tuple(pieces)
+
+    def _names(self, module: nn.Module, spec: ProjectionSpec) -> list[str]:
+        """The names of the parameters ``spec`` reads from ``module`` (sorted; found once per module and spec)."""
+        names = self._params.get((id(module), id(spec)))
+        if names is None:
+            names = self._params[(id(module), id(spec))] = sorted(
+                {n for _, ps in spec.parts() for p in ps.pieces() for n in (p.param, p.bias_param) if n is not None}
+            )
+        return names
 
     def settle(self) -> None:
         """Read the norms held as tensors into numbers (one read per device), so that a cache kept between

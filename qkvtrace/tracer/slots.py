@@ -81,6 +81,9 @@ class Slot:
     projection: Projection | str | None = None
     #: the Q/K/V slice record the weights' versions gave (``None`` where no projection is known)
     base: Any = None
+    #: what that record was found by, read when the slot was kept (:meth:`~qkvtrace.slices.NormCache.stamp`):
+    #: checked on every call in place of looking the record up again (``None``: looked up)
+    stamp: tuple[dict[str, Any], tuple[tuple[str, Any, int, int], ...]] | None = None
     #: the call signature routes are found by (:func:`qkvtrace.tracer.routes.sdpa_core`)
     signature: Any = None
     #: what a ``MultiheadAttention`` call itself said (path, reasons, backend, evidence, kernels, what its kernel
@@ -99,7 +102,16 @@ class Slot:
         weights' versions give now."""
         if self.entry is not None:
             return self.entry.last is self.combination and not trace.health_due(name)
-        return not isinstance(self.projection, Projection) or trace.norms.qkv(self.projection) is self.base
+        stamp = self.stamp
+        if stamp is None:
+            return not isinstance(self.projection, Projection) or trace.norms.qkv(self.projection) is self.base
+        registered, pieces = stamp  # the same parameters, each at the version and storage the record was made at
+        if self.projection.holder._parameters is not registered:  # type: ignore[union-attr]
+            return False
+        for n, p, version, where in pieces:
+            if p._version != version or p.data_ptr() != where or registered.get(n) is not p:
+                return False
+        return True
 
     def count(self, trace: Trace, nan_count: Any) -> None:
         """Count, in a long run, a call the slot knows: its NaN count added to its module's, nothing else."""
@@ -151,9 +163,16 @@ def keep_recording(trace: Trace, name: str, key: tuple[Any, ...], projection: Pr
     from ``refs`` (:func:`qkvtrace.tracer.again.previous`: the module, and its projection and slice record)."""
     last = trace.last_record(owner)
     if last is not None:
-        trace.slots[id(owner)] = Slot(key, rows, last=last, projection=projection,
-                                      base=refs[2] if len(refs) == 3 else None, signature=signature,
+        base = refs[2] if len(refs) == 3 else None
+        trace.slots[id(owner)] = Slot(key, rows, last=last, projection=projection, base=base,
+                                      stamp=_stamp(trace, projection, base), signature=signature,
                                       facts=facts)  # fmt: skip
+
+
+def _stamp(trace: Trace, projection: Projection | str, base: Any) -> Any:
+    """What ``base``, the slice record the weights give now, is found by (:meth:`~qkvtrace.slices.NormCache.stamp`);
+    ``None`` where there is none."""
+    return trace.norms.stamp(projection) if isinstance(projection, Projection) and base is not None else None
 
 
 @dataclass(slots=True, eq=False)
