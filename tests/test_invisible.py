@@ -314,3 +314,54 @@ def test_the_first_trace_of_a_process_leaves_the_random_state_alone() -> None:
     for done in runs.values():
         assert done.returncode == 0, done.stderr
     assert runs["traced"].stdout == runs["plain"].stdout
+
+
+class Logged(torch.Tensor):
+    """A user's tensor subclass that passes every function on to PyTorch, logging which it was handed."""
+
+    seen: ClassVar[list[str]] = []
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        cls.seen.append(getattr(func, "__name__", ""))
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+class DirectMHA(nn.Module):
+    """A module of its own that calls ``F.multi_head_attention_forward`` with its inner module's weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.MultiheadAttention(E, H)
+
+    def forward(self, x: torch.Tensor, need_weights: bool) -> torch.Tensor:
+        m = self.inner
+        return F.multi_head_attention_forward(x, x, x, E, H, m.in_proj_weight, m.in_proj_bias, None, None, False,
+                                              0.0, m.out_proj.weight, m.out_proj.bias, training=False,
+                                              need_weights=need_weights)[0]  # fmt: skip
+
+
+@pytest.mark.parametrize("need_weights", [True, False])
+@pytest.mark.parametrize("kind", ["module", "direct"])
+def test_a_multihead_attention_call_handed_to_an_override_is_recorded_once(kind: str, need_weights: bool) -> None:
+    """PyTorch hands ``F.multi_head_attention_forward`` to the ``__torch_function__`` of a tensor subclass among its
+    arguments, which calls it again: still one call, recorded once. Witness: the number of calls the test makes;
+    the subclass's own log (PyTorch handed it the function once a call, untraced and traced); and the untraced
+    outputs, equal to the traced."""
+    torch.manual_seed(12)
+    mha, direct = nn.MultiheadAttention(E, H), DirectMHA()
+    x = torch.randn(L, B, E).as_subclass(Logged)
+
+    def call() -> torch.Tensor:
+        out = mha(x, x, x, need_weights=need_weights)[0] if kind == "module" else direct(x, need_weights)
+        return out.as_subclass(torch.Tensor)
+
+    Logged.seen.clear()
+    plain = [call() for _ in range(3)]
+    handed = Logged.seen.count("multi_head_attention_forward")
+    Logged.seen.clear()
+    with qkvtrace.trace(nn.ModuleDict({"mha": mha, "direct": direct})) as t:
+        traced = [call() for _ in range(3)]
+    assert handed == Logged.seen.count("multi_head_attention_forward") == 3
+    assert all(torch.equal(a, b) for a, b in zip(plain, traced, strict=True))
+    assert [(c.module, c.path) for c in t.calls] == [(kind if kind == "direct" else "mha", "fallback")] * 3

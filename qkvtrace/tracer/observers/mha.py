@@ -20,7 +20,7 @@ import inspect
 import sys
 import types
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -43,9 +43,6 @@ from qkvtrace.tracer.build import (
     wants_maps,
 )
 from qkvtrace.tracer.observers import mha_facts
-
-if TYPE_CHECKING:
-    from qkvtrace.tracer.session import Trace
 
 __all__ = ["OpenMHA", "ahead_of_function", "observe_forward", "observe_function", "observe_native"]
 
@@ -148,7 +145,7 @@ def _run(ctx: OpenMHA, original: Callable[..., Any], args: tuple[Any, ...], kwar
          slot: slots.Slot | None = None) -> Any:  # fmt: skip
     """Run the call with ``ctx`` open; record it whether it returns or raises (captured by ``slot`` when the call
     says what the slot's call said)."""
-    stack = registry.open_calls()
+    stack = _LOCAL.stack
     stack.append(ctx)
     try:
         out = original(*args, **kwargs)
@@ -158,7 +155,10 @@ def _run(ctx: OpenMHA, original: Callable[..., Any], args: tuple[Any, ...], kwar
         with contextlib.suppress(Exception):  # the user's exception goes on, unchanged, whatever happens here
             _finish(ctx, None)
         raise
-    _pop(ctx, stack)
+    if stack and stack[-1] is ctx:  # (as :func:`_pop` finds it, but for a nested call that failed to close)
+        stack.pop()
+    else:
+        _pop(ctx, stack)
     if slot is None or not _steady(slot, ctx, out):
         _finish(ctx, out)
     return out
@@ -186,12 +186,10 @@ def _bind(
 
 
 def observe_forward(original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    if not registry.is_active() or not args:
-        return original(*args, **kwargs)
-    module = args[0]
-    found = registry.covering(module)
+    found = registry.covering(args[0]) if args else None  # (none while no trace is open)
     if not found:
         return original(*args, **kwargs)
+    module = args[0]
     a = _bind(_MHA_NAMES, _MHA_DEFAULTS, args[1:], kwargs)
     key = None
     if len(found) == 1:  # one trace records the call: its module's slot may know it (:mod:`..slots`)
@@ -200,7 +198,12 @@ def observe_forward(original: Callable[..., Any], args: tuple[Any, ...], kwargs:
             trace, name = found[0]
             slot = trace.slots.get(id(module))
             if slot is not None and slot.key == key and slot.facts is not None and slot.holds(trace, name):
-                return _steady_call(slot, trace, name, module, a, original, args, kwargs)
+                # its own numbers only, once the call said what the slot's said (:func:`_steady`); no map is
+                # due (a slot is kept only where no trace computes maps, and a long run's only while no health is)
+                ctx = OpenMHA(module, [(trace, name, trace.take_index())])
+                ctx.query, ctx.bound, ctx.batch_first, ctx.key = a["query"], a, bool(module.batch_first), key
+                ctx.slot = slot
+                return _run(ctx, original, args, kwargs, slot)
     ctx = OpenMHA(module, _targets(found))
     ctx.query, ctx.kpm, ctx.attn_mask = a["query"], a["key_padding_mask"], a["attn_mask"]
     ctx.bound, ctx.batch_first, ctx.key = a, bool(module.batch_first), key
@@ -250,24 +253,26 @@ _FN_DEFAULTS: dict[str, Any] = {
 }
 
 
-def ahead_of_function() -> bool:
+def ahead_of_function(caller: types.FrameType | None = None) -> bool:
     """What the wrapper of ``F.multi_head_attention_forward`` asks first (its ``ahead``): for the fallback of
     this thread's open ``MultiheadAttention`` call, the path and PyTorch's reason noted -- all there is to
-    observe of it, so the wrapper then makes the call itself; ``False`` for any other call."""
-    return _fallback_noted(sys._getframe(1))
-
-
-def _fallback_noted(caller: types.FrameType | None) -> bool:
-    ctx = _innermost()
-    if ctx is None or ctx.path is not None:  # (a direct call's is the fallback already)
+    observe of it, so the wrapper then makes the call itself; ``False`` for any other call. ``caller``: the frame
+    PyTorch's is above (the wrapper's, which calls this with none)."""
+    stack = _LOCAL.stack
+    ctx = stack[-1] if stack else None
+    if not isinstance(ctx, OpenMHA):
         return False
+    if ctx.path is not None:  # the open call's own function, called again: PyTorch handing it to an override
+        return True  # (``__torch_function__`` of a tensor subclass among its arguments), which calls it back
+    if caller is None:
+        caller = sys._getframe(1)
     ctx.path = "fallback"
     _read_frame(ctx, caller)
     return True
 
 
 def observe_function(original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    if _fallback_noted(sys._getframe(2)):  # (the wrapper's frame, or its watch's: PyTorch's is above)
+    if ahead_of_function(sys._getframe(2)):  # (the wrapper's frame, or its watch's: PyTorch's is above)
         return original(*args, **kwargs)
     if not registry.is_active():
         return original(*args, **kwargs)
@@ -389,18 +394,6 @@ def _finish(ctx: OpenMHA, out: Any) -> None:
 
 
 # -- a module's steady calls (:mod:`qkvtrace.tracer.slots`) ------------------------------------
-
-
-def _steady_call(slot: slots.Slot, trace: Trace, name: str, module: nn.Module, a: dict[str, Any],
-                 original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:  # fmt: skip
-    """Run a call whose key its module's slot holds, and capture only what is its own once the call said what the
-    slot's call said (path, reasons, backend, evidence, kernels, what its kernel received); else record it in
-    full. (No map is due: a slot is kept only where no trace computes maps, and a long run's holds only while
-    no health is due.)"""
-    ctx = OpenMHA(module, [(trace, name, trace.take_index())])
-    ctx.query, ctx.bound, ctx.batch_first, ctx.key = a["query"], a, bool(module.batch_first), slot.key
-    ctx.slot = slot
-    return _run(ctx, original, args, kwargs, slot)
 
 
 def _steady(slot: slots.Slot, ctx: OpenMHA, out: Any) -> bool:
