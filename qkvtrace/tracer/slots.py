@@ -100,8 +100,9 @@ class Slot:
         """What the slot relies on beyond the call's key still holds: in a long run, its combination is still
         the module's last and no health is due; in a plain trace, the Q/K/V slice record is the one the
         weights' versions give now."""
-        if self.entry is not None:
-            return self.entry.last is self.combination and not trace.health_due(name)
+        if self.entry is not None:  # (a long run's trace has a monitor: :meth:`Trace.health_due`, read here)
+            health = trace.monitor.health  # type: ignore[union-attr]
+            return self.entry.last is self.combination and (health is None or not health.due(name))
         stamp = self.stamp
         if stamp is None:
             return not isinstance(self.projection, Projection) or trace.norms.qkv(self.projection) is self.base
