@@ -304,6 +304,8 @@ _UNKNOWN = object()
 
 
 _MAX_CACHED = 4096
+#: :meth:`NormCache.stamp`: the registrations walked to the parameters, and each parameter's state
+Stamp = tuple[tuple[tuple[nn.Module, str, Any, str, Any], ...], tuple[tuple[Any, int, int], ...]]
 _NONE: dict[str, Any] = {}
 #: versions for tensors that keep none (made under ``inference_mode``): a new one each time, never a stale hit
 _UNTRACKED = itertools.count(-1, -1)
@@ -393,27 +395,37 @@ class NormCache:
         self._unsettled_qkv.append(info)
         return info
 
-    def stamp(self, projection: Projection) -> tuple[dict[str, Any], tuple[tuple[str, Any, int, int], ...]] | None:
+    def stamp(self, projection: Projection) -> Stamp | None:
         """What :meth:`qkv` finds ``projection``'s record by, read now, for a caller that asks on every call whether
-        the record it has is still the one :meth:`qkv` gives (:meth:`qkvtrace.tracer.slots.Slot.holds`): the
-        holder's own parameter dict, and each parameter's name, tensor, version and storage. ``None`` where a
-        quicker check than :meth:`qkv` itself could miss a change: a parameter that is not the holder's own (a
-        child's, whose module may be swapped), a dict that is not a plain one, a tensor that keeps no version or
-        storage of its own."""
+        the record it has is still the one :meth:`qkv` gives (:meth:`qkvtrace.tracer.slots.Slot.holds`): each dict
+        PyTorch registers the parameters in, from the holder down (children, then parameters, by name: each
+        ``(module, its attribute, the dict, the name, what it held)``), and each parameter's version and storage.
+        ``None`` where a quicker check than :meth:`qkv` itself could miss a change: a container that is not a plain
+        dict (PyTorch's own lookup decides there), a tensor held elsewhere, or one that keeps no version or storage
+        of its own."""
         module = projection.holder
-        registered = module._parameters
-        if type(registered) is not dict:
-            return None
+        steps: dict[tuple[int, str, str], tuple[nn.Module, str, Any, str, Any]] = {}
         pieces = []
-        for n in self._names(module, projection.spec):
-            p = registered.get(n)
+        for name in self._names(module, projection.spec):
+            *path, leaf = name.split(".")
+            owner = module
+            for part in path:  # as :func:`param_of` walks them
+                children = owner.__dict__.get("_modules")
+                child = children.get(part) if type(children) is dict else None
+                if child is None:
+                    return None
+                steps[(id(owner), "_modules", part)] = (owner, "_modules", children, part, child)
+                owner = child
+            params = owner.__dict__.get("_parameters")
+            p = params.get(leaf) if type(params) is dict else None
             if p is None:
                 return None
+            steps[(id(owner), "_parameters", leaf)] = (owner, "_parameters", params, leaf, p)
             try:
-                pieces.append((n, p, p._version, p.data_ptr()))
+                pieces.append((p, p._version, p.data_ptr()))
             except RuntimeError:  # an inference tensor, or a tensor subclass with no storage of its own
                 return None
-        return registered, tuple(pieces)
+        return tuple(steps.values()), tuple(pieces)
 
     def _names(self, module: nn.Module, spec: ProjectionSpec) -> list[str]:
         """The names of the parameters ``spec`` reads from ``module`` (sorted; found once per module and spec)."""

@@ -49,7 +49,7 @@ import torch
 
 from qkvtrace import compat, lazy
 from qkvtrace.records import AttentionCall
-from qkvtrace.slices import Projection, ProjectionSpec
+from qkvtrace.slices import Projection, ProjectionSpec, Stamp
 from qkvtrace.tracer import again, routes
 
 if TYPE_CHECKING:
@@ -83,7 +83,7 @@ class Slot:
     base: Any = None
     #: what that record was found by, read when the slot was kept (:meth:`~qkvtrace.slices.NormCache.stamp`):
     #: checked on every call in place of looking the record up again (``None``: looked up)
-    stamp: tuple[dict[str, Any], tuple[tuple[str, Any, int, int], ...]] | None = None
+    stamp: Stamp | None = None
     #: the call signature routes are found by (:func:`qkvtrace.tracer.routes.sdpa_core`)
     signature: Any = None
     #: what a ``MultiheadAttention`` call itself said (path, reasons, backend, evidence, kernels, what its kernel
@@ -106,11 +106,12 @@ class Slot:
         stamp = self.stamp
         if stamp is None:
             return not isinstance(self.projection, Projection) or trace.norms.qkv(self.projection) is self.base
-        registered, pieces = stamp  # the same parameters, each at the version and storage the record was made at
-        if self.projection.holder._parameters is not registered:  # type: ignore[union-attr]
-            return False
-        for n, p, version, where in pieces:
-            if p._version != version or p.data_ptr() != where or registered.get(n) is not p:
+        steps, pieces = stamp  # the same parameters where PyTorch finds them, at the version and storage read then
+        for owner, attr, registered, name, held in steps:
+            if registered.get(name) is not held or owner.__dict__.get(attr) is not registered:
+                return False
+        for p, version, where in pieces:
+            if p._version != version or p.data_ptr() != where:
                 return False
         return True
 
