@@ -503,6 +503,22 @@ def _change_weight(module: nn.Module, name: str, how: str) -> None:
         raise AssertionError(how)
 
 
+def _around_a_change(model: nn.Module, call: Callable[[], Any], change: Callable[[], Any],
+                     weight: Callable[[], torch.Tensor]) -> tuple[list[Any], list[float]]:  # fmt: skip
+    """Eight steady calls of ``model`` in a trace, ``change()`` made before the fifth: the records, and the norm of
+    the query's rows [0, 16) of ``weight()`` (the query's weight as it is then) computed right after each call.
+    The change is one the records must show: the norm moves."""
+    expected = []
+    with qkvtrace.trace(model) as t:
+        for i in range(8):
+            if i == 4:
+                change()
+            call()
+            expected.append(float(torch.linalg.vector_norm(weight()[:16].detach().double())))
+    assert expected[4] != pytest.approx(expected[3], rel=1e-3)
+    return t.calls, expected
+
+
 @pytest.mark.parametrize("how", ["in place", "data", "replaced", "dict replaced"])
 @pytest.mark.parametrize("kind", ["mha", "projected"])
 def test_a_steady_call_after_its_weights_changed_reports_the_new_weights(how: str, kind: str) -> None:
@@ -525,16 +541,9 @@ def test_a_steady_call_after_its_weights_changed_reports_the_new_weights(how: st
         def call() -> None:
             model(x)
 
-    expected = []
-    with qkvtrace.trace(model) as t:
-        for i in range(8):
-            if i == 4:
-                _change_weight(holder, name, how)
-            call()
-            expected.append(float(torch.linalg.vector_norm(holder._parameters[name][:16].detach().double())))
-    got = [c.qkv.q.weight_norm for c in t.calls]
-    assert got == pytest.approx(expected, rel=1e-5)
-    assert expected[4] != pytest.approx(expected[3], rel=1e-3)  # (the change is one the records must show)
+    calls, expected = _around_a_change(model, call, lambda: _change_weight(holder, name, how),
+                                       lambda: holder._parameters[name])  # fmt: skip
+    assert [c.qkv.q.weight_norm for c in calls] == pytest.approx(expected, rel=1e-5)
 
 
 class Deep(nn.Module):
@@ -563,24 +572,19 @@ def test_a_steady_call_after_a_deeper_projection_changed_reports_the_new_weights
     torch.manual_seed(13)
     model = Deep()
     x = torch.randn(2, 5, 16)
-    expected = []
-    with qkvtrace.trace(model) as t:
-        for i in range(8):
-            if i == 4:
-                fresh = nn.Linear(16, 48)
-                if how == "child replaced":
-                    model.proj[0] = fresh
-                elif how == "children replaced":
-                    model.proj._modules = {"0": fresh}
-                else:
-                    _change_weight(model.proj[0], "weight", how)
-            model(x)
-            weight = model.proj[0].weight
-            expected.append(float(torch.linalg.vector_norm(weight[:16].detach().double())))
-    got = [c.qkv.q.weight_norm for c in t.calls]
-    assert [c.qkv.q.param for c in t.calls] == ["proj.0.weight"] * 8
-    assert got == pytest.approx(expected, rel=1e-5)
-    assert expected[4] != pytest.approx(expected[3], rel=1e-3)  # (the change is one the records must show)
+
+    def change() -> None:
+        fresh = nn.Linear(16, 48)
+        if how == "child replaced":
+            model.proj[0] = fresh
+        elif how == "children replaced":
+            model.proj._modules = {"0": fresh}
+        else:
+            _change_weight(model.proj[0], "weight", how)
+
+    calls, expected = _around_a_change(model, lambda: model(x), change, lambda: model.proj[0].weight)
+    assert [c.qkv.q.param for c in calls] == ["proj.0.weight"] * 8
+    assert [c.qkv.q.weight_norm for c in calls] == pytest.approx(expected, rel=1e-5)
 
 
 def test_a_steady_call_of_a_model_made_in_inference_mode_follows_its_weights() -> None:
@@ -591,13 +595,7 @@ def test_a_steady_call_of_a_model_made_in_inference_mode_follows_its_weights() -
     with torch.inference_mode():
         model = Deep()
         x = torch.randn(2, 5, 16)
-        expected = []
-        with qkvtrace.trace(model) as t:
-            for i in range(8):
-                if i == 4:
-                    model.proj[0].weight.mul_(3)
-                model(x)
-                expected.append(float(torch.linalg.vector_norm(model.proj[0].weight[:16].double())))
-    got = [c.qkv.q.weight_norm for c in t.calls]
-    assert got == pytest.approx(expected, rel=1e-5)
+        calls, expected = _around_a_change(model, lambda: model(x), lambda: model.proj[0].weight.mul_(3),
+                                           lambda: model.proj[0].weight)  # fmt: skip
+    assert [c.qkv.q.weight_norm for c in calls] == pytest.approx(expected, rel=1e-5)
     assert expected[4] == pytest.approx(3 * expected[3], rel=1e-5)
