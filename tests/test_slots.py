@@ -145,9 +145,8 @@ def test_a_steady_call_runs_a_constant_handful_of_functions(keep: str, kind: str
     was found out anew on every call. Measured on 2026-12-05, later: 21, 30, 48, 30, 43, 45 and 59; then 21, 31,
     39, 30, 35, 44 and 49 once a steady call's backward core was left to its backward pass; 21, 31, 36, 30, 33, 44
     and 47 once a slot checked its weights' versions itself; 21, 31, 36, 24, 27, 38 and 41 once a steady
-    MultiheadAttention call was opened, and its fallback noted, by one function each; 20, 31, 36, 22, 26, 37 and
-    41 once a slot read the trace's health and encoder layers itself; 20, 31, 27, 22, 26, 37 and 41 once a slot
-    checked the weights of its module's children too (each bound at most two more); a
+    MultiheadAttention call was opened, and its fallback noted, by one function each; 21, 31, 27, 24, 27, 38 and
+    41 once a slot checked the weights of its module's children too (each bound at most two more); a
     MultiheadAttention whose slot is never taken (its facts not kept) ran 85 with records."""
     counts = _functions_per_call(keep, 60, kind)
     assert len(set(counts)) == 1, counts

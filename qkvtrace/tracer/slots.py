@@ -100,9 +100,8 @@ class Slot:
         """What the slot relies on beyond the call's key still holds: in a long run, its combination is still
         the module's last and no health is due; in a plain trace, the Q/K/V slice record is the one the
         weights' versions give now."""
-        if self.entry is not None:  # (a long run's trace has a monitor: :meth:`Trace.health_due`, read here)
-            health = trace.monitor.health  # type: ignore[union-attr]
-            return self.entry.last is self.combination and (health is None or not health.due(name))
+        if self.entry is not None:
+            return self.entry.last is self.combination and not trace.health_due(name)
         stamp = self.stamp
         if stamp is None:
             return not isinstance(self.projection, Projection) or trace.norms.qkv(self.projection) is self.base
@@ -165,16 +164,11 @@ def keep_recording(trace: Trace, name: str, key: tuple[Any, ...], projection: Pr
     from ``refs`` (:func:`qkvtrace.tracer.again.previous`: the module, and its projection and slice record)."""
     last = trace.last_record(owner)
     if last is not None:
-        base = refs[2] if len(refs) == 3 else None
-        trace.slots[id(owner)] = Slot(key, rows, last=last, projection=projection, base=base,
-                                      stamp=_stamp(trace, projection, base), signature=signature,
+        # (``refs`` holds the slice record, made just now, exactly where ``projection`` is one: its stamp is read now)
+        stamp = trace.norms.stamp(projection) if isinstance(projection, Projection) else None
+        trace.slots[id(owner)] = Slot(key, rows, last=last, projection=projection,
+                                      base=refs[2] if len(refs) == 3 else None, stamp=stamp, signature=signature,
                                       facts=facts)  # fmt: skip
-
-
-def _stamp(trace: Trace, projection: Projection | str, base: Any) -> Any:
-    """What ``base``, the slice record the weights give now, is found by (:meth:`~qkvtrace.slices.NormCache.stamp`);
-    ``None`` where there is none."""
-    return trace.norms.stamp(projection) if isinstance(projection, Projection) and base is not None else None
 
 
 @dataclass(slots=True, eq=False)

@@ -400,8 +400,7 @@ def _steady(slot: slots.Slot, ctx: OpenMHA, out: Any) -> bool:
     """Capture a call its module's slot knows, if it said what the slot's call said; ``False`` if it did not."""
     trace, name, index = ctx.targets[0]
     module = ctx.module
-    layer_reason = mha_facts.layer_reason(module, ctx.targets) if trace.has_layers else None  # (one trace)
-    if mha_facts.facts(ctx, layer_reason) != slot.facts:
+    if mha_facts.facts(ctx, mha_facts.layer_reason(module, ctx.targets)) != slot.facts:
         return False
     if ctx.kernel is not None:  # its kernel was found out in full and said what the slot's said: its key is the slot's
         slot.kernel = ctx.kernel
