@@ -135,19 +135,18 @@ def _functions_per_call(keep: str, calls: int, kind: str) -> list[int]:
                                                     ("all", "mha", 28), ("changes", "layer", 39),
                                                     ("all", "layer", 43)])  # fmt: skip
 def test_a_steady_call_runs_a_constant_handful_of_functions(keep: str, kind: str, most: int) -> None:
-    """Witness: the interpreter's own profile hook (``sys.setprofile``), counting every call of a function of
-    qkvtrace's files during each traced call. The same number on every steady call, and a handful: the
-    observer in full ran 69 (long run) and 78 (records) functions for the direct call, and 69 and 90 for
-    MultiheadAttention (whose two wrappers and PyTorch's reason stay); a projected call's slot also checks its
-    Q/K/V weights where PyTorch registers them, and their versions and storages. An encoder layer's
-    MultiheadAttention
-    (``need_weights=False``: its fallback's SDPA kernel is a third wrapped call) ran 66 and 81 while its kernel
-    was found out anew on every call. Measured on 2026-12-05, later: 21, 30, 48, 30, 43, 45 and 59; then 21, 31,
-    39, 30, 35, 44 and 49 once a steady call's backward core was left to its backward pass; 21, 31, 36, 30, 33, 44
-    and 47 once a slot checked its weights' versions itself; 21, 31, 36, 24, 27, 38 and 41 once a steady
-    MultiheadAttention call was opened, and its fallback noted, by one function each; 21, 31, 27, 24, 27, 38 and
-    41 once a slot checked the weights of its module's children too (each bound at most two more); a
-    MultiheadAttention whose slot is never taken (its facts not kept) ran 85 with records."""
+    """Witness: the interpreter's own profile hook (``sys.setprofile``), counting every call of a function of qkvtrace's
+    files during each traced call. The same number on every steady call, and a handful: the observer in full ran 69
+    (long run) and 78 (records) functions for the direct call, and 69 and 90 for MultiheadAttention (whose two
+    wrappers and PyTorch's reason stay); a projected call's slot also checks its Q/K/V weights where PyTorch
+    registers them, and their versions and storages. An encoder layer's MultiheadAttention (``need_weights=False``:
+    its fallback's SDPA kernel is a third wrapped call) ran 66 and 81 while its kernel was found out anew on every
+    call. Measured on 2026-12-05, later: 21, 30, 48, 30, 43, 45 and 59; then 21, 31, 39, 30, 35, 44 and 49 once a
+    steady call's backward core was left to its backward pass; 21, 31, 36, 30, 33, 44 and 47 once a slot checked its
+    weights' versions itself; 21, 31, 36, 24, 27, 38 and 41 once a steady MultiheadAttention call was opened, and
+    its fallback noted, by one function each; 21, 31, 27, 24, 27, 38 and 41 once a slot checked the weights of its
+    module's children too (each bound at most two more); a MultiheadAttention whose slot is never taken (its facts
+    not kept) ran 85 with records."""
     counts = _functions_per_call(keep, 60, kind)
     assert len(set(counts)) == 1, counts
     assert counts[0] <= most, counts[0]
