@@ -28,6 +28,10 @@ qkvtrace maps      ``qkvtrace.trace(model, attention_maps=True)`` (weights)
 torch.profiler     ``profile(activities=[CPU], record_shapes=True)`` and ``key_averages()``
 output_attentions  transformers' eager attention with ``output_attentions=True`` (gpt2, weights)
 nnsight            ``NNsight(model).trace(...)`` saving each attention module's output
+numbers alone      no qkvtrace: a bare wrapper around ``F.scaled_dot_product_attention``
+                   that computes what each record holds measured on the call's data (the
+                   norms of Q, K and V, the output's NaN count, kept on the device) and
+                   nothing else (gpt2, train and infer): the floor under any record
 TransformerLens    ``run_with_cache`` of a ``TransformerBridge`` (TransformerLens >= 4) around
                    the same GPT-2 (same weights; the bridge runs it with eager attention)
 
@@ -49,6 +53,7 @@ rows, its tensors), not from its documentation.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gc
 import os
@@ -57,7 +62,7 @@ import statistics
 import sys
 import time
 import tracemalloc
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -165,6 +170,43 @@ def qkvtrace_contender(model: nn.Module, inner: Unit, maps: bool) -> Contender:
         return [c.attention_map for c in seen["trace"].calls if c.attention_map is not None]
 
     return Contender("qkvtrace maps" if maps else "qkvtrace", unit, saw, held=held)
+
+
+@contextlib.contextmanager
+def numbers_alone(kept: list[Any]) -> Iterator[None]:
+    """``F.scaled_dot_product_attention`` replaced by a bare wrapper that adds each call's own numbers to ``kept``
+    (the norms of Q, K and V and the output's NaN count, kept on the device), computed by qkvtrace's measuring
+    functions (the cheapest exact ones it has), with nothing of a trace around them: the floor under a record."""
+    from qkvtrace.slices import norm_of
+    from qkvtrace.tracer.build import nan_count
+
+    function = torch.nn.functional.scaled_dot_product_attention
+
+    def measured(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        out = function(q, k, v, *args, **kwargs)
+        with torch.no_grad():
+            kept.append((nan_count(out), norm_of(q), norm_of(k), norm_of(v)))
+        return out
+
+    torch.nn.functional.scaled_dot_product_attention = measured
+    try:
+        yield
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = function
+
+
+def numbers_contender(inner: Unit) -> Contender:
+    kept: list[Any] = []
+
+    def unit() -> Any:
+        kept.clear()
+        with numbers_alone(kept):
+            return inner()
+
+    def saw() -> str:
+        return f"{len(kept)} calls' norms and NaN counts; no module, kernel, path, reason or slices"
+
+    return Contender("numbers alone", unit, saw)
 
 
 def profiler_contender(inner: Unit) -> Contender:
@@ -358,6 +400,8 @@ def contenders_for(model_name: str, workload: str, length: int, model: nn.Module
                    Contender("TransformerLens", None, skip="bridges transformers models, not nn.TransformerEncoder"))
     else:
         out.append(qkvtrace_contender(model, inner, maps=False))
+        if model_name == "gpt2":
+            out.append(numbers_contender(inner))
         out.append(profiler_contender(inner))
         if workload == "infer":
             out.append(nnsight_contender(model, x))

@@ -10,7 +10,10 @@ do, without qkvtrace: plain wrappers around ``MultiheadAttention.forward`` and
 ``F.multi_head_attention_forward`` that only read PyTorch's reason from its frame
 and count the output's NaNs -- the cost below which no record can go -- and the
 same with every head's attention weights computed beside the call (the least a
-map costs), next to the records with ``attention_maps=True``.
+map costs), next to the records with ``attention_maps=True``; for the model's own SDPA
+call, a guarded wrapper around ``F.scaled_dot_product_attention`` that keeps the call's
+numbers (the norms of Q, K and V, the output's NaN count), a record and a hook; for
+GPT-2, those numbers alone in a bare wrapper (``peers.py``'s floor).
 
 One ``nn.MultiheadAttention(64, 8)`` in training mode on a ``(2, 10, 64)`` input,
 ``need_weights`` left at its default, then with ``need_weights=False`` (the call an
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import sys
 import threading
 import time
@@ -101,6 +105,8 @@ def main() -> None:
         ("records (SDPA)", {}, contextlib.nullcontext),
         ('long run (keep="changes"), steady state (SDPA)', {"keep": "changes"}, contextlib.nullcontext),
     ]
+    if "--floor" in sys.argv:
+        sdpa_arms.append(("no qkvtrace: the SDPA floor with records", {"floor": True}, lambda: _sdpa_floor((sdpa,))))
     _measure(sdpa_arms, sdpa, sdpa_work, cpu, lambda: sdpa(q, k, v))
     _gpt2(cpu)
 
@@ -131,9 +137,16 @@ def _gpt2(cpu: Callable[[Callable[[], None]], float]) -> None:
 
     print("  a transformers GPT-2 forward (1 layer, SDPA attention, inference; ids (1, 8)): one attention call")
     work()
-    _measure([("records (GPT-2)", {}, contextlib.nullcontext),
-              ('long run (keep="changes") (GPT-2)', {"keep": "changes"}, contextlib.nullcontext)],
-             model, work, cpu, first)  # fmt: skip
+    arms: list[tuple[str, dict[str, Any], Callable[[], Any]]] = [
+        ("records (GPT-2)", {}, contextlib.nullcontext),
+        ('long run (keep="changes") (GPT-2)', {"keep": "changes"}, contextlib.nullcontext),
+    ]
+    if "--floor" in sys.argv:  # the call's own numbers in a bare wrapper, as the peer benchmark's floor
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from peers import numbers_alone
+
+        arms.append(("no qkvtrace: the numbers alone (GPT-2)", {"floor": True}, lambda: numbers_alone([])))
+    _measure(arms, model, work, cpu, first)
 
 
 class _DropoutAttention(torch.nn.Module):
@@ -264,6 +277,53 @@ def _floor(maps: bool = False, exact: bool = False, records: bool = False, guard
     with (_replaced(torch.nn.MultiheadAttention, "forward", wrapped_forward),
           _replaced(torch.nn.functional, "multi_head_attention_forward", wrapped_function)):  # fmt: skip
         yield
+
+
+@contextlib.contextmanager
+def _sdpa_floor(modules: tuple[torch.nn.Module, ...]) -> Iterator[dict[str, Any]]:
+    """A wrapper around ``F.scaled_dot_product_attention`` that does the least a record of the call holds, as
+    guarded as the one around ``MultiheadAttention`` (:func:`_floor`): the calling module looked up among the
+    traced ``modules``, the call's facts (shapes, strides, dtype, device, flags, modes) compared with the last
+    call's and the call counted, even when it raises; the numbers measured on each call's data -- the norms of
+    Q, K and V and the output's NaN count, each kept on its device -- a record (a tuple) and a hook on the
+    output's backward node. No reason is read: an SDPA call's backend and reasons follow from its facts.
+    Yields its counts and its records (``calls``, ``changes``, ``records``).
+    """
+    function = torch.nn.functional.scaled_dot_product_attention
+    seen: list[Any] = []
+    state: dict[str, Any] = {"last": None, "calls": 0, "changes": 0, "records": seen}
+    traced = {id(m) for m in modules}
+    compiling, tracing, norm = torch.compiler.is_compiling, torch._C._is_tracing, torch.linalg.vector_norm
+
+    def hook(grad_outputs: Any) -> None:
+        return None
+
+    def wrapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        caller = sys._getframe(1).f_locals.get("self")
+        if compiling() or tracing() or id(caller) not in traced:
+            return function(q, k, v, *args, **kwargs)
+        try:
+            out = function(q, k, v, *args, **kwargs)
+        except BaseException:
+            state["calls"] += 1
+            raise
+        key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, q.device, args,
+               tuple(kwargs.items()), caller.training, torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
+               torch.is_autocast_enabled())  # fmt: skip
+        with torch.no_grad():
+            numbers = (torch.count_nonzero(torch.isnan(out)), norm(q), norm(k), norm(v))
+        if key != state["last"]:
+            state["last"] = key
+            state["changes"] += 1
+        state["calls"] += 1
+        seen.append((state["calls"], key, numbers))
+        node = out.grad_fn
+        if node is not None:
+            node.register_prehook(hook)
+        return out
+
+    with _replaced(torch.nn.functional, "scaled_dot_product_attention", wrapped):
+        yield state
 
 
 def _weights(mha: torch.nn.MultiheadAttention, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
