@@ -105,7 +105,8 @@ def resolve(roots: Iterable[Any]) -> None:
 
 def read(places: list[tuple[_Slot, torch.Tensor]]) -> None:
     """Store at each place (a dict and key, a list and index, or an object and attribute name) the Python value of
-    its tensor: one host read per device, the 0-dim tensors stacked per dtype (as :func:`resolve` reads them)."""
+    its tensor: one host read per accelerator, the 0-dim tensors stacked per dtype (as :func:`resolve` reads
+    them); a CPU tensor's values read where they are."""
     by_device: dict[torch.device, list[tuple[_Slot, torch.Tensor]]] = {}
     for slot, t in places:
         by_device.setdefault(t.device, []).append((slot, t))
@@ -114,6 +115,8 @@ def read(places: list[tuple[_Slot, torch.Tensor]]) -> None:
             for slot, _ in group:
                 _store(slot, None)
             continue
+        if device.type == "cpu":  # already in the host's memory: each read as it is, no kernel run to gather them
+            group = _read_on_host(group)
         # the 0-dim ones (almost all) stacked in one op per dtype, the others flattened: one read in all
         numbers: dict[torch.dtype, list[tuple[_Slot, torch.Tensor]]] = {}
         others = []
@@ -136,3 +139,25 @@ def read(places: list[tuple[_Slot, torch.Tensor]]) -> None:
             is_int = not (t.is_floating_point() or t.is_complex())
             _store(slot, [int(x) if is_int else float(x) for x in flat[at : at + n]])
             at += n
+
+
+def _read_on_host(group: list[tuple[_Slot, torch.Tensor]]) -> list[tuple[_Slot, torch.Tensor]]:
+    """Store the values of the CPU tensors of ``group`` (a read of memory the host holds: gathering them first, as
+    an accelerator's are, would cost more kernels than it saves), each as :func:`read` gives it: ``int`` for an
+    integer or boolean tensor, ``float`` for a floating one, a flat list for one of more dimensions. The complex
+    ones are returned, for the gathered read."""
+    rest = []
+    for slot, t in group:
+        if t.dim() == 0:
+            value = t.item()  # (a float for a floating tensor, an int or a bool for the others)
+            kind = type(value)
+            if kind is complex:
+                rest.append((slot, t))
+            else:
+                _store(slot, value if kind is float else int(value))
+        elif t.is_complex():
+            rest.append((slot, t))
+        else:
+            cast = float if t.is_floating_point() else int
+            _store(slot, [cast(x) for x in t.reshape(-1).tolist()])
+    return rest
