@@ -4,8 +4,9 @@ On an accelerator every ``.item()``, ``float(t)`` or ``.tolist()`` waits for
 the device to finish (DESIGN.md, principle 7). While a trace is open its
 records therefore hold 0-dim tensors, or :class:`Deferred` values for what
 needs more than a number (blocked positions of a small mask). :func:`resolve`
-turns them into Python values in one pass: one host read per device for all
-the numbers, then each deferred value.
+turns them into Python values in one pass: one host read per accelerator for
+all its numbers (the CPU's are read where they are: there is no transfer to
+wait for), then each deferred value.
 """
 
 from __future__ import annotations
