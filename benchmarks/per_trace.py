@@ -123,7 +123,7 @@ def _parts() -> list[tuple[str, Any, str]]:
         ("a call: a Q, K or V norm", sdpa, "norm_of"),
         ("close", trace, "__exit__"),
         ("  the captured records built", trace, "_build_captured"),
-        ("  numbers read (one transfer a read)", lazy, "read"),
+        ("  numbers read", lazy, "read"),
         ("  the wrappers taken away", inst, "release"),
         ("    torch.compile's patches", inst, "_unpatch_compile"),
         ("  modules not seen", trace, "_find_unobserved"),

@@ -437,7 +437,7 @@ class NormCache:
         return names
 
     def settle(self) -> None:
-        """Read the norms held as tensors into numbers (one read per device), so that a cache kept between
+        """Read the norms held as tensors into numbers (one read per accelerator), so that a cache kept between
         traces of a model keeps no tensor alive; later lookups of unchanged parameters give the numbers. Only
         what was computed since the last settle is read: the rest holds numbers already."""
         keys, self._unsettled = self._unsettled, []

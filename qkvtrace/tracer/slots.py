@@ -249,7 +249,7 @@ Capture = tuple[AttentionCall, int, str, Any, Any, Any, Any, "tuple[Any, Any, An
 def build(captured: list[Capture]) -> list[AttentionCall]:
     """The records of calls captured by their slots, each made from its slot's record with its own numbers,
     as :func:`qkvtrace.tracer.again.repeat` makes them, with those numbers read now (:func:`qkvtrace.lazy.read`:
-    one read per device for all of them) -- the slots' records must have been resolved first."""
+    one read per accelerator for all of them) -- the slots' records must have been resolved first."""
     numbers = [[nan, rows, *(norms or ())] for _, _, _, _, _, nan, rows, norms, _ in captured]
     lazy.read([((values, i), v) for values in numbers for i, v in enumerate(values) if isinstance(v, torch.Tensor)])
     out = []
