@@ -195,6 +195,11 @@ def _parts() -> dict[str, Callable[[], Any]]:
     }
 
 
+def _no_hook(grad_outputs: Any) -> None:
+    """The hook a floor puts on a call's output node: one, as a record's routes need, doing nothing."""
+    return None
+
+
 @contextlib.contextmanager
 def _floor(maps: bool = False, exact: bool = False, records: bool = False, guarded: bool = False,
            modules: tuple[torch.nn.Module, ...] = ()) -> Iterator[None]:  # fmt: skip
@@ -217,9 +222,6 @@ def _floor(maps: bool = False, exact: bool = False, records: bool = False, guard
     local = threading.local()
     traced = {id(m) for m in modules}
     compiling, tracing = torch.compiler.is_compiling, torch._C._is_tracing
-
-    def hook(grad_outputs: Any) -> None:
-        return None
 
     def wrapped_forward(self: torch.nn.MultiheadAttention, *args: Any, **kwargs: Any) -> Any:
         if guarded:
@@ -260,7 +262,7 @@ def _floor(maps: bool = False, exact: bool = False, records: bool = False, guard
             seen.append((state["calls"], nans, said))
             node = out[0].grad_fn
             if node is not None:
-                node.register_prehook(hook)
+                node.register_prehook(_no_hook)
         if maps:
             seen.append(_weights(self, args[0], args[1]))
         return out
@@ -285,18 +287,19 @@ def _sdpa_floor(modules: tuple[torch.nn.Module, ...]) -> Iterator[dict[str, Any]
     guarded as the one around ``MultiheadAttention`` (:func:`_floor`): the calling module looked up among the
     traced ``modules``, the call's facts (shapes, strides, dtype, device, flags, modes) compared with the last
     call's and the call counted, even when it raises; the numbers measured on each call's data -- the norms of
-    Q, K and V and the output's NaN count, each kept on its device -- a record (a tuple) and a hook on the
-    output's backward node. No reason is read: an SDPA call's backend and reasons follow from its facts.
-    Yields its counts and its records (``calls``, ``changes``, ``records``).
+    Q, K and V and the output's NaN count, each kept on its device, by qkvtrace's measuring functions (as
+    ``peers.py``'s numbers alone) -- a record (a tuple) and a hook on the output's backward node. No reason is
+    read: an SDPA call's backend and reasons follow from its facts. Yields its counts and its records
+    (``calls``, ``changes``, ``records``).
     """
+    from qkvtrace.slices import norm_of
+    from qkvtrace.tracer.build import nan_count
+
     function = torch.nn.functional.scaled_dot_product_attention
     seen: list[Any] = []
     state: dict[str, Any] = {"last": None, "calls": 0, "changes": 0, "records": seen}
     traced = {id(m) for m in modules}
-    compiling, tracing, norm = torch.compiler.is_compiling, torch._C._is_tracing, torch.linalg.vector_norm
-
-    def hook(grad_outputs: Any) -> None:
-        return None
+    compiling, tracing = torch.compiler.is_compiling, torch._C._is_tracing
 
     def wrapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         caller = sys._getframe(1).f_locals.get("self")
@@ -311,7 +314,7 @@ def _sdpa_floor(modules: tuple[torch.nn.Module, ...]) -> Iterator[dict[str, Any]
                tuple(kwargs.items()), caller.training, torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
                torch.is_autocast_enabled())  # fmt: skip
         with torch.no_grad():
-            numbers = (torch.count_nonzero(torch.isnan(out)), norm(q), norm(k), norm(v))
+            numbers = (nan_count(out), norm_of(q), norm_of(k), norm_of(v))
         if key != state["last"]:
             state["last"] = key
             state["changes"] += 1
@@ -319,7 +322,7 @@ def _sdpa_floor(modules: tuple[torch.nn.Module, ...]) -> Iterator[dict[str, Any]
         seen.append((state["calls"], key, numbers))
         node = out.grad_fn
         if node is not None:
-            node.register_prehook(hook)
+            node.register_prehook(_no_hook)
         return out
 
     with _replaced(torch.nn.functional, "scaled_dot_product_attention", wrapped):
