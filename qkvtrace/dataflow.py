@@ -32,8 +32,8 @@ buffers, and the global RNG is not touched. Tensor hooks the model put on
 the tensors between the projection and Q, K, V do see the probe.
 
 A call that builds no graph (``torch.no_grad``, ``inference_mode``, frozen
-weights) is derived by running the module's forward again on copies with
-gradients on (:mod:`qkvtrace.replay`).
+weights) is read from the torch functions it ran (:mod:`qkvtrace.lineage`):
+nothing of the model runs a second time.
 
 A derived answer holds for the call it was read from. It is reused for a
 later call of the module only when that call's :func:`signature` -- the
@@ -50,16 +50,16 @@ import re
 import weakref
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from qkvtrace import compat
-from qkvtrace.slices import PARTS, PartSpec, Projection, ProjectionSpec, layout_of, rows_of
+from qkvtrace import compat, lineage
+from qkvtrace.projection_rows import Candidate, Found, candidates, merged, projection_of
+from qkvtrace.slices import PARTS, Projection, ProjectionSpec, rows_of
 
-__all__ = ["EVIDENCE", "derive_projection", "derived_projection", "lasting", "no_graph", "signature"]
+__all__ = ["EVIDENCE", "derive_projection", "derived_projection", "no_graph", "signature"]
 
 EVIDENCE = "dataflow: autograd graph"
 
@@ -75,41 +75,7 @@ _CHAIN = 4
 _PER_MODULE = 8
 
 
-@dataclass(frozen=True, slots=True)
-class _Candidate:
-    module: nn.Module
-    #: dotted name of the module inside the outermost searched module
-    name: str
-    #: the weight dimension that indexes output features (0: ``[out, in]``, 1: ``[in, out]``)
-    dim: int
-    width: int
-
-
-def _weight_dim(module: nn.Module) -> tuple[torch.Tensor, int] | None:
-    """A projection module's weight (as its forward sees it) and its output dimension."""
-    weight = getattr(module, "weight", None)
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-        return None
-    if isinstance(module, nn.Linear):
-        return weight, 0
-    nf = getattr(module, "nf", None)
-    if isinstance(nf, int) and weight.shape[1] == nf:  # Conv1D-style: [in, out]
-        return weight, 1
-    return None
-
-
-def _candidates(holders: Sequence[nn.Module]) -> dict[int, tuple[torch.Tensor, _Candidate]]:
-    """Projection weights among ``holders`` and their descendants, by the identity of the weight tensor."""
-    found: dict[int, tuple[torch.Tensor, _Candidate]] = {}
-    for name, module in holders[-1].named_modules():
-        got = _weight_dim(module)
-        if got is not None and id(got[0]) not in found:
-            weight, dim = got
-            found[id(weight)] = (weight, _Candidate(module, name, dim, int(weight.shape[dim])))
-    return found
-
-
-def _weight_of(node: Any, by_id: dict[int, tuple[torch.Tensor, _Candidate]],
+def _weight_of(node: Any, by_id: dict[int, tuple[torch.Tensor, Candidate]],
                by_fn: dict[int, int]) -> int | None:  # fmt: skip
     """The id of the candidate weight ``node`` leads to (through transposes or casts), or ``None``."""
     for _ in range(4):
@@ -126,7 +92,7 @@ def _weight_of(node: Any, by_id: dict[int, tuple[torch.Tensor, _Candidate]],
     return None
 
 
-def _consumers(start: Any, by_id: dict[int, tuple[torch.Tensor, _Candidate]],
+def _consumers(start: Any, by_id: dict[int, tuple[torch.Tensor, Candidate]],
                by_fn: dict[int, int]) -> list[tuple[Any, int]]:  # fmt: skip
     """The nearest node consuming a candidate weight on each branch back from ``start``, with that weight's id.
 
@@ -153,7 +119,7 @@ def _consumers(start: Any, by_id: dict[int, tuple[torch.Tensor, _Candidate]],
     return found
 
 
-def _behind(node: Any, wid: int, by_id: dict[int, tuple[torch.Tensor, _Candidate]],
+def _behind(node: Any, wid: int, by_id: dict[int, tuple[torch.Tensor, Candidate]],
             by_fn: dict[int, int]) -> nn.Module | None:  # fmt: skip
     """A projection whose output reaches ``node``'s input (``q_a_proj`` of a low-rank ``q_a_proj → q_b_proj``)."""
     for child, _ in node.next_functions:
@@ -245,23 +211,17 @@ _DERIVED: weakref.WeakKeyDictionary[nn.Module, OrderedDict[Hashable, _Known]] = 
 
 
 def no_graph(reason: str) -> bool:
-    """Whether ``reason`` says only that the call built no graph to read (a replay can read one)."""
+    """Whether ``reason`` says only that the call built no graph to read (its torch functions may give the rows)."""
     return reason.startswith(_NO_GRAPH)
 
 
 _NO_GRAPH = "not derived: no graph:"
 
 
-def lasting(found: Projection | str) -> bool:
-    """Whether an answer holds for later calls of the same signature (rows, or a reason that will not change)."""
-    from qkvtrace import replay
-
-    return not (isinstance(found, str) and found.endswith(replay.PROFILING))
-
-
 def derived_projection(module: nn.Module, qkv: Sequence[Any], holders: Sequence[nn.Module],
-                       sig: Hashable | None = None) -> Projection | str:  # fmt: skip
-    """:func:`derive_projection` once per module and call signature; a call that built no graph is run again.
+                       sig: Hashable | None = None, log: lineage.Log | None = None) -> Projection | str:  # fmt: skip
+    """:func:`derive_projection` once per module and call signature; a call that built no graph is read from
+    ``log``, the torch functions its watched module ran (:mod:`qkvtrace.lineage`).
 
     ``sig``: the call's :func:`signature` when the caller has it already.
     """
@@ -280,10 +240,8 @@ def derived_projection(module: nn.Module, qkv: Sequence[Any], holders: Sequence[
     except RuntimeError as exc:  # autograd refused a probe: the call is still recorded, with why
         found = f"not derived: autograd could not read the rows ({type(exc).__name__}: {exc})"
     if isinstance(found, str) and no_graph(found):
-        from qkvtrace import replay  # the replay runs model code: only reached by calls that built no graph
-
-        found = replay.derive(module, qkv, holders, found)
-        if not lasting(found):
+        found = lineage.derive(log, qkv, holders, found)
+        if not lineage.lasting(found):
             return found
     if known is None:
         known = _DERIVED[module] = OrderedDict()
@@ -325,11 +283,8 @@ def derive_projection(qkv: Sequence[Any], holders: Sequence[nn.Module], evidence
             t.grad = grad
 
 
-_Found = list[tuple[_Candidate, tuple[tuple[int, int], ...], nn.Module | None]]
-
-
-def _part_rows(part: str, t: torch.Tensor, by_id: dict[int, tuple[torch.Tensor, _Candidate]],
-               by_fn: dict[int, int]) -> _Found | str:  # fmt: skip
+def _part_rows(part: str, t: torch.Tensor, by_id: dict[int, tuple[torch.Tensor, Candidate]],
+               by_fn: dict[int, int]) -> Found | str:  # fmt: skip
     """Each weight that feeds ``part`` directly: its candidate, its rows, and a projection behind it."""
     found = _consumers(t.grad_fn, by_id, by_fn)
     if not found:
@@ -348,12 +303,11 @@ def _part_rows(part: str, t: torch.Tensor, by_id: dict[int, tuple[torch.Tensor, 
     if not out:
         return f"not derived: no output feature of a projection reaches {part.upper()} with a non-zero gradient"
     # the weight giving the most rows first: the part's own projection; the others are named beside it
-    out.sort(key=lambda e: -sum(b - a for a, b in e[1]))
-    return out
+    return merged(out)
 
 
 def _derive(tensors: Sequence[torch.Tensor], holders: Sequence[nn.Module], evidence: str) -> Projection | str:
-    by_id = _candidates(holders)
+    by_id = candidates(holders)
     by_fn = {id(w.grad_fn): wid for wid, (w, _) in by_id.items() if w.grad_fn is not None}
     parts = {}
     for part, t in zip(PARTS, tensors, strict=True):
@@ -361,33 +315,4 @@ def _derive(tensors: Sequence[torch.Tensor], holders: Sequence[nn.Module], evide
         if isinstance(found, str):
             return found
         parts[part] = found
-    holder = _holder([c.module for found in parts.values() for c, _, _ in found], holders)
-    names = {id(m): n for n, m in holder.named_modules()}
-
-    def spec(cand: _Candidate, rows: tuple[tuple[int, int], ...], behind: nn.Module | None,
-             also: tuple[PartSpec, ...] = ()) -> PartSpec:  # fmt: skip
-        name = names[id(cand.module)]
-        prefix = f"{name}." if name else ""
-        bias = f"{prefix}bias" if isinstance(getattr(cand.module, "bias", None), torch.Tensor) else None
-        said = evidence
-        if behind is not None:
-            before = names.get(id(behind), type(behind).__name__)
-            said += (f" (the nearest projection: {before} feeds {name or 'it'} and is named only for rows that reach "
-                     f"this part without passing another projection)")  # fmt: skip
-        # Linear and Conv1D add bias[r] to output feature r: the bias entries follow the weight's rows
-        return PartSpec(f"{prefix}weight", rows, bias, rows if bias else (), cand.dim, said, also)
-
-    specs = []
-    for part in PARTS:
-        (first, *more) = parts[part]
-        specs.append(spec(*first, also=tuple(spec(*m) for m in more)))
-    return Projection(holder, ProjectionSpec(layout_of(specs), *specs))
-
-
-def _holder(modules: Sequence[nn.Module], holders: Sequence[nn.Module]) -> nn.Module:
-    """The innermost of ``holders`` that contains every module of ``modules``."""
-    for h in holders:
-        inside = {id(m) for m in h.modules()}
-        if all(id(m) in inside for m in modules):
-            return h
-    return holders[-1]
+    return projection_of(parts, holders, evidence)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import qkvtrace
-from qkvtrace import dataflow
+from qkvtrace import dataflow, lineage
 
 E, H = 8, 2
 Rows = tuple[tuple[int, int], ...]
@@ -325,15 +325,17 @@ def test_a_graph_already_freed_gives_a_reason_not_an_exception() -> None:
 
 
 def test_a_direct_call_without_a_graph_says_so() -> None:
-    """Witness: Q, K, V made under ``torch.no_grad`` outside any forward, so no replay can be run.
+    """Witness: Q, K, V made under ``torch.no_grad`` outside any traced forward, so no function of theirs was
+    written down: the reason says both, in that order, and is not kept for a later call of the layout.
 
-    Catches the reason lost on the way through the replay (``None``, or ``"None, ..."``).
+    Catches the reason lost on the way (``None``, or ``"None, ..."``) and an unknown kept as lasting.
     """
     model = Packed()
     with torch.no_grad():
         qkv = _seen(model, _x(2, 5, E))
         found = dataflow.derived_projection(model, qkv, [model])
-    assert found == "not derived: no graph: grad is disabled (torch.no_grad)"
+    assert found == "not derived: no graph: grad is disabled (torch.no_grad); " + lineage.NOT_RECORDED
+    assert not lineage.lasting(found)
 
 
 def test_an_answer_given_while_profiling_is_not_kept() -> None:

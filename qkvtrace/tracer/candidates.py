@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from qkvtrace import compat
+from qkvtrace.projection_rows import weight_dim
 from qkvtrace.records import TraceResult, Unobserved
 from qkvtrace.slices import Projection, guess_projection
 from qkvtrace.tracer.observers import handwritten
@@ -21,8 +22,8 @@ if TYPE_CHECKING:
     from qkvtrace.tracer.structure import Walked
 
 __all__ = ["compiled_before", "hand_written_candidates", "inside_compiled", "looks_like_attention",
-           "named_for_attention", "note_unobserved", "region_notes", "regions", "related", "runs_compiled",
-           "unobserved_reason", "user_names", "within"]
+           "named_for_attention", "note_unobserved", "projection_holders", "region_notes", "regions", "related",
+           "runs_compiled", "unobserved_reason", "user_names", "within"]
 
 _WRAPPER_PARTS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
 _ATTENTION_NAME = re.compile(r"attn|attention", re.IGNORECASE)
@@ -149,6 +150,31 @@ def hand_written_candidates(
         and not any(related(name, t) for t in torch_attention)
         and (looks(name, m) or named_for_attention(name, m))
     ]  # fmt: skip
+
+
+def projection_holders(named: Iterable[tuple[str, nn.Module]], compiled: set[int],
+                       watched: Iterable[nn.Module]) -> list[nn.Module]:  # fmt: skip
+    """The outermost of the model's own modules that hold a projection weight (an ``nn.Linear``, a ``Conv1D``)
+    and are not watched already (``watched``): none on or inside PyTorch's attention modules, none scripted or
+    compiled. While one of them runs its first call with gradients off, the torch functions it calls are written
+    down, so that a module calling SDPA in it, of any name, gets its rows from them (:mod:`qkvtrace.lineage`)."""
+    named = [(n, m) for n, m in named if id(m) not in compiled]
+    torch_attention = [n for n, m in named if isinstance(m, handwritten.TORCH_ATTENTION)]
+    taken = {id(m) for m in watched}
+    scripted = compat.scripted_module_types()
+    kept: list[str] = []
+    out: list[nn.Module] = []
+    for name, m in sorted(named, key=lambda e: (e[0].count(".") + bool(e[0]), e[0])):
+        if type(m).__module__.startswith("torch.") or (scripted and isinstance(m, scripted)):
+            continue
+        if any(related(name, t) for t in torch_attention) or any(within(name, k) for k in kept):
+            continue
+        if id(m) in taken:  # (its calls are watched, and what it calls with them)
+            kept.append(name)
+        elif any(weight_dim(d) is not None for d in m.modules()):
+            kept.append(name)
+            out.append(m)
+    return out
 
 
 def compiled_before(named: Iterable[tuple[str, nn.Module]], name: str, codes: frozenset[int]) -> str | None:

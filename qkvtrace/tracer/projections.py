@@ -19,8 +19,11 @@ from typing import Any
 
 from torch import nn
 
-from qkvtrace.dataflow import derived_projection, lasting, signature
+from qkvtrace import lineage
+from qkvtrace.dataflow import derived_projection, signature
 from qkvtrace.slices import Projection, mha_projection
+from qkvtrace.tracer import registry
+from qkvtrace.tracer.observers import handwritten
 
 __all__ = ["Projections"]
 
@@ -51,18 +54,23 @@ class Projections:
         try:  # the check made on every call: how the kernel's Q, K, V view their storage, the children, a graph
             q, k, v = qkv
             fast = (id(module), q.requires_grad, q.stride(), k.stride(), v.stride(), q.storage_offset(),
-                    k.storage_offset(), v.storage_offset(), tuple(map(id, module._modules.values())))  # fmt: skip
+                    k.storage_offset(), v.storage_offset(), tuple(map(id, module._modules.values())),
+                    registry.call_site())  # fmt: skip
         except (TypeError, ValueError, RuntimeError, AttributeError):  # not three strided tensors
             fast = None
         found = known.get(fast) if fast is not None else None
         if found is not None:
             return found
-        sig = signature(module, qkv)
+        sig = (signature(module, qkv), registry.call_site())
         key = (id(module), sig)
         found = known.get(key)
         if found is None:
-            found = derived_projection(module, qkv, [module, *self._parents(module)], sig)
-            if not lasting(found):
+            found = derived_projection(module, qkv, [module, *self._parents(module)], sig, lineage.current())
+            # no graph: the next call's functions are written down too, in case its layout is new again (a
+            # decoding loop's first step); a module no hook can watch says so for good
+            if fast is not None and not q.requires_grad and not handwritten.layouts_new(module):
+                found = lineage.never_recorded(found)
+            if not lineage.lasting(found):
                 return found
             known[key] = found
         if fast is not None:

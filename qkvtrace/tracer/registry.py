@@ -19,12 +19,11 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from qkvtrace import replay
-
 if TYPE_CHECKING:
     from qkvtrace.tracer.session import Trace
 
-__all__ = ["covering", "is_active", "open_calls", "owner_module", "register", "report_failure", "unregister"]
+__all__ = ["call_site", "covering", "is_active", "open_calls", "owner_module", "register", "report_failure",
+           "unregister"]
 
 _lock = threading.Lock()
 #: the open traces; replaced, never mutated, so readers need no lock
@@ -42,6 +41,8 @@ class _Local(threading.local):
     def __init__(self) -> None:
         #: this thread's open attention calls (made on the thread's first look)
         self.stack: list[Any] = []
+        #: where in its module's forward the last call :func:`owner_module` found was made (code, line)
+        self.site: tuple[int, int] | None = None
 
 
 _local = _Local()
@@ -153,13 +154,8 @@ def open_calls() -> list[Any]:
 
 
 def owner_module(frame: types.FrameType | None) -> tuple[nn.Module, list[tuple[Trace, str]]] | None:
-    """The innermost module on the Python stack that an open trace covers, with those traces.
-
-    ``None`` while this thread runs a module again to read its rows (:mod:`qkvtrace.replay`): nothing of
-    that run is a call of the traced model.
-    """
-    if replay.active():
-        return None
+    """The innermost module on the Python stack that an open trace covers, with those traces; where in its
+    forward the call is made is kept for :func:`call_site`."""
     codes = _codes
     while frame is not None:
         if id(frame.f_code) in codes:  # (no other frame's locals are read: reading them costs more)
@@ -167,9 +163,17 @@ def owner_module(frame: types.FrameType | None) -> tuple[nn.Module, list[tuple[T
             if isinstance(obj, nn.Module):
                 targets = covering(obj)
                 if targets:
+                    _local.site = (id(frame.f_code), frame.f_lineno)
                     return obj, targets
         frame = frame.f_back
     return None
+
+
+def call_site() -> tuple[int, int] | None:
+    """Where in its module's forward this thread's last call found by :func:`owner_module` was made: a module
+    that calls its kernel twice in one forward (differential attention: over each half of V) tells its calls
+    apart by it, whatever their tensors' layouts."""
+    return _local.site
 
 
 def report_failure(entry_point: str, error: BaseException) -> None:

@@ -312,6 +312,13 @@ class Trace:
         if self.record_gradients and isinstance(projection, Projection):
             self._grads.watch(owner, projection)
 
+    def own(self, undo: Callable[[], Any]) -> None:
+        """Run ``undo`` when the trace closes (what an observer set up while the trace was open)."""
+        if self._exit is not None:
+            self._exit.callback(undo)
+        else:
+            undo()
+
     def take_index(self) -> int:
         return next(self._counter)
 
@@ -398,18 +405,23 @@ class Trace:
         walked = self._walked
         assert walked is not None  # (asked while the trace opens)
 
-        def positions() -> list[int]:  # kept by position in the model's modules: the answers hold no module
+        def positions() -> tuple[list[int], list[int]]:  # by position in the model's modules: they hold no module
             at = {id(m): i for i, m in enumerate(walked.modules)}
             found = found_candidates.hand_written_candidates(walked.named(), compiled, self._looks())
-            return [at[id(m)] for m in found]
+            holding = found_candidates.projection_holders(walked.named(), compiled, found)
+            return [at[id(m)] for m in found], [at[id(m)] for m in holding]
 
-        candidates = [walked.modules[i] for i in walked.answer("hand_written", positions)]
+        chosen, holding = walked.answer("hand_written", positions)
+        candidates = [walked.modules[i] for i in chosen]
         self._compiled_before = compat.dynamo_compiled_code_ids()
-        if candidates and handwritten.watch_refused():
-            self.note(handwritten.NOT_WATCHED)
+        if (candidates or holding) and handwritten.watch_refused():
+            if candidates:
+                self.note(handwritten.NOT_WATCHED)
             return
         for m in candidates:
             stack.callback(handwritten.unwatch, handwritten.watch(m))
+        for i in holding:  # (their first call with gradients off: its functions are written down for the rows)
+            stack.callback(handwritten.unwatch, handwritten.watch(walked.modules[i], holder=True))
 
     def _fsdp1_gather(self) -> Callable[[], Any] | None:
         """For a model wrapped in FSDP1 (``FullyShardedDataParallel``): whole parameters and ``.grad`` on

@@ -100,6 +100,8 @@ def _fingerprint(modules: list[nn.Module]) -> tuple[tuple[Any, ...], bool]:
                     add((id(p), p.data_ptr(), p.shape))
                 except RuntimeError:  # no storage of its own (a DTensor): its device says where it is
                     add((id(p), p.shape, p.device))
+                except ValueError:  # a lazy module's parameter before its first call: no storage, no shape yet
+                    add((id(p), type(p)))
         if m.__dict__.get("_compiled_call_impl") is not None:
             in_place = True
             add(True)

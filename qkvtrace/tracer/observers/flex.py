@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from qkvtrace import paths, replay
+from qkvtrace import paths
 from qkvtrace.records import AttentionCall
 from qkvtrace.tracer import registry, routes
 from qkvtrace.tracer.build import deliver, modes, nan_count, shape, wants_backward
@@ -74,9 +74,6 @@ def _fully_masked(q: Any, block_mask: Any, score_mod: Any) -> tuple[Any, str | N
 
 def observe_flex(original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if not registry.is_active():
-        return original(*args, **kwargs)
-    if replay.active():  # a module run again to read its rows: the call it was run for ends the run
-        replay.offer([arg(args, kwargs, _FLEX_ARGS, n) for n in ("query", "key", "value")])
         return original(*args, **kwargs)
     found = registry.owner_module(sys._getframe(1))
     if found is None:

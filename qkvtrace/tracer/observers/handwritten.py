@@ -46,6 +46,8 @@ the mode itself, and the dataflow it follows, are
 from __future__ import annotations
 
 import contextlib
+import functools
+import os
 import sys
 import weakref
 from collections.abc import Iterator
@@ -54,13 +56,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from qkvtrace import compat
+from qkvtrace import compat, lineage
 from qkvtrace.tracer import registry
-from qkvtrace.tracer.observers.handwritten_ops import Recogniser, local, recognising, state
+from qkvtrace.tracer.observers.handwritten_ops import Recogniser, busy, local, state
 from qkvtrace.tracer.observers.handwritten_record import PATH
 
-__all__ = ["PATH", "TORCH_ATTENTION", "entry_point_called", "recognising", "stop_watching", "stop_watching_for_compile",
-           "suspended", "unwatch", "watch", "watch_refused", "watching_any"]
+__all__ = ["PATH", "TORCH_ATTENTION", "entry_point_called", "layouts_new", "stop_watching",
+           "stop_watching_for_compile", "suspended", "unwatch", "watch", "watch_refused", "watching_any"]
 
 #: PyTorch's modules whose fast paths an active mode refuses: never inside or around a candidate
 TORCH_ATTENTION = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer,
@@ -68,6 +70,30 @@ TORCH_ATTENTION = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.Transfo
 
 #: modules that called an entry point the tracer wraps while watched: their attention is recorded there
 _entry_users: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+#: entry users whose last call built no graph and had a layout not seen before in the trace: their next calls
+#: are watched too, so that each new layout's rows are read from its own functions (:mod:`qkvtrace.lineage`)
+_learning: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+#: entry users that made a call with gradients off (under no_grad; in inference mode, whose views keep no base)
+#: in a layout seen before: a later such call is not watched for its rows unless it turns out to be new (then
+#: the call after it is)
+_settled: tuple[weakref.WeakSet[nn.Module], weakref.WeakSet[nn.Module]] = (weakref.WeakSet(), weakref.WeakSet())
+#: modules watched only as the outermost holders of projections (:func:`~.candidates.projection_holders`): the
+#: mode is on in their calls with gradients off until one such call reads no new layout
+_holders: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+#: holders whose call (with gradients on; under no_grad; in inference mode) read no new layout, with the count of
+#: :data:`_news` then: one more new layout of a module no hook watches, anywhere, and they are watched again
+_holder_settled: tuple[weakref.WeakKeyDictionary[nn.Module, int], ...] = (
+    weakref.WeakKeyDictionary(), weakref.WeakKeyDictionary(), weakref.WeakKeyDictionary())
+
+
+def _kind() -> int:
+    """0 with gradients on, 1 under no_grad, 2 in inference mode (whose views keep no base)."""
+    return 0 if torch.is_grad_enabled() else 1 + torch.is_inference_mode_enabled()
+#: modules whose hooks go when their call under way ends (:func:`stop_watching` came during it)
+_ending: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+#: how many calls with gradients off have had a layout not seen before (in any thread): of any module, and of
+#: modules not watched themselves (whose next calls only a projection holder around them can watch)
+_news = [0, 0]
 #: leaf candidates a call of which, watched, ended with no product of two activations (:func:`_switch_off`)
 _quiet: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 #: threads with the mode on now, and entry users being checked (a wrapper looks no further while 0)
@@ -97,18 +123,28 @@ def watch_refused() -> bool:
 
     Dynamo compiles a module's hooks into its graph and guards on them, so a
     graph compiled while a watched module had its hooks would be compiled
-    again once the trace removed them.
+    again once the trace removed them. Code of PyTorch's own that it compiles
+    for itself (FlexAttention's eager wrapper) holds no module of the model.
     """
     convert = sys.modules.get("torch._dynamo.convert_frame")
     seen = getattr(getattr(convert, "input_codes", None), "seen", None)
-    return bool(seen)
+    if not seen:
+        return False
+    codes = [ref() for ref in list(seen)]
+    return any(code is not None and not code.co_filename.startswith(_TORCH_DIR) for code in codes)
 
 
-def watch(module: nn.Module) -> list[Any]:
+#: where PyTorch's own files are
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
+
+def watch(module: nn.Module, holder: bool = False) -> list[Any]:
     """Register the hooks that switch the mode on around ``module``'s forward; their handles (none for a leaf
-    left unwatched: :func:`_switch_off`)."""
+    left unwatched: :func:`_switch_off`). A ``holder`` is watched only for its rows (:data:`_holders`)."""
     if module in _quiet:
         return []
+    if holder:
+        _holders.add(module)
     pre = module.register_forward_pre_hook(_enter)
     try:
         post = module.register_forward_hook(_leave, always_call=True)
@@ -145,10 +181,18 @@ def stop_watching_for_compile() -> None:
 
 
 def stop_watching() -> None:
-    """``torch.compile`` is used: remove every watching hook now, before Dynamo traces a module that has one."""
+    """``torch.compile`` is used: remove every watching hook now, before Dynamo traces a module that has one --
+    but those of a module whose watched call is under way (Dynamo compiling code of PyTorch's own inside it, as
+    FlexAttention does), which go when that call ends: its leaving hook turns the mode off."""
+    now = busy()
+    keep = [h for m, hs in list(_hooks_of.items()) if id(m) in now for h in hs]
+    for m in list(_hooks_of.keys()):
+        if id(m) in now:
+            _ending.add(m)
     for handle in _handles:
-        handle.remove()
-    _handles.clear()
+        if handle not in keep:
+            handle.remove()
+    _handles[:] = keep
 
 
 def _enter(module: nn.Module, args: Any) -> None:
@@ -161,16 +205,24 @@ def _enter(module: nn.Module, args: Any) -> None:
 def _switch_on(module: nn.Module) -> None:
     if compat.is_compiling() or compat.is_jit_tracing() or module in _quiet:
         return
-    if module in _entry_users:
-        state().users.append([module, False])
+    if module in _holders:
+        if _holder_settled[_kind()].get(module) == _news[1]:
+            return
+        state().holders.append([module, _news[1]])
+    elif module in _entry_users:
+        state().users.append([module, False, _news[0]])
         watching[0] += 1  # (so that the wrappers say when an entry point is reached)
-        return
+        if module not in _learning and (
+            torch.is_grad_enabled() or module in _settled[torch.is_inference_mode_enabled()]
+        ):
+            return
     if not registry.covering(module):
         return
     st = state()
     st.active.append(module)
     st.opened_at.append(st.products)
     if st.mode is None:
+        lineage.start()
         mode = Recogniser()
         mode.__enter__()
         st.mode = mode
@@ -180,6 +232,9 @@ def _switch_on(module: nn.Module) -> None:
 def _leave(module: nn.Module, args: Any, output: Any) -> None:
     try:
         _switch_off(module, output is not None)
+        if module in _ending and id(module) not in busy():  # (torch.compile came during its call)
+            _ending.discard(module)
+            unwatch(_hooks_of.pop(module, []))
     except Exception as exc:  # a hook never raises into the model's call
         registry.report_failure("hand-written attention", exc)
 
@@ -195,20 +250,29 @@ def _switch_off(module: nn.Module, returned: bool = True) -> None:
     st = getattr(local, "state", None)
     if st is None:
         return
+    watched = bool(st.active) and st.active[-1] is module
+    if watched:
+        _mode_off(st, module, returned)
+    if st.holders and st.holders[-1][0] is module:
+        _, news = st.holders.pop()
+        if returned and news == _news[1]:  # no call in it had a new layout: its later calls need not be watched
+            _holder_settled[_kind()][module] = news
     if st.users and st.users[-1][0] is module:
-        _, reached = st.users.pop()
+        _, reached, news = st.users.pop()
         watching[0] -= 1
         if not returned:
             return
+        if news == _news[0] and module in _learning:  # its layout was one seen before: its calls need not be
+            _settle(module)  # watched for their rows
         if not reached:
             _entry_users.discard(module)
-            for trace, name in registry.covering(module):
-                trace.note(ENTRY_LEFT.format(name or "(root)"))
-        else:  # checked once in each trace that watches it: its hooks go, its later calls run as without them
-            unwatch(_hooks_of.pop(module, []))
-        return
-    if not st.active or st.active[-1] is not module:
-        return
+            for trace, name in registry.covering(module) if not watched else ():  # (watched: its attention
+                trace.note(ENTRY_LEFT.format(name or "(root)"))  # written by hand was recorded)
+        elif module not in _learning:  # checked in each trace that watches it: its hooks go, its later calls run
+            unwatch(_hooks_of.pop(module, []))  # as without them (while its layouts are new, they stay)
+
+
+def _mode_off(st: Any, module: nn.Module, returned: bool) -> None:
     st.active.pop()
     opened_at = st.opened_at.pop()
     if returned and st.products == opened_at and next(module.children(), None) is None:
@@ -219,8 +283,32 @@ def _switch_off(module: nn.Module, returned: bool = True) -> None:
     mode, st.mode = st.mode, None
     watching[0] -= 1
     st.forget()
+    lineage.stop()
     if torch.overrides._get_current_function_mode() is mode:  # type: ignore[attr-defined]
         mode.__exit__(None, None, None)
+
+
+def layouts_new(module: nn.Module) -> bool:
+    """``module`` made a call that built no graph in a layout the trace had not seen: its next call is watched
+    (its functions written down) even once it is known to call an entry point; so is the next call of the
+    projection holder around it, unless the module is watched itself. Whether a later call will be."""
+    _news[0] += 1
+    if module in _entry_users and module not in _hooks_of:  # checked already in this trace, its hooks gone:
+        covering = registry.covering(module)  # watched again, the hooks owned by the trace that records it
+        if covering:
+            covering[0][0].own(functools.partial(unwatch, watch(module)))
+    if module in _hooks_of and module not in _holders:
+        _learning.add(module)
+        return True
+    _news[1] += 1
+    return any(module is m for holder in list(_holders) if holder in _hooks_of for m in holder.modules())
+
+
+def _settle(module: nn.Module) -> None:
+    """A call of ``module`` met no layout not seen before: its later calls need not be watched for their rows."""
+    _learning.discard(module)
+    if not torch.is_grad_enabled():
+        _settled[torch.is_inference_mode_enabled()].add(module)
 
 
 def entry_point_called() -> bool:
@@ -236,7 +324,8 @@ def entry_point_called() -> bool:
     if st.mode is None:
         return False
     for m in st.active:
-        _entry_users.add(m)
+        if m not in _holders:
+            _entry_users.add(m)
     return True
 
 

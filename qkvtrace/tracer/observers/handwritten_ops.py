@@ -11,11 +11,9 @@ untouched; it reads no values.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import threading
 import weakref
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,11 +21,11 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from qkvtrace import patterns, replay
+from qkvtrace import lineage, patterns
 from qkvtrace.tracer import folded, registry
 from qkvtrace.tracer.observers.handwritten_record import record
 
-__all__ = ["Recogniser", "State", "local", "recognising", "state"]
+__all__ = ["Recogniser", "State", "busy", "local", "state"]
 
 _MATMUL = frozenset({"matmul", "bmm", "__matmul__"})
 _SCALE = frozenset({"mul", "mul_", "__mul__", "__rmul__", "multiply", "div", "div_", "__truediv__", "true_divide",
@@ -76,7 +74,7 @@ class Node:
     value: torch.Tensor | None = None
 
 
-@dataclass
+@dataclass(eq=False)
 class State:
     mode: Recogniser | None = None
     #: candidate modules open in this thread (innermost last), with :attr:`products` as each opened
@@ -85,6 +83,9 @@ class State:
     #: entry users being checked in this thread, not watched (innermost last), each with whether its call has
     #: reached an entry point yet (:func:`entry_point_called`)
     users: list[list[Any]] = field(default_factory=list)
+    #: projection holders open in this thread with the mode on for their rows (innermost last), each with how
+    #: many new layouts had been read when it opened
+    holders: list[list[Any]] = field(default_factory=list)
     #: products of two activations seen since the mode came on in this thread
     products: int = 0
     nodes: dict[int, Node] = field(default_factory=dict)
@@ -100,35 +101,42 @@ class State:
         self.folds.clear()
 
 
+#: every thread's :class:`State` (a module in the middle of a watched call, in any thread: :func:`busy`)
+_states: weakref.WeakSet[State] = weakref.WeakSet()
+
+
 def state() -> State:
     st = getattr(local, "state", None)
     if st is None:
         st = local.state = State()
+        _states.add(st)
     return st
 
 
-@contextlib.contextmanager
-def recognising() -> Iterator[None]:
-    """A recogniser of its own around a module run again to read its rows (:mod:`qkvtrace.replay`);
-    this thread's state, and the mode of a call in progress, are as they were afterwards."""
-    saved = getattr(local, "state", None)
-    st = local.state = State()
-    st.mode = Recogniser()
-    try:
-        with st.mode:
-            yield
-    finally:
-        local.state = saved
+def busy() -> set[int]:
+    """Ids of the modules whose watched call is under way now, in any thread (their leaving hook must run)."""
+    found: set[int] = set()
+    for st in list(_states):
+        found.update(id(m) for m in list(st.active))
+        found.update(id(u[0]) for u in list(st.users))
+        found.update(id(h[0]) for h in list(st.holders))
+    return found
 
 
 # -- the mode ---------------------------------------------------------------------------------------
 
 
 class Recogniser(TorchFunctionMode):
+    """Follows the dataflow of hand-written attention, and writes every function into this thread's
+    :class:`~qkvtrace.lineage.Log` (from which a call that builds no graph gets its rows)."""
+
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         try:
+            log = lineage.current()
+            if log is not None:
+                lineage.see(log, func, args, kwargs, out)
             _see(getattr(func, "__name__", ""), args, kwargs, out)
         except Exception as exc:  # the model's call goes on whatever happens here
             state().forget()
@@ -376,7 +384,4 @@ def _product(nodes: dict[int, Node], name: str, args: tuple[Any, ...], kwargs: d
 
 
 def _record(node: Node, form: tuple[str, ...], v: torch.Tensor, out: torch.Tensor) -> None:
-    if replay.active():  # a module run again to read its rows: the call it was run for ends the run
-        replay.offer((node.q, node.k, v))
-        return
     record(node, form, v, out, node.heads or _folded(state(), v))

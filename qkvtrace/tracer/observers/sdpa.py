@@ -29,8 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from qkvtrace import maps, masks, paths, refusals, replay
-from qkvtrace.dataflow import lasting
+from qkvtrace import maps, masks, paths, refusals
+from qkvtrace.lineage import lasting
 from qkvtrace.monitor import combination_key, mask_kind
 from qkvtrace.records import EVIDENCE_CACHED, AttentionCall
 from qkvtrace.slices import Projection, norm_of
@@ -128,9 +128,6 @@ class _Args:
 
 def observe_sdpa(original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if not registry.is_active():
-        return redispatch_sdpa(original, args, kwargs)
-    if replay.active():  # a module run again to read its rows: the call it was run for ends the run
-        replay.offer([arg(args, kwargs, _SDPA_ARGS, n) for n in ("query", "key", "value")])
         return redispatch_sdpa(original, args, kwargs)
     if overridden(args, kwargs):
         return _observe_override(original, args, kwargs, relevant_overrides(args, kwargs))
@@ -238,7 +235,7 @@ def steady_key(owner: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) 
             args[4] if n > 4 else kwargs.get("dropout_p", 0.0),
             args[5] if n > 5 else kwargs.get("is_causal", False), scale, kwargs.get("enable_gqa", False),
             owner.training, torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.is_autocast_enabled(),
-            paths.sdp_flags(), tuple(map(id, owner._modules.values())))  # fmt: skip
+            paths.sdp_flags(), tuple(map(id, owner._modules.values())), registry.call_site())  # fmt: skip
 
 
 def _keep_recording(owner: nn.Module, covering: tuple[Any, str], key: tuple[Any, ...], a: _Args, sig: Any,
