@@ -80,6 +80,8 @@ MUTANT_OWNERS: dict[str, list[str]] = {
     "paths": ["tests/test_paths.py"],
     "slices": ["tests/test_slices.py", "tests/test_norms.py", "tests/test_trace_reopen.py"],
     "dataflow": ["tests/test_slices.py", "tests/test_hand_written.py", "tests/test_dataflow.py"],
+    "lineage": ["tests/test_observe_only.py", "tests/test_lineage.py", "tests/test_slices.py",
+                "tests/test_rows_in_use.py"],
     "maps": ["tests/test_maps.py", "tests/test_maps_more.py"],
     "advise": ["tests/test_advise.py", "tests/test_advise_more.py"],
     "tracer/slots": ["tests/test_slots.py", "tests/test_again.py", "tests/test_steady_state.py", "tests/test_health.py",
@@ -109,7 +111,7 @@ def _mutmut_config(module: str) -> str:
 #: never runs (measured: refusals.py's _stand_in, 0 of 74 mutants killed in forks, 43 of 74 so).
 #: dataflow's one cache is keyed weakly by the modules a test builds (none lives at a test module's top level),
 #: and maps and advise keep none: their mutated code runs again in every fork.
-FORK_SAFE = {"tracediff", "dataflow", "maps", "advise"}
+FORK_SAFE = {"tracediff", "dataflow", "lineage", "maps", "advise"}
 
 
 @nox.session

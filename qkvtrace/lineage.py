@@ -29,6 +29,7 @@ its rows are those this call used, or ``None`` with the reason.
 
 from __future__ import annotations
 
+import math
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -344,21 +345,27 @@ def _walk(log: Log, start: _Made, by_id: dict[int, tuple[torch.Tensor, Candidate
     return consumers
 
 
+#: the step of the values a probe holds (the golden ratio's fraction: no two entries alike, none zero)
+_STEP = 0.6180339887498949
+
+
 def _probe(shape: Sequence[int], dtype: torch.dtype, device: torch.device, seed: int) -> torch.Tensor:
-    """Pseudo-random values from a private generator: the global RNG state is not touched."""
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed)
+    """Values in ``[0.5, 1.5)`` that differ from entry to entry, made without a random generator (none is
+    touched, and a large probe costs a few passes over memory): ``frac((i + seed) · φ) + 0.5``."""
     real = dtype if dtype.is_floating_point or dtype.is_complex else torch.float32
-    return torch.randn(tuple(shape), generator=gen, device=device, dtype=torch.float32).to(real)
+    n = math.prod(shape)
+    values = torch.arange(seed, seed + n, device=device, dtype=torch.float64 if n > 2**24 else torch.float32)
+    return values.mul_(_STEP).frac_().add_(0.5).to(real).view(tuple(shape))
 
 
 class _Missing:
     """A value that could not be had (said only if something needs it)."""
 
-    __slots__ = ("why",)
+    __slots__ = ("meta", "why")
 
-    def __init__(self, why: str) -> None:
+    def __init__(self, why: str, meta: tuple[torch.Size, torch.dtype, torch.device]) -> None:
         self.why = why
+        self.meta = meta
 
 
 class _Run:
@@ -386,7 +393,8 @@ class _Run:
                 raise _Unknown(f"the projection {log.entries[i].name} made a {dtype} tensor")
             leaf = _probe(shape, dtype, device, 20 + i).requires_grad_()
             self.leaves[i] = leaf
-            self.values[(i, 0)] = leaf.clone()  # (not the leaf itself: the model may write into its output in place)
+            # (written in place on the way, the leaf itself could not be: a copy of it is)
+            self.values[(i, 0)] = leaf.clone() if self.copy_all else leaf
         for i in cuts:
             if not self._alive(i):
                 _, shape, dtype, device = log.entries[i].metas[0]
@@ -396,8 +404,8 @@ class _Run:
                 try:
                     self._run(i)
                 except _Unknown as exc:
-                    for position, *_ in log.entries[i].metas:
-                        self.values[(i, position)] = _Missing(str(exc))
+                    for position, *meta in log.entries[i].metas:
+                        self.values[(i, position)] = _Missing(str(exc), tuple(meta))  # type: ignore[arg-type]
 
     def _alive(self, i: int) -> bool:
         """Entry ``i``'s outputs taken as they are now, if each is alive and unchanged since it was made."""
@@ -419,6 +427,8 @@ class _Run:
             if found is None:
                 raise _Unknown(f"{self.log.entries[x.index].name} was not run before its result was read")
             if isinstance(found, _Missing):
+                if beside:
+                    return torch.zeros(found.meta[0], dtype=found.meta[1], device=found.meta[2])
                 raise _Unknown(found.why)
             return found
         if isinstance(x, _Outside):
@@ -449,7 +459,7 @@ class _Run:
         if not _is_torch(entry.func):
             raise _Unknown(f"the way from a projection to the kernel goes through {entry.name!r}, a function of the "
                            f"model's own (not PyTorch's), which is not run again")  # fmt: skip
-        beside = _BESIDE.get(entry.name, ())
+        beside = _BESIDE.get(entry.name, ()) if i in self.reached else ()  # (a stand-in only beside a probe's way)
         args = [self.value(a, n in beside) for n, a in enumerate(entry.args)]
         kwargs = {k: self.value(v) for k, v in entry.kwargs.items()}
         if entry.name in _DROPOUT:

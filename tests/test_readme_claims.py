@@ -198,6 +198,30 @@ WITNESSED: list[tuple[str, str, list[str]]] = [
     ("docs/development.md", "nothing the cache keeps is a tensor once a trace closed",
      ["tests/test_trace_reopen.py::test_a_closed_trace_leaves_no_tensor_alive_in_what_it_keeps_for_the_next[mha]",
       "tests/test_trace_reopen.py::test_a_closed_trace_leaves_no_tensor_alive_in_what_it_keeps_for_the_next[sdpa]"]),
+    ("README.md", "A call without a graph gets its rows without any of your model's code running again",
+     ["tests/test_observe_only.py::test_side_effects_happen_once_per_call[no_grad]",
+      "tests/test_observe_only.py::test_no_module_of_the_model_runs_again_while_its_rows_are_read",
+      "tests/test_libraries.py::test_library_model_qkv_rows_in_inference[llama-inference_mode-sdpa]"]),
+    ("docs/slices.md", "None of your model's code runs twice: not its `forward`, not a hook, not a collective, a lock "
+     "or a random draw, and nothing it keeps outside the module (a KV cache in a dict, a counter, a log file) "
+     "changes.",
+     ["tests/test_observe_only.py::test_no_module_of_the_model_runs_again_while_its_rows_are_read",
+      "tests/test_observe_only.py::test_the_random_state_and_hooks_see_one_run[no_grad]",
+      "tests/test_observe_only.py::test_a_collective_in_the_forward_with_one_rank_traced",
+      "tests/test_observe_only.py::test_a_lock_held_around_the_kernel_does_not_deadlock[inference_mode]",
+      "tests/test_observe_only.py::test_a_cache_kept_outside_the_module_gets_each_step_once[inference_mode]",
+      "tests/test_observe_only.py::test_side_effects_happen_once_per_call[inference_mode]"]),
+    ("docs/slices.md", "The rows are those of the path this call took: a `forward` that does something else when "
+     "gradients are off is read as it ran.",
+     ["tests/test_observe_only.py::test_rows_are_those_of_the_path_this_call_took[no_grad]"]),
+    ("docs/slices.md", "In a decoding loop, the call after one whose layout was new is written down too, so every "
+     "step has its rows",
+     ["tests/test_observe_only.py::test_a_cache_kept_outside_the_module_gets_each_step_once[no_grad]",
+      "tests/test_rows_in_use.py::test_a_decoding_loop_with_a_cache_has_rows_and_its_cache_is_untouched"]),
+    ("docs/slices.md", "a module that calls its kernel twice (differential attention, with the other half of V the "
+     "second time) gets the rows of each call",
+     ["tests/test_observe_only.py::test_differential_attention_gives_each_call_its_own_half_of_v[train]",
+      "tests/test_observe_only.py::test_differential_attention_gives_each_call_its_own_half_of_v[inference_mode]"]),
     ("docs/development.md", "A steady call now runs 21 of qkvtrace's functions in a long run and 31 with records",
      ["tests/test_slots.py::test_a_steady_call_runs_a_constant_handful_of_functions[changes-direct-23]",
       "tests/test_slots.py::test_a_steady_call_runs_a_constant_handful_of_functions[all-direct-31]"]),
