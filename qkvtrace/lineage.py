@@ -318,17 +318,20 @@ def _walk(log: Log, start: _Made, by_id: dict[int, tuple[torch.Tensor, Candidate
     """The entries between ``start`` and the nearest matmul reading a projection's weight on each branch back
     (into ``needed``), the other matmuls met (``cuts``), and those matmuls: entry -> id of the weight.
 
-    An entry's memory written in place later (``k = empty(...); k[..., :n] = k_nope``) brings in the writes.
+    An entry's memory written in place after it was made and before it was read (``k = empty(...);
+    k[..., :n] = k_nope``, then the kernel reads ``k``) brings in the writes; a write after the last read of
+    it on the way does not (what it changed was not read).
     """
     consumers: dict[int, int] = {}
-    queue = [start.index]
-    seen: set[int] = set()
+    queue = [(start.index, len(log.entries))]  # (an entry, the latest entry on the way that reads it)
+    read_by: dict[int, int] = {}
     while queue:
-        i = queue.pop()
-        if i in seen:
+        i, reader = queue.pop()
+        if read_by.get(i, -1) >= reader:
             continue
-        seen.add(i)
-        if len(seen) > _MAX_WALK:
+        first = i not in read_by
+        read_by[i] = reader
+        if len(read_by) > _MAX_WALK:
             raise _Unknown(f"more than {_MAX_WALK} torch functions lie between the kernel and its projections")
         entry = log.entries[i]
         if entry.name in _MATMUL:
@@ -338,10 +341,11 @@ def _walk(log: Log, start: _Made, by_id: dict[int, tuple[torch.Tensor, Candidate
             else:
                 cuts.add(i)
             continue
-        needed.add(i)
-        queue.extend(x.index for x in entry.inputs if isinstance(x, _Made))
+        if first:
+            needed.add(i)
+            queue.extend((x.index, i) for x in entry.inputs if isinstance(x, _Made))
         root = i if entry.root is None else entry.root
-        queue.extend(w for w in log.writes.get(root, ()) if w > i)
+        queue.extend((w, reader) for w in log.writes.get(root, ()) if i < w < reader)
     return consumers
 
 

@@ -314,3 +314,73 @@ def test_rows_in_other_dtypes_and_a_projection_of_integers(dtype: torch.dtype) -
     lineage.see(log, F.linear, (x.float(), w.weight), {}, ints)
     found = lineage.derive(log, (ints, ints, ints), [w], WHY)
     assert found == f"{WHY}, and its torch functions give none: the projection linear made a torch.int64 tensor"
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_a_factor_written_in_place_after_the_call_used_it_is_made_again(mode: str) -> None:
+    """Witness: a gate of ones, made in the call (from a tensor still alive) and multiplied into Q through a
+    view of it, then zeroed in place after that product (an inference tensor keeps no version to tell): Q's
+    rows are every row of its third (the value the product used), not none (the gate's value now)."""
+    torch.manual_seed(0)
+    proj = nn.Linear(E, 3 * E)
+    x, ones = torch.randn(B, T, E), torch.ones(D)
+
+    def run() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = (heads(t) for t in proj(x).chunk(3, dim=-1))
+        gate = ones.mul(1.0)
+        q = q * gate.view(1, 1, 1, D)
+        gate.zero_()
+        return q, k, v
+
+    log = lineage.Log()
+    with (torch.no_grad() if mode == "no_grad" else torch.inference_mode()), Writing(log):
+        qkv = run()
+    assert rows(lineage.derive(log, qkv, [proj], WHY), "q") == ("weight", list(range(E)))
+
+
+def test_a_part_cut_from_its_projection_says_no_projection_reaches_it() -> None:
+    """Witness: Q detached from the projection's output on its way to the kernel: the reason, word for word."""
+    proj = nn.Linear(E, 3 * E)
+    x = torch.randn(B, T, E)
+    log, qkv = logged(lambda: tuple(heads(t).detach() if i == 0 else heads(t)
+                                    for i, t in enumerate(proj(x).chunk(3, dim=-1))))  # fmt: skip
+    assert lineage.derive(log, qkv, [proj], WHY) == (
+        f"{WHY}, and its torch functions give none: no projection's output reaches Q through the call's torch "
+        "functions")
+
+
+class Conv1D(nn.Module):
+    """GPT-2's projection: an ``[in, out]`` weight, ``addmm(bias, x, weight)`` (the bias first)."""
+
+    def __init__(self, nf: int, nx: int) -> None:
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.1)
+        self.bias = nn.Parameter(torch.zeros(nf))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight)
+        return out.view(*x.shape[:-1], self.nf)
+
+
+def test_a_projection_behind_a_conv1d_and_one_behind_a_product() -> None:
+    """Witness: the construction: Q from ``c_attn`` (a Conv1D, bias first in its ``addmm``) fed by ``a``; K from
+    ``b`` fed by ``a``'s output times a fixed matrix (a product that is no projection): Q names ``c_attn``'s
+    first third and says ``a`` stands behind it; K names ``b`` and no projection behind."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"a": nn.Linear(E, E), "c_attn": Conv1D(3 * E, E), "b": nn.Linear(E, E)})
+    mix = torch.randn(E, E)
+    x = torch.randn(B, T, E)
+
+    def run() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        hidden = model["a"](x)
+        q, _, v = (heads(t) for t in model["c_attn"](hidden).chunk(3, dim=-1))
+        k = heads(model["b"](hidden @ mix))
+        return q, k, v
+
+    log, qkv = logged(run)
+    found = lineage.derive(log, qkv, [model], WHY)
+    assert rows(found, "q") == ("c_attn.weight", list(range(E)))
+    assert isinstance(found, Projection)
+    assert found.spec.q.dim == 1 and "(the nearest projection: a feeds c_attn" in found.spec.q.evidence
+    assert rows(found, "k") == ("b.weight", list(range(E))) and found.spec.k.evidence == lineage.EVIDENCE

@@ -218,6 +218,13 @@ WITNESSED: list[tuple[str, str, list[str]]] = [
      "step has its rows",
      ["tests/test_observe_only.py::test_a_cache_kept_outside_the_module_gets_each_step_once[no_grad]",
       "tests/test_rows_in_use.py::test_a_decoding_loop_with_a_cache_has_rows_and_its_cache_is_untouched"]),
+    ("docs/slices.md", "once a call's layout is one already seen, nothing more is written down",
+     ["tests/test_hand_written_watch.py::test_an_sdpa_user_keeps_its_hooks_for_its_first_call_of_each_trace_only"]),
+    ("docs/slices.md", "Inside a profiler of your own the functions are not run again on stand-ins",
+     ["tests/test_dataflow.py::test_an_answer_given_while_profiling_is_not_kept"]),
+    ("docs/slices.md", "each function, the tensors it read and the tensors it made. Nothing is copied.",
+     ["tests/test_observe_only.py::test_an_input_viewing_a_large_buffer_copies_nothing_of_it",
+      "tests/test_lineage.py::test_the_call_s_tensors_and_random_state_are_left_as_they_were"]),
     ("docs/slices.md", "a module that calls its kernel twice (differential attention, with the other half of V the "
      "second time) gets the rows of each call",
      ["tests/test_observe_only.py::test_differential_attention_gives_each_call_its_own_half_of_v[train]",

@@ -38,6 +38,15 @@ it would without it. The mode calls every function with the very arguments
 it was given and returns its result untouched; it reads no values (masks and
 biases are named when the trace resolves, :mod:`qkvtrace.patterns`).
 
+The same mode writes every torch function a watched module calls into this
+thread's :class:`~qkvtrace.lineage.Log`: a call that builds no graph (under
+``no_grad``, ``inference_mode``, frozen weights) reads its Q/K/V rows from
+there, running no code of the model again. So the mode is also on, while
+their layouts are new, in an entry user's calls (the call after one whose
+layout was new: a decoding loop's first step) and in the calls of the
+outermost modules that hold a projection (*holders*, watched for their rows
+only, so that a module of any name that calls SDPA has them).
+
 This module says which modules are watched and switches the mode on and off;
 the mode itself, and the dataflow it follows, are
 :mod:`~qkvtrace.tracer.observers.handwritten_ops`.
@@ -246,7 +255,8 @@ def _switch_off(module: nn.Module, returned: bool = True) -> None:
     attention (GPT-2's ``c_attn``, a reference Llama's ``attention_norm``) would otherwise run every call of
     its own through the mode. An entry user's call that returned without reaching an entry point makes it a
     candidate again: its attention, from its next call, may be written by hand; one that reached one leaves it
-    without hooks until the next trace (an entry user is checked on its first call of each trace)."""
+    without hooks until the next trace (an entry user is checked on its first call of each trace), unless its
+    layouts are still new (:func:`layouts_new`). A holder's call that met no new layout settles it."""
     st = getattr(local, "state", None)
     if st is None:
         return
