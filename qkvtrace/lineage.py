@@ -291,7 +291,8 @@ def _shares(args: tuple[Any, ...], kwargs: dict[str, Any], out: torch.Tensor) ->
 
 def _is_torch(func: Any) -> bool:
     """Whether ``func`` is PyTorch's own (a method of its tensors, one of its functions), not the model's."""
-    owner = getattr(func, "__objclass__", None) or getattr(getattr(func, "__self__", None), "__objclass__", None)
+    # (a tensor's property, ``t.mT``, is its descriptor's ``__get__``: the descriptor's class is the owner)
+    owner = getattr(getattr(func, "__self__", None), "__objclass__", None) or getattr(func, "__objclass__", None)
     module = getattr(owner, "__module__", None) if owner is not None else getattr(func, "__module__", None)
     return isinstance(module, str) and (module == "torch" or module.startswith("torch."))
 

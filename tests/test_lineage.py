@@ -324,11 +324,13 @@ def test_a_factor_written_in_place_after_the_call_used_it_is_made_again(mode: st
     torch.manual_seed(0)
     proj = nn.Linear(E, 3 * E)
     x, ones = torch.randn(B, T, E), torch.ones(D)
+    kept: list[torch.Tensor] = []  # (the gate and its view alive when the rows are read, as a module's state is)
 
     def run() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = (heads(t) for t in proj(x).chunk(3, dim=-1))
         gate = ones.mul(1.0)
-        q = q * gate.view(1, 1, 1, D)
+        kept.extend((gate, gate.view(1, 1, 1, D)))
+        q = q * kept[1]
         gate.zero_()
         return q, k, v
 
@@ -384,3 +386,38 @@ def test_a_projection_behind_a_conv1d_and_one_behind_a_product() -> None:
     assert isinstance(found, Projection)
     assert found.spec.q.dim == 1 and "(the nearest projection: a feeds c_attn" in found.spec.q.evidence
     assert rows(found, "k") == ("b.weight", list(range(E))) and found.spec.k.evidence == lineage.EVIDENCE
+
+
+def test_a_property_of_a_tensor_on_the_way_is_pytorchs_own() -> None:
+    """Witness: the construction: K handed over through ``.mT`` twice (a property of PyTorch's tensors, whose
+    function is its descriptor's ``__get__``): K's rows are its third, not a reason naming a function of the
+    model's own."""
+    torch.manual_seed(0)
+    proj = nn.Linear(E, 3 * E)
+    x = torch.randn(B, T, E)
+    log, qkv = logged(lambda: tuple(heads(t).mT.mT for t in proj(x).chunk(3, dim=-1)))
+    assert rows(lineage.derive(log, qkv, [proj], WHY), "k") == ("weight", list(range(E, 2 * E)))
+
+
+def test_parts_that_share_a_saving_function_each_get_their_rows() -> None:
+    """Witness: the construction: the projection's output times a per-feature scale (a product that keeps its
+    operands for its backward) before the chunk into Q, K, V: each part's rows are read from the same graph."""
+    torch.manual_seed(0)
+    proj = nn.Linear(E, 3 * E)
+    x, scale = torch.randn(B, T, E), torch.rand(3 * E) + 0.5
+    log, qkv = logged(lambda: tuple(heads(t) for t in (proj(x) * scale).chunk(3, dim=-1)))
+    found = lineage.derive(log, qkv, [proj], WHY)
+    for i, part in enumerate("qkv"):
+        assert rows(found, part) == ("weight", list(range(i * E, (i + 1) * E)))
+
+
+def test_a_part_no_feature_reaches_with_a_gradient_says_so() -> None:
+    """Witness: Q multiplied by zero on its way (every feature of its projection has a zero gradient there):
+    the reason, word for word."""
+    proj = nn.Linear(E, 3 * E)
+    x = torch.randn(B, T, E)
+    log, qkv = logged(lambda: tuple(heads(t) * (0.0 if i == 0 else 1.0)
+                                    for i, t in enumerate(proj(x).chunk(3, dim=-1))))  # fmt: skip
+    assert lineage.derive(log, qkv, [proj], WHY) == (
+        f"{WHY}, and its torch functions give none: no output feature of a projection reaches Q with a non-zero "
+        "gradient")
