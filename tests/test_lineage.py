@@ -421,3 +421,69 @@ def test_a_part_no_feature_reaches_with_a_gradient_says_so() -> None:
     assert lineage.derive(log, qkv, [proj], WHY) == (
         f"{WHY}, and its torch functions give none: no output feature of a projection reaches Q with a non-zero "
         "gradient")
+
+
+def test_the_walk_back_is_bounded_and_says_so() -> None:
+    """Witness: chains of views counted in the test between the projection and Q: 512 functions on Q's way
+    back (the projection, the slice, 510 views) are walked; one more and the reason says the bound."""
+    proj = nn.Linear(E, 3 * E)
+    x = torch.randn(B, T, E)
+
+    def run(views: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q = proj(x)[..., :E]
+        for _ in range(views):
+            q = q.view(B, T, E)
+        k, v = (heads(t) for t in proj(x)[..., E:].chunk(2, dim=-1))
+        return heads(q), k, v
+
+    log, qkv = logged(lambda: run(508))  # (the projection, the slice, heads()'s view and transpose: 512 in all)
+    assert rows(lineage.derive(log, qkv, [proj], WHY), "q") == ("weight", list(range(E)))
+    log, qkv = logged(lambda: run(509))
+    assert lineage.derive(log, qkv, [proj], WHY) == (
+        f"{WHY}, and its torch functions give none: more than 512 torch functions lie between the kernel and its "
+        "projections")
+
+
+def test_a_product_of_activations_on_the_way_freed_since_and_a_buffer_read_through_a_view() -> None:
+    """Witness: the construction: Q times a product of two activations made and freed inside the call (its
+    value stands in as a probe of its shape; Q's rows are still its projection's); K read through a view of a
+    buffer taken before its halves were written into it (the writes are run again: K's rows are both
+    halves')."""
+    torch.manual_seed(0)
+    proj = nn.Linear(E, 3 * E)
+    x = torch.randn(B, T, E)
+    a, b = torch.randn(B, H, T, 4), torch.randn(B, H, 4, D)
+
+    def run() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = (heads(t) for t in proj(x).chunk(3, dim=-1))
+        q = q * (a.mul(1.0) @ b)
+        buffer = k.new_empty(B, H, T, D)
+        seen = buffer.view(B, H, T, D)  # (taken before the writes, read after them)
+        buffer[..., :4] = k[..., :4]
+        buffer[..., 4:] = k[..., 4:]
+        return q, seen, v
+
+    log, qkv = logged(run)
+    gc.collect()
+    found = lineage.derive(log, qkv, [proj], WHY)
+    assert rows(found, "q") == ("weight", list(range(E)))
+    assert rows(found, "k") == ("weight", list(range(E, 2 * E)))
+
+
+def test_what_the_rows_copy_of_the_call_s_tensors_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Witness: the size of the one inference tensor the way reads (a factor made in inference mode), counted
+    in the test: a bound of exactly its bytes lets it be copied; one byte less and the reason says the bound."""
+    proj = nn.Linear(E, 3 * E)
+    x = torch.randn(B, T, E)
+    with torch.inference_mode():
+        factor = torch.rand(D) + 0.5
+    log = lineage.Log()
+    with torch.inference_mode(), Writing(log):
+        q, k, v = (heads(t) for t in proj(x).chunk(3, dim=-1))
+        qkv = (q * factor, k, v)
+    size = factor.numel() * factor.element_size()
+    monkeypatch.setattr(lineage, "MAX_COPY_BYTES", size)
+    assert rows(lineage.derive(log, qkv, [proj], WHY), "q") == ("weight", list(range(E)))
+    monkeypatch.setattr(lineage, "MAX_COPY_BYTES", size - 1)
+    assert lineage.derive(log, qkv, [proj], WHY) == (
+        f"{WHY}, and its torch functions give none: the tensors it reads exceed 0 MiB")
