@@ -487,3 +487,22 @@ def test_what_the_rows_copy_of_the_call_s_tensors_is_bounded(monkeypatch: pytest
     monkeypatch.setattr(lineage, "MAX_COPY_BYTES", size - 1)
     assert lineage.derive(log, qkv, [proj], WHY) == (
         f"{WHY}, and its torch functions give none: the tensors it reads exceed 0 MiB")
+
+
+def test_a_projection_s_output_written_in_place_on_the_way() -> None:
+    """Witness: the construction: the projection's output scaled in place (``mul_``) before the chunk into Q,
+    K, V: the write is run again on a copy of the probe, and each part's rows are its third."""
+    torch.manual_seed(0)
+    proj = nn.Linear(E, 3 * E)
+    x = torch.randn(B, T, E)
+
+    def run() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        out = proj(x)
+        out.mul_(0.5)
+        q, k, v = (heads(t) for t in out.chunk(3, dim=-1))
+        return q, k, v
+
+    log, qkv = logged(run)
+    found = lineage.derive(log, qkv, [proj], WHY)
+    for i, part in enumerate("qkv"):
+        assert rows(found, part) == ("weight", list(range(i * E, (i + 1) * E)))
