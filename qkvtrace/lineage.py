@@ -470,10 +470,16 @@ class _Run:
         if entry.name in _DROPOUT:
             first: Any = args[0] if args else kwargs.get("input")
             out: Any = (first, torch.ones_like(first, dtype=torch.bool)) if entry.name == "native_dropout" else first
+        elif "out" in kwargs:  # (autograd takes no out=: the result is computed, then copied into its buffer)
+            target = kwargs.pop("out")
+            result = entry.func(*args, **kwargs)
+            if isinstance(target, torch.Tensor) and target.shape == result.shape:
+                result = target.copy_(result)
+            self.values[(i, -1)] = result
+            return
         elif entry.in_place:
-            target = kwargs["out"] if "out" in kwargs else args[0]
             entry.func(*args, **kwargs)
-            self.values[(i, -1)] = target
+            self.values[(i, -1)] = args[0]
             return
         else:
             out = entry.func(*args, **kwargs)

@@ -506,3 +506,27 @@ def test_a_projection_s_output_written_in_place_on_the_way() -> None:
     found = lineage.derive(log, qkv, [proj], WHY)
     for i, part in enumerate("qkv"):
         assert rows(found, part) == ("weight", list(range(i * E, (i + 1) * E)))
+
+
+def test_dropout_by_keyword_native_dropout_and_a_result_written_into_out() -> None:
+    """Witness: the construction, with Q passed to dropout by keyword and through ``torch.native_dropout``
+    (its output taken, its mask ignored: no draw is made to read the rows), and K written into a buffer by
+    ``out=``: each part's rows are its third, and the global random state does not move while they are read."""
+    torch.manual_seed(0)
+    proj = nn.Linear(E, 3 * E)
+    x = torch.randn(B, T, E)
+
+    def run() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = (heads(t) for t in proj(x).chunk(3, dim=-1))
+        q = F.dropout(input=q, p=0.5, training=True)
+        v = torch.native_dropout(v, 0.5, True)[0]
+        buffer = k.new_empty(k.shape)
+        torch.add(k, 1.0, out=buffer)
+        return q, buffer, v
+
+    log, qkv = logged(run)
+    state = torch.get_rng_state()
+    found = lineage.derive(log, qkv, [proj], WHY)
+    assert torch.equal(torch.get_rng_state(), state)
+    for i, part in enumerate("qkv"):
+        assert rows(found, part) == ("weight", list(range(i * E, (i + 1) * E)))
