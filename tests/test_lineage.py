@@ -530,3 +530,15 @@ def test_dropout_by_keyword_native_dropout_and_a_result_written_into_out() -> No
     assert torch.equal(torch.get_rng_state(), state)
     for i, part in enumerate("qkv"):
         assert rows(found, part) == ("weight", list(range(i * E, (i + 1) * E)))
+
+
+def test_a_weight_multiplied_the_other_way_round_says_so() -> None:
+    """Witness: a ``Linear(E, 3E)``'s weight ``[3E, E]`` multiplied from the left side of its output features
+    (``y @ W``: one column per input feature, not per row): the reason names the matmul and the weight."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"p": nn.Linear(E, 3 * E)})
+    y = torch.randn(B, T, 3 * E)
+    log, qkv = logged(lambda: (heads(y @ model["p"].weight),) * 3)
+    assert lineage.derive(log, qkv, [model], WHY) == (
+        f"{WHY}, and its torch functions give none: the matmul matmul that reads p.weight does not give one "
+        "column per output feature")
