@@ -242,7 +242,9 @@ def see(log: Log, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[
     if not outs:
         return
     index = len(entries)
-    first = inputs[0] if isinstance(inputs[0], _Made) else None
+    written = (logged_kwargs.get("out") if "out" in kwargs else logged_args[0] if logged_args else None) if in_place \
+        else inputs[0]  # (the tensor an in-place function writes; a view's, the tensor it views)
+    first = written if isinstance(written, _Made) else None
     root = None
     if first is not None and (in_place or (name in _VIEWS and _shares(args, kwargs, outs[0]))):
         root = entries[first.index].root

@@ -509,20 +509,23 @@ def test_a_projection_s_output_written_in_place_on_the_way() -> None:
 
 
 def test_dropout_by_keyword_native_dropout_and_a_result_written_into_out() -> None:
-    """Witness: the construction, with Q passed to dropout by keyword and through ``torch.native_dropout``
-    (its output taken, its mask ignored: no draw is made to read the rows), and K written into a buffer by
-    ``out=``: each part's rows are its third, and the global random state does not move while they are read."""
+    """Witness: the construction, with Q passed to ``torch.dropout`` by keyword and V through
+    ``torch.native_dropout`` times its own mask (no draw is made to read the rows: the mask stands in as
+    ones), and K read through a view of a buffer written by ``out=`` after the view was taken: each part's rows
+    are its third, and the global random state does not move while they are read."""
     torch.manual_seed(0)
     proj = nn.Linear(E, 3 * E)
     x = torch.randn(B, T, E)
 
     def run() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = (heads(t) for t in proj(x).chunk(3, dim=-1))
-        q = F.dropout(input=q, p=0.5, training=True)
-        v = torch.native_dropout(v, 0.5, True)[0]
+        q = torch.dropout(input=q, p=0.5, train=True)
+        dropped, mask = torch.native_dropout(v, 0.5, True)
+        v = dropped * mask
         buffer = k.new_empty(k.shape)
+        seen = buffer.view(k.shape)  # (taken before the write into the buffer, read after it)
         torch.add(k, 1.0, out=buffer)
-        return q, buffer, v
+        return q, seen, v
 
     log, qkv = logged(run)
     state = torch.get_rng_state()
