@@ -9,6 +9,7 @@ weight reach Q, K and V, computed in the test.
 from __future__ import annotations
 
 import gc
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -545,3 +546,48 @@ def test_a_weight_multiplied_the_other_way_round_says_so() -> None:
     assert lineage.derive(log, qkv, [model], WHY) == (
         f"{WHY}, and its torch functions give none: the matmul matmul that reads p.weight does not give one "
         "column per output feature")
+
+
+def test_a_view_taken_by_keyword_before_a_write_and_a_function_that_refuses_the_probes() -> None:
+    """Witness: the construction: K read through ``torch.transpose(input=buffer, ...)`` taken before the
+    buffer's halves were written (a view by keyword: the writes reach it); and a function that runs in the
+    call but refuses the probes (``requires_grad_`` on a tensor made by autograd) gives PyTorch's own error as
+    the reason."""
+    torch.manual_seed(0)
+    proj = nn.Linear(E, 3 * E)
+    x = torch.randn(B, T, E)
+
+    def run() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = (heads(t) for t in proj(x).chunk(3, dim=-1))
+        buffer = k.new_empty(B, H, T, D)
+        seen = torch.transpose(input=buffer, dim0=2, dim1=3)
+        buffer[..., :4] = k[..., :4]
+        buffer[..., 4:] = k[..., 4:]
+        return q, seen.transpose(2, 3), v
+
+    log, qkv = logged(run)
+    assert rows(lineage.derive(log, qkv, [proj], WHY), "k") == ("weight", list(range(E, 2 * E)))
+
+    def refusing() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = (heads(t) for t in proj(x).chunk(3, dim=-1))
+        return q.requires_grad_(False), k, v
+
+    log, qkv = logged(refusing)
+    found = lineage.derive(log, qkv, [proj], WHY)
+    assert isinstance(found, str)
+    assert found.startswith(f"{WHY}, and its torch functions give none: running them on probes raised RuntimeError: ")
+
+
+def test_a_thread_that_never_watched_has_no_log_and_stops_quietly() -> None:
+    """Witness: a thread started here, which never turned the watching on: no log, and stopping is a no-op."""
+    seen: list[Any] = []
+
+    def thread() -> None:
+        seen.append(lineage.current())
+        lineage.stop()
+        seen.append(lineage.current())
+
+    worker = threading.Thread(target=thread)
+    worker.start()
+    worker.join(10)
+    assert seen == [None, None]
