@@ -228,33 +228,31 @@ def see(log: Log, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[
         return  # a tensor made from no tensor (``arange``): read as made outside the log
     name = _name(func)
     in_place = (name.endswith("_") and not name.endswith("__")) or name in _IN_PLACE or "out" in kwargs
+    made_now: list[tuple[int, torch.Tensor]]  # (output position, the tensor); -1: the tensor written in place
     if in_place:
-        target = kwargs.get("out", args[0] if args else None)
-        outs = [target] if isinstance(target, torch.Tensor) else []
-        positions = [-1]
+        target = kwargs["out"] if "out" in kwargs else args[0]
+        made_now = [(-1, target)] if isinstance(target, torch.Tensor) else []
     elif isinstance(out, torch.Tensor):
-        outs, positions = [out], [0]
+        made_now = [(0, out)]
     elif isinstance(out, (tuple, list)):
-        outs = [t for t in out if isinstance(t, torch.Tensor)]
-        positions = [i for i, t in enumerate(out) if isinstance(t, torch.Tensor)]
+        made_now = [(i, t) for i, t in enumerate(out) if isinstance(t, torch.Tensor)]
     else:
         return  # no tensor made (``dim()``, ``size()``): nothing to follow
-    if not outs:
+    if not made_now:
         return
     index = len(entries)
     written = (logged_kwargs.get("out") if "out" in kwargs else logged_args[0] if logged_args else None) if in_place \
         else inputs[0]  # (the tensor an in-place function writes; a view's, the tensor it views)
     first = written if isinstance(written, _Made) else None
     root = None
-    if first is not None and (in_place or (name in _VIEWS and _shares(args, kwargs, outs[0]))):
+    if first is not None and (in_place or (name in _VIEWS and _shares(args, kwargs, made_now[0][1]))):
         root = entries[first.index].root
         root = first.index if root is None else root
         if in_place:
             log.writes.setdefault(root, []).append(index)
             root = None  # (what an in-place function returns is its target: found through the target's entry)
-    made_now = list(zip(positions, outs, strict=True))
     entries.append(_Entry(func, name, logged_args, logged_kwargs, inputs, in_place, made_now, root))
-    for t, position in zip(outs, positions, strict=True):
+    for position, t in made_now:
         made[id(t)] = (weakref.ref(t), index, position)
 
 
@@ -512,16 +510,16 @@ def derive(log: Log | None, qkv: Sequence[Any], holders: Sequence[nn.Module], wh
 
 def _derive(log: Log, qkv: Sequence[Any], holders: Sequence[nn.Module]) -> Projection | str:
     by_id = candidates(holders)
-    starts: list[_Made] = []
+    starts: dict[str, _Made] = {}
     for part, t in zip(PARTS, qkv, strict=True):
         start = log.source(t) if isinstance(t, torch.Tensor) else None
         if start is None:
             raise _Unknown(f"{part.upper()} was not made by a torch function of a watched module's call")
-        starts.append(start)
+        starts[part] = start
     needed: set[int] = set()
     cuts: set[int] = set()
     consumers: dict[int, int] = {}
-    for part, start in zip(PARTS, starts, strict=True):
+    for part, start in starts.items():
         found = _walk(log, start, by_id, needed, cuts)
         if not found:
             return (f"not derived: no nn.Linear or Conv1D weight of this module or its parents is multiplied on the "
@@ -537,7 +535,7 @@ def _derive(log: Log, qkv: Sequence[Any], holders: Sequence[nn.Module]) -> Proje
             torch.inference_mode(False), torch.enable_grad():  # fmt: skip
         run = _Run(log, needed, consumers, cuts)
         parts: dict[str, Found] = {}
-        for part, start in zip(PARTS, starts, strict=True):
+        for part, start in starts.items():
             t = run.value(start) if start.index not in consumers else run.leaves[start.index]
             parts[part] = _part_rows(part, t, run, consumers, by_id)
     behind = _behind(log, consumers, by_id)

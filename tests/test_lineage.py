@@ -8,6 +8,7 @@ weight reach Q, K and V, computed in the test.
 
 from __future__ import annotations
 
+import functools
 import gc
 import threading
 from collections.abc import Callable
@@ -591,3 +592,19 @@ def test_a_thread_that_never_watched_has_no_log_and_stops_quietly() -> None:
     worker.start()
     worker.join(10)
     assert seen == [None, None]
+
+
+def test_a_callable_without_a_name_on_the_way_is_the_model_s_own() -> None:
+    """Witness: a ``functools.partial`` of ``torch.mul`` (no ``__name__``, not PyTorch's own object) handed to
+    the log as a model's function would be: it is written down under no name and not run again."""
+    proj = nn.Linear(E, 3 * E)
+    x = torch.randn(B, T, E)
+    log, (q, k, v) = logged(lambda: tuple(heads(t) for t in proj(x).chunk(3, dim=-1)))
+    scale = functools.partial(torch.mul, other=2.0)
+    with torch.no_grad():
+        scaled = scale(q)
+    lineage.see(log, scale, (q,), {}, scaled)
+    assert log.entries[-1].name == "" and not log.entries[-1].in_place
+    assert lineage.derive(log, (scaled, k, v), [proj], WHY) == (
+        f"{WHY}, and its torch functions give none: the way from a projection to the kernel goes through '', a "
+        "function of the model's own (not PyTorch's), which is not run again")
