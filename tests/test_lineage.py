@@ -108,15 +108,18 @@ def test_a_freed_tensor_joined_beside_stands_in_as_zeros_but_not_one_multiplied(
         q, k, v = (heads(t) for t in proj(x).chunk(3, dim=-1))
         other = torch.randn(B, H, 1, D) + 1  # (made outside the log: no tensor argument)
         keep["other"] = other
-        k = torch.cat([other, k], dim=2) if op == "cat" else k * other
+        if op == "mul":
+            k = k * other
+        else:
+            k = torch.cat([other, k] if op == "cat" else (other, k), dim=2)
         return q, k, v
 
-    for op in ("cat", "mul"):
+    for op in ("cat", "cat of a tuple", "mul"):
         log, qkv = logged(lambda op=op: run(op))
         del keep["other"]
         gc.collect()
         found = lineage.derive(log, qkv, [proj], WHY)
-        if op == "cat":
+        if op != "mul":
             assert rows(found, "k") == ("weight", list(range(E, 2 * E)))
         else:
             assert found == f"{WHY}, and its torch functions give none: a tensor the way from a projection to the " \
@@ -608,3 +611,28 @@ def test_a_callable_without_a_name_on_the_way_is_the_model_s_own() -> None:
     assert lineage.derive(log, (scaled, k, v), [proj], WHY) == (
         f"{WHY}, and its torch functions give none: the way from a projection to the kernel goes through '', a "
         "function of the model's own (not PyTorch's), which is not run again")
+
+
+def test_what_the_rows_copy_adds_up_and_says_its_bound_in_mib(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Witness: sizes counted in the test: two inference tensors the way reads, each under the bound and both
+    over it, are refused together; a 4 MiB cache joined beside K against a 3 MiB bound says "3 MiB"."""
+    proj = nn.Linear(E, 3 * E)
+    x = torch.randn(B, T, E)
+    with torch.inference_mode():
+        first, second = torch.rand(D) + 0.5, torch.rand(D) + 0.5
+        cache = torch.zeros(B, H, 2**15, D)  # 4 MiB
+    log = lineage.Log()
+    with torch.inference_mode(), Writing(log):
+        q, k, v = (heads(t) for t in proj(x).chunk(3, dim=-1))
+        qkv = (q * first * second, k, v)
+    one = first.numel() * first.element_size()
+    monkeypatch.setattr(lineage, "MAX_COPY_BYTES", one + one // 2)
+    assert lineage.derive(log, qkv, [proj], WHY) == (
+        f"{WHY}, and its torch functions give none: the tensors it reads exceed 0 MiB")
+    log = lineage.Log()
+    with torch.inference_mode(), Writing(log):
+        q, k, v = (heads(t) for t in proj(x).chunk(3, dim=-1))
+        qkv = (q, torch.cat([cache, k], dim=2), v)
+    monkeypatch.setattr(lineage, "MAX_COPY_BYTES", 3 * 2**20)
+    assert lineage.derive(log, qkv, [proj], WHY) == (
+        f"{WHY}, and its torch functions give none: the tensors it reads exceed 3 MiB")
