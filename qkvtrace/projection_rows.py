@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.nn.parameter import UninitializedBuffer, UninitializedParameter
 
-from qkvtrace.slices import PARTS, PartSpec, Projection, ProjectionSpec, Rows, layout_of
+from qkvtrace.slices import PARTS, PartSpec, Projection, ProjectionSpec, Rows, layout_of, ranges
 
 __all__ = ["Candidate", "Found", "candidates", "merged", "projection_of", "weight_dim"]
 
@@ -70,15 +70,7 @@ def merged(found: Found) -> Found:
     for cand, rows, behind in found:
         entry = by_module.setdefault(id(cand.module), (cand, set(), behind))
         entry[1].update(i for lo, hi in rows for i in range(lo, hi))
-    out: Found = []
-    for cand, idx, behind in by_module.values():
-        ranges: list[tuple[int, int]] = []
-        for i in sorted(idx):
-            if ranges and ranges[-1][1] == i:
-                ranges[-1] = (ranges[-1][0], i + 1)
-            else:
-                ranges.append((i, i + 1))
-        out.append((cand, tuple(ranges), behind))
+    out: Found = [(cand, ranges(sorted(idx)), behind) for cand, idx, behind in by_module.values()]
     out.sort(key=lambda e: -sum(b - a for a, b in e[1]))  # the weight giving the most rows first
     return out
 

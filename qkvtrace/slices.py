@@ -29,7 +29,7 @@ from __future__ import annotations
 import itertools
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +49,7 @@ __all__ = [
     "layout_of",
     "mha_projection",
     "norm_of",
+    "ranges",
     "rows_of",
     "slice_norms_of",
     "whole",
@@ -135,7 +136,11 @@ def whole(weight: torch.Tensor, dim: int = 0) -> Rows:
 
 def rows_of(mask: torch.Tensor) -> Rows:
     """The ``[start, stop)`` ranges of the ``True`` entries of a 1-D bool tensor (one host read)."""
-    idx = mask.nonzero().flatten().tolist()
+    return ranges(mask.nonzero().flatten().tolist())
+
+
+def ranges(idx: Iterable[int]) -> Rows:
+    """The ``[start, stop)`` ranges of increasing row indices."""
     out: list[tuple[int, int]] = []
     for i in idx:
         if out and out[-1][1] == i:

@@ -156,8 +156,9 @@ def projection_holders(named: Iterable[tuple[str, nn.Module]], compiled: set[int
                        watched: Iterable[nn.Module]) -> list[nn.Module]:  # fmt: skip
     """The outermost of the model's own modules that hold a projection weight (an ``nn.Linear``, a ``Conv1D``)
     and are not watched already (``watched``): none on or inside PyTorch's attention modules, none scripted or
-    compiled. While one of them runs its first call with gradients off, the torch functions it calls are written
-    down, so that a module calling SDPA in it, of any name, gets its rows from them (:mod:`qkvtrace.lineage`)."""
+    compiled. While one of them runs its first calls (until one meets no new layout), the torch functions it
+    calls are written down, so that a module calling SDPA in it, of any name, gets its rows from them when its
+    call builds no graph (:mod:`qkvtrace.lineage`)."""
     named = [(n, m) for n, m in named if id(m) not in compiled]
     torch_attention = [n for n, m in named if isinstance(m, handwritten.TORCH_ATTENTION)]
     taken = {id(m) for m in watched}

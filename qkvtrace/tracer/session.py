@@ -420,7 +420,7 @@ class Trace:
             return
         for m in candidates:
             stack.callback(handwritten.unwatch, handwritten.watch(m))
-        for i in holding:  # (their first call with gradients off: its functions are written down for the rows)
+        for i in holding:  # (their first calls' functions are written down, for the rows of calls without a graph)
             stack.callback(handwritten.unwatch, handwritten.watch(walked.modules[i], holder=True))
 
     def _fsdp1_gather(self) -> Callable[[], Any] | None:
