@@ -11,9 +11,11 @@ bert first   transformers ``BertModel``, 12 layers, d_model 768, 12 heads (SDPA 
              closes one trace of a tiny module (in both arms: the library's own memory is not the trace's),
              builds the model, then times ``model(ids)`` untraced, or ``with qkvtrace.trace(model):
              model(ids)`` (opening and closing the trace included).
-generate     transformers ``LlamaForCausalLM``, 4 layers, d_model 256, 4 heads (2 KV heads), eager decoding with
-             its dynamic KV cache: ``generate`` of 32 new tokens, greedy, from a prompt of 16, in one process,
-             untraced and inside one trace, alternately.
+generate     transformers ``LlamaForCausalLM``, eager decoding with its dynamic KV cache: ``generate`` of 32 new
+             tokens, greedy, from a prompt of 16, in one process, untraced and inside one trace, alternately; two
+             sizes: a small one (4 layers, d_model 256, 4 heads, 2 KV heads: each call's own work is small, so
+             this row shows the most a call's record can cost) and one of GPT-2 small's size (12 layers, d_model
+             768, 12 heads, 4 KV heads).
 
 Each row prints the median of the paired ratios traced / untraced (each traced sample beside the untraced one
 measured just before it) with their range, and how many of the traced calls have their Q/K/V rows. Time is the
@@ -66,7 +68,7 @@ def first_call(layers: int, length: int, traced: bool, threads: int) -> dict[str
 
 
 def _row(name: str, ratios: list[float], extra: str = "") -> str:
-    return f"{name:<28} {statistics.median(ratios):6.3f}  ({min(ratios):.3f}-{max(ratios):.3f})  {extra}"
+    return f"{name:<36} {statistics.median(ratios):6.3f}  ({min(ratios):.3f}-{max(ratios):.3f})  {extra}"
 
 
 def bench_first(layers: int, length: int, repeats: int, threads: int) -> list[str]:
@@ -82,7 +84,11 @@ def bench_first(layers: int, length: int, repeats: int, threads: int) -> list[st
     return [_row(name + " time", times, rows), _row(name + " peak memory", peaks)]
 
 
-def bench_generate(new_tokens: int, repeats: int, threads: int) -> list[str]:
+#: the decoders' sizes: (name, layers, d_model, heads, KV heads)
+_DECODERS = (("small", 4, 256, 4, 2), ("GPT-2 small's size", 12, 768, 12, 4))
+
+
+def bench_generate(new_tokens: int, repeats: int, threads: int, size: tuple[str, int, int, int, int]) -> list[str]:
     import torch
     import transformers
 
@@ -90,8 +96,10 @@ def bench_generate(new_tokens: int, repeats: int, threads: int) -> list[str]:
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    name, layers, width, heads, kv_heads = size
+    config = transformers.LlamaConfig(vocab_size=1000, hidden_size=width, intermediate_size=2 * width,
+                                      num_hidden_layers=layers, num_attention_heads=heads,
+                                      num_key_value_heads=kv_heads, max_position_embeddings=256,
                                       attn_implementation="sdpa")  # fmt: skip
     model = transformers.LlamaForCausalLM(config).eval()
     prompt = torch.randint(0, 1000, (1, 16))
@@ -118,7 +126,7 @@ def bench_generate(new_tokens: int, repeats: int, threads: int) -> list[str]:
             raise SystemExit("traced generation gave other tokens than untraced")
         ratios.append(b / a)
         said = f"rows on {rows} of {calls} calls; same tokens; untraced {a * 1000:.0f} ms"
-    return [_row(f"generate ({new_tokens} tokens)", ratios, said)]
+    return [_row(f"generate {new_tokens}, {name}", ratios, said)]
 
 
 def main() -> None:
@@ -128,11 +136,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     args = parser.parse_args()
     layers, length, tokens = (4, 128, 16) if args.quick else (12, 256, 32)
-    print(f"{'workload':<28} {'traced / untraced, median (range)'}")
+    print(f"{'workload':<36} {'traced / untraced, median (range)'}")
     for line in bench_first(layers, length, args.repeats, args.threads):
         print(line, flush=True)
-    for line in bench_generate(tokens, max(args.repeats, 5), args.threads):
-        print(line, flush=True)
+    for size in _DECODERS:
+        for line in bench_generate(tokens, max(args.repeats, 5), args.threads, size):
+            print(line, flush=True)
 
 
 if __name__ == "__main__":

@@ -51,6 +51,7 @@ from qkvtrace import compat, lazy
 from qkvtrace.records import AttentionCall
 from qkvtrace.slices import Projection, ProjectionSpec, Stamp
 from qkvtrace.tracer import again, routes
+from qkvtrace.tracer.build import shared_inputs
 
 if TYPE_CHECKING:
     from torch import nn
@@ -95,6 +96,9 @@ class Slot:
     kernel: tuple[Any, ...] | None = None
     #: ``False`` once a steady call's backward core could not be left to its backward pass (:meth:`verdict`)
     follows: bool = True
+    #: the call signature (:func:`qkvtrace.dataflow.signature`) a call whose keys grew was last found to have the
+    #: slot's Q/K/V rows by: a grown call with it has them too (the trace keeps its rows by it)
+    layout: Any = None
 
     def holds(self, trace: Trace, name: str) -> bool:
         """What the slot relies on beyond the call's key still holds: in a long run, its combination is still
@@ -114,9 +118,11 @@ class Slot:
                 return False
         return True
 
-    def count(self, trace: Trace, nan_count: Any) -> None:
-        """Count, in a long run, a call the slot knows: its NaN count added to its module's, nothing else."""
-        trace.monitor.count_steady(self.entry, self.seen, self.backend, nan_count, self.rows)  # type: ignore[union-attr, arg-type]
+    def count(self, trace: Trace, nan_count: Any, rows: Any = None) -> None:
+        """Count, in a long run, a call the slot knows: its NaN count added to its module's, nothing else
+        (``rows``: its fully-masked rows where they are its own, not the slot's)."""
+        trace.monitor.count_steady(self.entry, self.seen, self.backend, nan_count,  # type: ignore[union-attr, arg-type]
+                                   self.rows if rows is None else rows)  # fmt: skip
 
     def verdict(self, trace: Trace, index: int, name: str, out: Any, inputs: tuple[Any, ...], *, heads: int | None,
                 key: Any, fused: bool = False) -> routes.Verdict | None:  # fmt: skip
@@ -133,18 +139,21 @@ class Slot:
 
     def record(self, trace: Trace, owner: nn.Module, name: str, index: int, nan_count: Any,
                norms: tuple[Any, Any, Any] | None, core: routes.Core | None,
-               said: routes.Verdict | None = None) -> None:  # fmt: skip
+               said: routes.Verdict | None = None, grown: tuple[Any, Any] | None = None) -> None:  # fmt: skip
         """Record, in a plain trace, a call the slot knows: captured, its record built when the records are read
         (:func:`build`), with what its backward core says then (corrected, when the backward pass finds the
         call's graph differs from its signature's, before or after the record is built).
         ``norms``: the Q, K and V a model's own SDPA call received (``None``: the slot's record's are kept).
         ``said``: what its core says where the core is followed only in the backward pass
-        (:func:`~qkvtrace.tracer.routes.steady_verdict`; ``core`` is then ``None``)."""
+        (:func:`~qkvtrace.tracer.routes.steady_verdict`; ``core`` is then ``None``).
+        ``grown``: a call whose keys' length is not the slot's (:func:`qkvtrace.tracer.observers.sdpa.grown`):
+        its own fully-masked rows and the shapes of its Q, K and V."""
         rank, world = compat.distributed_rank()
         if said is None:
             said = _NO_ROUTES if core is None else core.verdict()
+        rows, shapes = (self.rows, None) if grown is None else grown
         trace.capture((self.last.record, index, threading.current_thread().name, rank, world, nan_count,  # type: ignore[union-attr]
-                       self.rows, norms, said), name, core)  # fmt: skip
+                       rows, norms, said, shapes), name, core)  # fmt: skip
 
 
 def keep_counting(trace: Trace, name: str, key: tuple[Any, ...], backend: str | None, rows: Any, *,
@@ -242,20 +251,32 @@ def revive(trace: Trace, owner: nn.Module, name: str, key: tuple[Any, ...]) -> S
 
 
 #: one call captured in a plain trace: (its slot's record, index, thread, rank, world size, NaN count,
-#: fully-masked rows, the Q, K and V activation norms or ``None``, what its backward core says)
-Capture = tuple[AttentionCall, int, str, Any, Any, Any, Any, "tuple[Any, Any, Any] | None", routes.Verdict]
+#: fully-masked rows, the Q, K and V activation norms or ``None``, what its backward core says, the shapes of
+#: its Q, K and V where they are not the slot's record's or ``None``)
+Capture = tuple[AttentionCall, int, str, Any, Any, Any, Any, "tuple[Any, Any, Any] | None", routes.Verdict,
+                "tuple[Any, Any, Any] | None"]
 
 
 def build(captured: list[Capture]) -> list[AttentionCall]:
     """The records of calls captured by their slots, each made from its slot's record with its own numbers,
     as :func:`qkvtrace.tracer.again.repeat` makes them, with those numbers read now (:func:`qkvtrace.lazy.read`:
     one read per accelerator for all of them) -- the slots' records must have been resolved first."""
-    numbers = [[nan, rows, *(norms or ())] for _, _, _, _, _, nan, rows, norms, _ in captured]
+    numbers = [[nan, rows, *(norms or ())] for _, _, _, _, _, nan, rows, norms, _, _ in captured]
+    grown: dict[tuple[Any, ...], dict[str, Any]] = {}  # (the inputs of grown calls, one per template's and shapes)
     lazy.read([((values, i), v) for values in numbers for i, v in enumerate(values) if isinstance(v, torch.Tensor)])
     out = []
-    for (template, index, thread, rank, world, _, _, norms, said), values in zip(captured, numbers, strict=True):
+    for (template, index, thread, rank, world, _, _, norms, said, shapes), values in zip(captured, numbers,
+                                                                                        strict=True):  # fmt: skip
         record = again.clone(template)
         record.index = index
+        if shapes is not None:  # a call whose keys grew (or shrank): its own shapes, all else its slot's
+            key = (id(template.inputs), *shapes)
+            inputs = grown.get(key)
+            if inputs is None:
+                q, k, v = shapes
+                inputs = grown[key] = shared_inputs({**template.inputs, "query_shape": list(q),
+                                                     "key_shape": list(k), "value_shape": list(v)})  # fmt: skip
+            record.inputs = inputs
         record.output = {"nan_count": values[0], "fully_masked_rows": values[1]}
         if norms is not None:  # a model's own SDPA call: the norms of the Q, K and V it received
             record.qkv = again.with_norms(template.qkv, (values[2], values[3], values[4]))

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from qkvtrace import maps, masks, paths, refusals
+from qkvtrace.dataflow import signature
 from qkvtrace.lineage import lasting
 from qkvtrace.monitor import combination_key, mask_kind
 from qkvtrace.records import EVIDENCE_CACHED, AttentionCall
@@ -134,9 +135,9 @@ def observe_sdpa(original: Callable[..., Any], args: tuple[Any, ...], kwargs: di
     stack = registry.open_calls()
     enclosing = stack[-1] if stack else None
     if isinstance(enclosing, OpenOverride):  # made on behalf of an override that is being recorded
-        a = _Args(args, kwargs)
-        enclosing.backend = a.backend()
-        enclosing.refusals = a.refusals(enclosing.owner_trace, enclosing.backend)
+        made = _Args(args, kwargs)
+        enclosing.backend = made.backend()
+        enclosing.refusals = made.refusals(enclosing.owner_trace, enclosing.backend)
         return original(*args, **kwargs)
     if isinstance(enclosing, OpenMHA):  # the kernel of a MultiheadAttention fallback
         return _kernel_of_mha(enclosing, original, args, kwargs)
@@ -145,6 +146,7 @@ def observe_sdpa(original: Callable[..., Any], args: tuple[Any, ...], kwargs: di
         return original(*args, **kwargs)
     owner, covering = found
     key = None
+    a: _Args | None = None
     if len(covering) == 1:  # one trace records the call: its module's slot may know it (:mod:`..slots`)
         key = steady_key(owner, args, kwargs)
         if key is not None:
@@ -156,9 +158,16 @@ def observe_sdpa(original: Callable[..., Any], args: tuple[Any, ...], kwargs: di
                     return _steady(slot, owner, trace, name, original, args, kwargs)
             elif slot.key == key and slot.holds(trace, name):
                 return _steady(slot, owner, trace, name, original, args, kwargs)
+            elif grown(slot.key, key) and slot.holds(trace, name):
+                a = _Args(args, kwargs)
+                backend = a.backend()
+                if _grown_holds(slot, owner, trace, a, backend):
+                    slot.key = key
+                    return _steady(slot, owner, trace, name, original, args, kwargs, a)
+    if a is None:
+        a = _Args(args, kwargs)
+        backend = a.backend()
     targets = [(t, name, t.take_index()) for t, name in covering]
-    a = _Args(args, kwargs)
-    backend = a.backend()
     sig = ("sdpa", a.q.device.type, a.q.dtype, backend, None if a.mask is None else a.mask.dtype,
            a.is_causal, a.dropout_p > 0, a.grad(), a.q.is_nested)  # fmt: skip
     try:
@@ -179,8 +188,10 @@ def observe_sdpa(original: Callable[..., Any], args: tuple[Any, ...], kwargs: di
     if again.plain(targets) and a.mask is None and not a.q.is_nested and type(a.scale) in _PLAIN_SCALES:
         # a call like its module's previous one is recorded from that record (:mod:`qkvtrace.tracer.again`)
         first = targets[0][0]
-        projection = a.projection = first.projection(owner, (a.q, a.k, a.v))
-        a.projection_of = owner
+        if a.projection_of is not owner:  # (found already where a grown call missed its slot)
+            a.projection = first.projection(owner, (a.q, a.k, a.v))
+            a.projection_of = owner
+        projection = a.projection
         base = None if isinstance(projection, str) else first.norms.qkv(projection)
         built_from = _built_from(owner, a, backend, ops, evidence, projection, base)
         previous = again.previous(targets, owner, *built_from)
@@ -230,12 +241,14 @@ def steady_key(owner: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     if type(scale) not in _PLAIN_SCALES:
         return None
     # (Q's dtype and device: SDPA refuses K and V of others, and a refused call is recorded in full)
-    return (q.shape, k.shape, v.shape, q.dtype, q.device, q.stride(), k.stride(), v.stride(), q.storage_offset(),
-            k.storage_offset(), v.storage_offset(), q.requires_grad, k.requires_grad, v.requires_grad,
-            args[4] if n > 4 else kwargs.get("dropout_p", 0.0),
-            args[5] if n > 5 else kwargs.get("is_causal", False), scale, kwargs.get("enable_gqa", False),
-            owner.training, torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.is_autocast_enabled(),
-            paths.sdp_flags(), tuple(map(id, owner._modules.values())), registry.call_site())  # fmt: skip
+    # (K's and V's shapes and strides first, the rest in one tuple: :func:`grown` compares it at once)
+    return (q.shape, k.shape, v.shape, k.stride(), v.stride(),
+            (q.dtype, q.device, q.stride(), q.storage_offset(), k.storage_offset(), v.storage_offset(),
+             k.is_contiguous() and v.is_contiguous(), q.requires_grad, k.requires_grad, v.requires_grad,
+             args[4] if n > 4 else kwargs.get("dropout_p", 0.0),
+             args[5] if n > 5 else kwargs.get("is_causal", False), scale, kwargs.get("enable_gqa", False),
+             owner.training, torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.is_autocast_enabled(),
+             paths.sdp_flags(), tuple(map(id, owner._modules.values())), registry.call_site()))  # fmt: skip
 
 
 def _keep_recording(owner: nn.Module, covering: tuple[Any, str], key: tuple[Any, ...], a: _Args, sig: Any,
@@ -246,9 +259,46 @@ def _keep_recording(owner: nn.Module, covering: tuple[Any, str], key: tuple[Any,
                              fully_masked_rows(a.q, a.k, None, a.is_causal), owner=owner, signature=sig)  # fmt: skip
 
 
+def grown(before: tuple[Any, ...], key: tuple[Any, ...]) -> bool:
+    """Whether a call with :func:`steady_key` ``key`` is the call of the slot keyed ``before`` but for the length of
+    its keys: a decoding loop's next step, whose cache grew by one token. Its K and V differ from the slot's only in
+    their next-to-last dimension, and are contiguous from their storage's start in both (so their strides follow
+    from their shapes); everything else in the key is the slot's. What may depend on the length is asked again
+    (:func:`_grown_holds`)."""
+    rest = key[5]
+    if before[5] != rest or before[0] != key[0] or not rest[6] or rest[4] or rest[5]:  # (contiguous, offset 0)
+        return False
+    for was, now in ((before[1], key[1]), (before[2], key[2])):  # K, V
+        if len(was) != len(now) or len(now) < 2 or was[:-2] != now[:-2] or was[-1] != now[-1]:
+            return False
+    return True
+
+
+def _grown_holds(slot: slots.Slot, owner: nn.Module, trace: Any, a: _Args, backend: str | None) -> bool:
+    """Whether a grown call (:func:`grown`) says what its slot's call said, asked of PyTorch for this call as the
+    full observer asks it: the backend it selects (and in a plain trace PyTorch's refusals and the Q/K/V rows the
+    call's layout gives). ``a`` keeps the rows found, for the full observer to use where it does not."""
+    if slot.entry is not None:  # a long run counts by combination: the backend decides it beyond the key
+        return backend == slot.backend
+    record = slot.last.record  # type: ignore[union-attr]
+    if backend != record.sdpa_backend:
+        return False
+    qkv = (a.q, a.k, a.v)
+    layout = signature(owner, qkv)  # (what the trace's rows are kept by: the same one gives the same rows)
+    a.projection_of = owner
+    if layout != slot.layout:
+        a.projection = trace.projection(owner, qkv)
+        if a.projection is not slot.projection and a.projection != slot.projection:
+            return False
+        slot.layout = layout
+    a.projection = slot.projection  # type: ignore[assignment]
+    return a.refusals(trace, backend) == (record.sdpa_refusals, record.sdpa_refusals_source)
+
+
 def _steady(slot: slots.Slot, owner: nn.Module, trace: Any, name: str, original: Callable[..., Any],
-            args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:  # fmt: skip
-    """Run a call its module's slot knows, and capture only what is its own."""
+            args: tuple[Any, ...], kwargs: dict[str, Any], grew: _Args | None = None) -> Any:  # fmt: skip
+    """Run a call its module's slot knows, and capture only what is its own (``grew``: the arguments of a call
+    whose keys' length is not the slot's, with its own shapes and fully-masked rows)."""
     index = trace.take_index()
     try:
         out = original(*args, **kwargs)
@@ -256,16 +306,17 @@ def _steady(slot: slots.Slot, owner: nn.Module, trace: Any, name: str, original:
         a = _Args(args, kwargs)
         _record_raised(owner, [(trace, name, index)], a, a.backend(), exc)
         raise
-    if slot.entry is not None:  # a long run: counted, nothing else
-        slot.count(trace, nan_count(out))
-        return out
     q, k, v = args[0], args[1], args[2]
+    own = None if grew is None else (fully_masked_rows(q, k, None, grew.is_causal), (q.shape, k.shape, v.shape))
+    if slot.entry is not None:  # a long run: counted, nothing else
+        slot.count(trace, nan_count(out), None if own is None else own[0])
+        return out
     core = said = None
     if trace.record_routes:
         said = slot.verdict(trace, index, name, out, (q, k, v), heads=None, key=slot.signature, fused=True)
         if said is None:
             core = routes.sdpa_core(out, q, k, v, key=slot.signature)
-    slot.record(trace, owner, name, index, nan_count(out), (norm_of(q), norm_of(k), norm_of(v)), core, said)
+    slot.record(trace, owner, name, index, nan_count(out), (norm_of(q), norm_of(k), norm_of(v)), core, said, own)
     return out
 
 
