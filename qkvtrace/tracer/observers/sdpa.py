@@ -48,7 +48,7 @@ from qkvtrace.tracer.build import (
     wants_backward,
     wants_maps,
 )
-from qkvtrace.tracer.install import overridden, redispatch_sdpa, relevant_overrides
+from qkvtrace.tracer.dispatch import overridden, redispatch_sdpa, relevant_overrides
 from qkvtrace.tracer.observers.mha import OpenMHA, arg
 
 __all__ = ["OpenOverride", "fully_masked_rows", "observe_sdpa"]
