@@ -71,20 +71,20 @@ def tests(session: nox.Session, torch_version: str) -> None:
 #: test_monitor.py's: 90 s a mutant would make the run days long (its other tests cover the same functions).
 #: test_health.py is monitor's too: its health lines and scalars are written by the monitor.
 MUTANT_OWNERS: dict[str, list[str]] = {
-    "masks": ["tests/test_records.py", "tests/test_hand_written.py"],
-    "refusals": ["tests/test_refusals.py", "tests/test_refusals_more.py"],
-    "tracediff": ["tests/test_tracediff.py"],
-    "monitor": ["tests/test_monitor.py", "tests/test_health.py", "tests/test_steady_state.py", "tests/test_slots.py",
+    "facts/masks": ["tests/test_records.py", "tests/test_hand_written.py"],
+    "facts/refusals": ["tests/test_refusals.py", "tests/test_refusals_more.py"],
+    "analyses/tracediff": ["tests/test_tracediff.py"],
+    "tracer/monitor": ["tests/test_monitor.py", "tests/test_health.py", "tests/test_steady_state.py", "tests/test_slots.py",
                 "--deselect",
                 "tests/test_monitor.py::test_a_long_run_reports_exactly_the_steps_where_attention_changed"],
-    "paths": ["tests/test_paths.py"],
-    "slices": ["tests/test_slices.py", "tests/test_norms.py", "tests/test_trace_reopen.py"],
-    "dataflow": ["tests/test_slices.py", "tests/test_hand_written.py", "tests/test_dataflow.py"],
-    "lineage": ["tests/test_lineage.py", "tests/test_observe_only.py", "tests/test_rows_in_use.py", "--deselect",
+    "facts/paths": ["tests/test_paths.py"],
+    "facts/slices": ["tests/test_slices.py", "tests/test_norms.py", "tests/test_trace_reopen.py"],
+    "facts/dataflow": ["tests/test_slices.py", "tests/test_hand_written.py", "tests/test_dataflow.py"],
+    "facts/lineage": ["tests/test_lineage.py", "tests/test_observe_only.py", "tests/test_rows_in_use.py", "--deselect",
                 "tests/test_observe_only.py::test_an_input_viewing_a_large_buffer_copies_nothing_of_it", "--deselect",
                 "tests/test_observe_only.py::test_a_collective_in_the_forward_with_one_rank_traced"],
-    "maps": ["tests/test_maps.py", "tests/test_maps_more.py"],
-    "advise": ["tests/test_advise.py", "tests/test_advise_more.py"],
+    "facts/maps": ["tests/test_maps.py", "tests/test_maps_more.py"],
+    "analyses/advise": ["tests/test_advise.py", "tests/test_advise_more.py"],
     "tracer/slots": ["tests/test_slots.py", "tests/test_again.py", "tests/test_steady_state.py", "tests/test_health.py",
                      "tests/test_monitor.py", "--deselect",
                      "tests/test_monitor.py::test_a_long_run_reports_exactly_the_steps_where_attention_changed"],
@@ -112,7 +112,7 @@ def _mutmut_config(module: str) -> str:
 #: never runs (measured: refusals.py's _stand_in, 0 of 74 mutants killed in forks, 43 of 74 so).
 #: dataflow's one cache is keyed weakly by the modules a test builds (none lives at a test module's top level),
 #: and maps and advise keep none: their mutated code runs again in every fork.
-FORK_SAFE = {"tracediff", "dataflow", "lineage", "maps", "advise"}
+FORK_SAFE = {"analyses/tracediff", "facts/dataflow", "facts/lineage", "facts/maps", "analyses/advise"}
 
 
 @nox.session
@@ -120,8 +120,8 @@ def mutants(session: nox.Session) -> None:
     """Mutation testing of the modules that produce facts, each against the tests that own it.
 
     nox -s mutants                       # every module of MUTANT_OWNERS, one after the other (hours)
-    nox -s mutants -- refusals masks     # those modules only
-    nox --no-venv -s mutants -- refusals # in the current environment (torch and qkvtrace[test] installed)
+    nox -s mutants -- facts/refusals facts/masks  # those modules only
+    nox --no-venv -s mutants -- facts/refusals  # in the current environment (torch and qkvtrace[test] installed)
 
     Each module is mutated in its own copy of the tracked files under ``.nox/mutants/<module>``; the
     numbers (killed, survived, ...) land in ``.nox/mutants/<module>/mutants/mutmut-cicd-stats.json``

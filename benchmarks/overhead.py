@@ -14,16 +14,16 @@ W1s The same step traced with ``routes=False`` (slice gradients only): the
     difference to W1 is what the routes cost.
 W1h Ten of W1's steps as a long run (``keep="changes"``, ``t.step()`` after
     each) with ``health_every=10``: one step in ten measures each layer's
-    max logit, entropies and slice norms (:mod:`qkvtrace.health`).
+    max logit, entropies and slice norms (:mod:`qkvtrace.facts.health`).
 W2  The same model (a copy with the same weights) in ``eval()`` under
     ``torch.inference_mode()``: one forward, on PyTorch's fused encoder path.
 W3  1000 calls of ``nn.MultiheadAttention(64, 8)`` (default training mode,
     ``batch_first=False``) on a ``(2, 10, 64)`` input, read as ``(L, N, E)``.
 W2m, W3m  W2 and W3 traced with ``attention_maps=True``: every call's
-    ``[B, H, T, T]`` weights recomputed on the side (:mod:`qkvtrace.maps`);
+    ``[B, H, T, T]`` weights recomputed on the side (:mod:`qkvtrace.facts.maps`);
     the memory the maps hold per call is printed below the table.
 W3c W3 traced as a long run (``keep="changes"``): counts per combination
-    and the changes, not a record per call (:mod:`qkvtrace.monitor`).
+    and the changes, not a record per call (:mod:`qkvtrace.tracer.monitor`).
 W4  W1's training step on ``torch.compile(model)`` (inductor where a C++
     compiler is found, else aot_eager; compiled during the untimed identity
     check). The trace stands aside while compiled code runs, so it must add
@@ -102,7 +102,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 import qkvtrace
-from qkvtrace.paths import quiet_native_stderr
+from qkvtrace.facts.paths import quiet_native_stderr
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from host_reads import added_host_reads

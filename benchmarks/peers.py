@@ -71,7 +71,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 import qkvtrace
-from qkvtrace.paths import quiet_native_stderr
+from qkvtrace.facts.paths import quiet_native_stderr
 
 D_MODEL, LAYERS, HEADS, FF, VOCAB, BATCH = 256, 4, 8, 1024, 1000, 4
 
@@ -177,7 +177,7 @@ def numbers_alone(kept: list[Any]) -> Iterator[None]:
     """``F.scaled_dot_product_attention`` replaced by a bare wrapper that adds each call's own numbers to ``kept``
     (the norms of Q, K and V and the output's NaN count, kept on the device), computed by qkvtrace's measuring
     functions (the cheapest exact ones it has), with nothing of a trace around them: the floor under a record."""
-    from qkvtrace.slices import norm_of
+    from qkvtrace.facts.slices import norm_of
     from qkvtrace.tracer.build import nan_count
 
     function = torch.nn.functional.scaled_dot_product_attention

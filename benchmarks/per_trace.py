@@ -104,7 +104,8 @@ def main() -> None:
 
 def _parts() -> list[tuple[str, Any, str]]:
     """(label, owner, attribute) of each function timed by ``--inside``, in the order they run."""
-    from qkvtrace import lazy, slices
+    from qkvtrace.base import lazy
+    from qkvtrace.facts import slices
     from qkvtrace.tracer import install, registry, session, slots, structure
     from qkvtrace.tracer.observers import sdpa
 

@@ -182,7 +182,7 @@ def _replaced(owner: Any, name: str, value: Any) -> Iterator[None]:
 
 
 def _parts() -> dict[str, Callable[[], Any]]:
-    from qkvtrace.slices import NormCache
+    from qkvtrace.facts.slices import NormCache
     from qkvtrace.tracer.observers import mha
 
     lookup = NormCache.qkv
@@ -292,7 +292,7 @@ def _sdpa_floor(modules: tuple[torch.nn.Module, ...]) -> Iterator[dict[str, Any]
     read: an SDPA call's backend and reasons follow from its facts. Yields its counts and its records
     (``calls``, ``changes``, ``records``).
     """
-    from qkvtrace.slices import norm_of
+    from qkvtrace.facts.slices import norm_of
     from qkvtrace.tracer.build import nan_count
 
     function = torch.nn.functional.scaled_dot_product_attention

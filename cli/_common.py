@@ -10,7 +10,7 @@ from typing import Any
 
 from rich.console import Console
 
-from qkvtrace.errors import InputError, OutputError
+from qkvtrace.base.errors import InputError, OutputError
 
 __all__ = [
     "TARGET_HELP",
@@ -92,7 +92,7 @@ def parse_shape(text: str) -> tuple[int, int]:
 
 def add_budget_options(p: Any) -> None:
     """``--max-tokens`` / ``--max-attention-mb`` (docs/tutorial.md#limits)."""
-    from qkvtrace.limits import DEFAULT_MAX_ATTENTION_MB, DEFAULT_MAX_TOKENS
+    from qkvtrace.base.limits import DEFAULT_MAX_ATTENTION_MB, DEFAULT_MAX_TOKENS
 
     p.add_argument(
         "--max-tokens",
@@ -113,8 +113,8 @@ def add_budget_options(p: Any) -> None:
 def load_with_inputs(target: str, input_shape: str | None, max_tokens: int, max_attention_mb: float, *,
                      random_init: bool = False) -> Any:  # fmt: skip
     """Load TARGET, make inputs if needed, and refuse them if over budget — before any forward."""
-    from qkvtrace.guard import Budget, check_budget
-    from qkvtrace.target import load_target
+    from qkvtrace.analyses.guard import Budget, check_budget
+    from qkvtrace.analyses.target import load_target
 
     shape = parse_shape(input_shape) if input_shape else None
     loaded = load_target(target, random_init=random_init)

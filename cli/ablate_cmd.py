@@ -57,7 +57,7 @@ examples:
 
 
 def register(sub: Any) -> None:
-    from qkvtrace.ablate import TASKS
+    from qkvtrace.analyses.ablate import TASKS
 
     p = sub.add_parser("ablate", help="Q/K/V ablations (tutorial: without the projections) trained with several seeds",
                        description=_HELP, epilog=_EPILOG,
@@ -77,8 +77,8 @@ def register(sub: Any) -> None:
 def run(args: argparse.Namespace, console: Console) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from qkvtrace.ablate import MODES, TASKS, RunResult, run_ablation
-    from qkvtrace.errors import InputError, OutputError
+    from qkvtrace.analyses.ablate import MODES, TASKS, RunResult, run_ablation
+    from qkvtrace.base.errors import InputError, OutputError
     from qkvtrace.records import atomic_write_text
     from qkvtrace.render.ablate_render import ablate_chart, ablate_markdown, ablate_table, margin_line, properties_table
 

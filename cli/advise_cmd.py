@@ -8,6 +8,7 @@ from typing import Any
 
 from rich.console import Console
 
+from qkvtrace.base.errors import InputError
 from qkvtrace.cli._common import (
     TARGET_HELP,
     add_budget_options,
@@ -17,7 +18,6 @@ from qkvtrace.cli._common import (
     progress,
     run_failed,
 )
-from qkvtrace.errors import InputError
 
 __all__ = ["register", "run"]
 
@@ -71,7 +71,7 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
-    from qkvtrace.advise import advise
+    from qkvtrace.analyses.advise import advise
     from qkvtrace.render.advise_render import advise_table
 
     if args.json is not None:

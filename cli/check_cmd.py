@@ -73,8 +73,8 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
-    from qkvtrace.check import MODES, run_checks
-    from qkvtrace.errors import InputError
+    from qkvtrace.analyses.check import MODES, run_checks
+    from qkvtrace.base.errors import InputError
     from qkvtrace.records import atomic_write_text
     from qkvtrace.render.terminal import calls_table, convention_lines, findings_table
 

@@ -14,10 +14,10 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
+from qkvtrace.analyses.reportio import REPORT_SCHEMA
+from qkvtrace.base.errors import InputError, QkvtraceError
 from qkvtrace.cli._common import check_output_file, progress
-from qkvtrace.errors import InputError, QkvtraceError
-from qkvtrace.reportio import REPORT_SCHEMA
-from qkvtrace.validation import check_document
+from qkvtrace.records.validation import check_document
 
 __all__ = ["collect_in", "register", "run_compare", "run_diff"]
 
@@ -128,7 +128,7 @@ def _write_diff(a: dict[str, Any], b: dict[str, Any], diff: dict[str, Any], *, j
 
 def _kind(path: Path) -> str:
     """``"trace"`` or ``"report"``: what the file (or report folder) holds, from its schema id."""
-    from qkvtrace.validation import read_json
+    from qkvtrace.records.validation import read_json
 
     if path.is_dir() or path.name == "report.json":
         return "report"
@@ -138,8 +138,8 @@ def _kind(path: Path) -> str:
 
 
 def _run_trace_diff(args: argparse.Namespace, console: Console) -> int:
-    from qkvtrace.tracediff import diff_traces
-    from qkvtrace.validation import check_document, load_json
+    from qkvtrace.analyses.tracediff import diff_traces
+    from qkvtrace.records.validation import check_document, load_json
 
     if args.svg is not None:
         raise InputError("--svg draws the call graph of two reports; two traces have none")
@@ -165,9 +165,9 @@ def _show_trace_diff(diff: dict[str, Any], args: argparse.Namespace, console: Co
 
 
 def run_diff(args: argparse.Namespace, console: Console) -> int:
-    from qkvtrace.diff import diff_reports
+    from qkvtrace.analyses.diff import diff_reports
+    from qkvtrace.analyses.reportio import load_report
     from qkvtrace.render.diff_render import diff_renderable
-    from qkvtrace.reportio import load_report
 
     _outputs(args)
     kinds = {_kind(args.a), _kind(args.b)}
@@ -188,7 +188,7 @@ def _tail(text: str, lines: int = 15) -> str:
     return "\n".join(text.strip().splitlines()[-lines:])
 
 
-def collect_in(python: str | Path, env_extra: dict[str, str] | None = None, module: str = "qkvtrace.report",
+def collect_in(python: str | Path, env_extra: dict[str, str] | None = None, module: str = "qkvtrace.analyses.report",
                module_args: tuple[str, ...] = (), schema: str = REPORT_SCHEMA) -> dict[str, Any]:  # fmt: skip
     """Run a collector (the report's, or a trace's) under another interpreter and return what it printed."""
     import qkvtrace
@@ -233,8 +233,8 @@ def collect_in(python: str | Path, env_extra: dict[str, str] | None = None, modu
 
 
 def _compare_traces(args: argparse.Namespace, console: Console) -> int:
+    from qkvtrace.analyses.tracediff import diff_traces
     from qkvtrace.records import TRACE_SCHEMA, atomic_write_text
-    from qkvtrace.tracediff import diff_traces
 
     if not args.rtol >= 0:
         raise InputError(f"--rtol must be 0 or more, got {args.rtol}")
@@ -247,7 +247,7 @@ def _compare_traces(args: argparse.Namespace, console: Console) -> int:
     folder.mkdir(parents=True, exist_ok=True)
     for n, python in enumerate(args.python, 1):
         with progress(f"tracing {args.target} under {python} ({n} of 2)"):  # stderr only
-            trace = collect_in(python, module="qkvtrace.tracecollect", module_args=tuple(module_args),
+            trace = collect_in(python, module="qkvtrace.analyses.tracecollect", module_args=tuple(module_args),
                                schema=TRACE_SCHEMA)  # fmt: skip
         path = folder / f"{_safe(args.target)}.{'ab'[n - 1]}.torch-{trace.get('torch_version')}.json"
         atomic_write_text(path, json.dumps(trace, indent=1, sort_keys=True) + "\n")
@@ -261,8 +261,8 @@ def _safe(target: str) -> str:
 
 
 def run_compare(args: argparse.Namespace, console: Console) -> int:
+    from qkvtrace.analyses.diff import diff_reports
     from qkvtrace.cli.inspect_cmd import picture_note, prepare_out, replaced_or_kept, write_report_dir
-    from qkvtrace.diff import diff_reports
     from qkvtrace.render.diff_render import diff_renderable
 
     if len(args.python) != 2:

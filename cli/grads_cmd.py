@@ -8,6 +8,7 @@ from typing import Any
 
 from rich.console import Console
 
+from qkvtrace.base.errors import InputError, OutputError
 from qkvtrace.cli._common import (
     TARGET_HELP,
     add_budget_options,
@@ -17,7 +18,6 @@ from qkvtrace.cli._common import (
     progress,
     run_failed,
 )
-from qkvtrace.errors import InputError, OutputError
 
 __all__ = ["register", "run"]
 
@@ -80,7 +80,7 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
-    from qkvtrace.grads import NoBackward, measure
+    from qkvtrace.analyses.grads import NoBackward, measure
     from qkvtrace.render.grads_render import grads_dot, grads_table
     from qkvtrace.render.graph import render_svg
 

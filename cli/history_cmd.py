@@ -12,8 +12,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from qkvtrace.base.errors import InputError, QkvtraceError
 from qkvtrace.cli._common import check_output_file
-from qkvtrace.errors import InputError, QkvtraceError
 
 __all__ = ["register", "run"]
 
@@ -96,7 +96,7 @@ def _collect(pythons: list[str], out: Path, console: Console) -> None:
 
 
 def _summary(history: dict[str, Any]) -> Table:
-    from qkvtrace.history import headline_rows
+    from qkvtrace.analyses.history import headline_rows
 
     table = Table(title=f"qkvtrace history — torch {history['releases'][0]} … {history['releases'][-1]}")
     table.add_column("release", style="bold")
@@ -116,7 +116,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
             return 0
     elif not args.reports:
         raise InputError("give a folder of reports (e.g. reports/) or --python interpreters to collect from")
-    from qkvtrace.history import build_history, find_reports
+    from qkvtrace.analyses.history import build_history, find_reports
     from qkvtrace.records import atomic_write_text
     from qkvtrace.render.history_render import history_markdown
 

@@ -14,8 +14,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from qkvtrace.base.errors import OutputError, SchemaError
 from qkvtrace.cli._common import progress
-from qkvtrace.errors import OutputError, SchemaError
 
 if TYPE_CHECKING:  # the CLI imports this module at start-up; drawing libraries load only when needed
     from qkvtrace.render.graph import Drawing
@@ -81,17 +81,17 @@ class Written:
     picture: str
     #: the layout program that drew the picture, or why there is none
     drawing: Drawing
-    #: the report there said what this run found (:func:`~qkvtrace.reportio.first_difference`),
+    #: the report there said what this run found (:func:`~qkvtrace.analyses.reportio.first_difference`),
     #: so its numbers and environment were kept and the files were written again from it
     kept: bool = False
 
 
 def write_report_dir(report: dict[str, Any], out: Path) -> Written:
     """Write the report folder atomically, never losing a picture it cannot redraw."""
+    from qkvtrace.analyses.report import dumps_report, report_dirname
+    from qkvtrace.analyses.reportio import first_difference
     from qkvtrace.render.graph import render_svg, report_graph, to_dot
     from qkvtrace.render.markdown import report_markdown
-    from qkvtrace.report import dumps_report, report_dirname
-    from qkvtrace.reportio import first_difference
 
     version = report["environment"]["torch_version"]
     final = out / report_dirname(version)
@@ -140,7 +140,7 @@ def write_report_dir(report: dict[str, Any], out: Path) -> Written:
 
 def _previous(final: Path) -> dict[str, Any] | None:
     """The report already in ``final``, or ``None`` when there is none that reads as a report."""
-    from qkvtrace.reportio import load_report
+    from qkvtrace.analyses.reportio import load_report
 
     if not (final / "report.json").is_file():
         return None
@@ -205,7 +205,7 @@ def _summary(report: dict[str, Any], written: Written, seconds: float) -> Table:
                                   "kept-stale": "callgraph.svg kept from the previous report (out of date)",
                                   "none": "not drawn"}[written.picture])  # fmt: skip
     if written.kept:
-        from qkvtrace.reportio import ERROR_FACTOR, ERROR_FLOOR, MAGNITUDE_TOLERANCE
+        from qkvtrace.analyses.reportio import ERROR_FACTOR, ERROR_FLOOR, MAGNITUDE_TOLERANCE
 
         replaced = (
             "  (kept the report there: it says the same; measured errors agree within a factor of "
@@ -221,7 +221,7 @@ def _summary(report: dict[str, Any], written: Written, seconds: float) -> Table:
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
-    from qkvtrace.report import collect_report
+    from qkvtrace.analyses.report import collect_report
 
     prepare_out(args.out)
     start = time.perf_counter()

@@ -15,7 +15,7 @@ from typing import NoReturn
 from rich.console import Console
 
 from qkvtrace import __version__
-from qkvtrace.errors import QkvtraceError
+from qkvtrace.base.errors import QkvtraceError
 
 # PyTorch warns at import when NumPy is absent; qkvtrace never uses NumPy,
 # so the warning would only be noise on every command. (Importing qkvtrace

@@ -17,7 +17,7 @@ __all__ = ["register", "run_merge"]
 
 _HELP = """\
 Combine the trace files of a torch.distributed job, one per rank (written by
-qkvtrace.distributed.save_per_rank: trace.rank0.json, trace.rank1.json, ...),
+qkvtrace.records.distributed.save_per_rank: trace.rank0.json, trace.rank1.json, ...),
 line their calls up across ranks (the n-th call of each module on every
 rank) and flag each call on which the ranks disagree: the path taken, the
 SDPA backend, PyTorch's reason for refusing the fast path or the fused
@@ -128,8 +128,8 @@ def _rank_groups(ranks: list[int], all_ranks: list[int]) -> str:
 def run_stream_merge(args: argparse.Namespace, console: Console) -> int:
     from qkvtrace.cli.summarize_cmd import describe_change, describe_combination
     from qkvtrace.records import atomic_write_text
+    from qkvtrace.records.streams import load_rank_streams, merge_streams
     from qkvtrace.render.terminal import Col, records_view
-    from qkvtrace.streams import load_rank_streams, merge_streams
 
     streams = load_rank_streams(args.files)
     merged = merge_streams(streams)
@@ -225,9 +225,9 @@ def _changes(n: int) -> str:
 
 
 def run_merge(args: argparse.Namespace, console: Console) -> int:
-    from qkvtrace.distributed import load_rank_traces, merge_traces, save_merged
-    from qkvtrace.errors import InputError
-    from qkvtrace.streams import is_stream
+    from qkvtrace.base.errors import InputError
+    from qkvtrace.records.distributed import load_rank_traces, merge_traces, save_merged
+    from qkvtrace.records.streams import is_stream
 
     if args.json is not None:
         check_output_file(args.json, "--json")

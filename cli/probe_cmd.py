@@ -34,10 +34,10 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
-    from qkvtrace.behaviour import run_behaviour
-    from qkvtrace.probes import run_scenarios
+    from qkvtrace.analyses.behaviour import run_behaviour
+    from qkvtrace.analyses.probes import run_scenarios
+    from qkvtrace.analyses.reference import measure as measure_reference
     from qkvtrace.records import atomic_write_text
-    from qkvtrace.reference import measure as measure_reference
     from qkvtrace.render import terminal
     from qkvtrace.render.tutorial import reference_table
 

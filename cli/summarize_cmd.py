@@ -9,9 +9,9 @@ from typing import Any
 
 from rich.console import Console
 
-from qkvtrace.health_alerts import ENTROPY_ALERT, ENTROPY_DROP, LOGIT_ALERT, LOGIT_GROWTH, alert, series_of
+from qkvtrace.records.health_alerts import ENTROPY_ALERT, ENTROPY_DROP, LOGIT_ALERT, LOGIT_GROWTH, alert, series_of
+from qkvtrace.records.streams import read_stream
 from qkvtrace.render.terminal import Col, records_view
-from qkvtrace.streams import read_stream
 
 __all__ = ["describe_change", "describe_combination", "register", "run"]
 

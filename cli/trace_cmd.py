@@ -8,6 +8,7 @@ from typing import Any
 
 from rich.console import Console
 
+from qkvtrace.base.errors import InputError, OutputError
 from qkvtrace.cli._common import (
     TARGET_HELP,
     add_budget_options,
@@ -17,7 +18,6 @@ from qkvtrace.cli._common import (
     progress,
     run_failed,
 )
-from qkvtrace.errors import InputError, OutputError
 from qkvtrace.render.terminal import COLUMNS, blind_spots, summary_line, trace_table
 
 __all__ = ["register", "run"]
@@ -98,7 +98,7 @@ def register(sub: Any) -> None:
 
 
 def _add_map_options(p: Any) -> None:
-    from qkvtrace.limits import DEFAULT_MAX_MAP_MB, DEFAULT_MAX_MAP_TOKENS
+    from qkvtrace.base.limits import DEFAULT_MAX_MAP_MB, DEFAULT_MAX_MAP_TOKENS
 
     g = p.add_argument_group("attention maps (computed on the side; the model keeps its path and kernel)")
     g.add_argument("--maps", metavar="DIR", type=Path,
@@ -151,7 +151,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     console.print(trace_table(result, title=title, width=console.width, columns=args.columns), crop=False)
     console.print(summary_line(result, width=console.width), soft_wrap=True)
     if loss_kind is not None:
-        from qkvtrace.grads import LOSS_TEXT
+        from qkvtrace.analyses.grads import LOSS_TEXT
 
         console.print(f"backward of {LOSS_TEXT[loss_kind]}", markup=False, highlight=False, soft_wrap=True)
     for line in blind_spots(result):  # silence is not absence: say what the trace could not see
@@ -196,8 +196,8 @@ def _run(args: argparse.Namespace, loaded: Any) -> tuple[Any, str | None]:
     import torch
 
     import qkvtrace
-    from qkvtrace.grads import make_loss
-    from qkvtrace.target import first_tensor
+    from qkvtrace.analyses.grads import make_loss
+    from qkvtrace.analyses.target import first_tensor
 
     model, call_args, call_kwargs = loaded.model, loaded.args, loaded.kwargs
     model.train(args.mode == "train")

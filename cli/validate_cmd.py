@@ -9,7 +9,7 @@ from typing import Any
 
 from rich.console import Console
 
-from qkvtrace.errors import QkvtraceError
+from qkvtrace.base.errors import QkvtraceError
 
 __all__ = ["register", "run_validate"]
 
@@ -25,7 +25,7 @@ every file is good, 2 otherwise: a check to run on files kept as CI artifacts.
 
 
 def register(sub: Any) -> None:
-    from qkvtrace.validation import schema_ids
+    from qkvtrace.records.validation import schema_ids
 
     p = sub.add_parser("validate", help="check qkvtrace JSON files against their schemas",
                        description=_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -38,9 +38,9 @@ def register(sub: Any) -> None:
 
 
 def run_validate(args: argparse.Namespace, console: Console) -> int:
-    from qkvtrace.monitor import STREAM_SCHEMA
-    from qkvtrace.streams import read_stream
-    from qkvtrace.validation import load_json
+    from qkvtrace.records.streams import read_stream
+    from qkvtrace.records.validation import load_json
+    from qkvtrace.tracer.monitor import STREAM_SCHEMA
 
     bad = 0
     for path in args.files:

@@ -64,9 +64,9 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
+    from qkvtrace.analyses.walkthrough import run_walkthrough
     from qkvtrace.records import atomic_write_text
     from qkvtrace.render.tutorial import walkthrough_renderables
-    from qkvtrace.walkthrough import run_walkthrough
 
     if args.json is not None:
         check_output_file(args.json, "--json")

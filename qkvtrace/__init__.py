@@ -12,7 +12,11 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from qkvtrace.base.version import __version__
+
+# how records show themselves (HTML, a terminal line) is put in place by the views, a floor above the records: before
+# any record is made or read (it costs no PyTorch import)
+from qkvtrace.render import views as _views  # noqa: F401  (isort: skip)
 
 __all__ = [
     "AttentionCall",
@@ -43,21 +47,23 @@ _WHERE = {
     "SliceInfo": "qkvtrace.records",
     "TraceResult": "qkvtrace.records",
     "Unobserved": "qkvtrace.records",
-    "QkvtraceError": "qkvtrace.errors",
+    "QkvtraceError": "qkvtrace.base.errors",
     "Trace": "qkvtrace.tracer",
     "trace": "qkvtrace.tracer",
-    "collect_report": "qkvtrace.report",
-    "diff_reports": "qkvtrace.diff",
-    "guard": "qkvtrace.guard",
-    "load_report": "qkvtrace.reportio",
-    "run_checks": "qkvtrace.check",
+    "collect_report": "qkvtrace.analyses.report",
+    "diff_reports": "qkvtrace.analyses.diff",
+    "guard": "qkvtrace.analyses.guard",
+    "load_report": "qkvtrace.analyses.reportio",
+    "run_checks": "qkvtrace.analyses.check",
 }
 
 if TYPE_CHECKING:
-    from qkvtrace.check import run_checks
-    from qkvtrace.diff import diff_reports
-    from qkvtrace.errors import QkvtraceError
-    from qkvtrace.guard import guard
+    from qkvtrace.analyses.check import run_checks
+    from qkvtrace.analyses.diff import diff_reports
+    from qkvtrace.analyses.guard import guard
+    from qkvtrace.analyses.report import collect_report
+    from qkvtrace.analyses.reportio import load_report
+    from qkvtrace.base.errors import QkvtraceError
     from qkvtrace.records import (
         AttentionCall,
         GradientRecord,
@@ -68,8 +74,6 @@ if TYPE_CHECKING:
         TraceResult,
         Unobserved,
     )
-    from qkvtrace.report import collect_report
-    from qkvtrace.reportio import load_report
     from qkvtrace.tracer import Trace, trace
 
 

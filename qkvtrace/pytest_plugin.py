@@ -83,7 +83,7 @@ def calls_of(t: Any) -> list[dict[str, Any]]:
     records, or the path of a trace JSON file (checked against its schema).
     """
     if isinstance(t, (str, Path)):
-        from qkvtrace.validation import load_json
+        from qkvtrace.records.validation import load_json
 
         return list(load_json(t, TRACE_SCHEMAS)["calls"])
     if isinstance(t, Mapping):
@@ -96,7 +96,7 @@ def calls_of(t: Any) -> list[dict[str, Any]]:
 
 def _unobserved_of(t: Any) -> list[dict[str, Any]]:
     if isinstance(t, (str, Path)):
-        from qkvtrace.validation import load_json
+        from qkvtrace.records.validation import load_json
 
         t = load_json(t, TRACE_SCHEMAS)
     result = getattr(t, "result", t)
@@ -268,7 +268,7 @@ def assert_no_future_leak(
     position pairs and shows the attention calls that ran in that mode.
     """
     __tracebackhide__ = True
-    from qkvtrace.check import run_checks
+    from qkvtrace.analyses.check import run_checks
 
     report = run_checks(model, args, kwargs, causal=True, trials=trials, rtol=rtol, modes=tuple(modes))
     failed = [f for f in report.findings if not f.passed]
@@ -303,7 +303,7 @@ def assert_same_as_report(t: Any, reference: str | Path, *, scenario: str | None
     reasons and the aten ops (skipped where either side has no evidence).
     """
     __tracebackhide__ = True
-    from qkvtrace.validation import load_json
+    from qkvtrace.records.validation import load_json
 
     ref_path = Path(reference)
     if ref_path.is_dir():

@@ -27,7 +27,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
-from qkvtrace.paths import is_attention_op
+from qkvtrace.facts.paths import is_attention_op
 
 SDPA = "aten::scaled_dot_product_attention"
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qkvtrace.ablate import (
+from qkvtrace.analyses.ablate import (
     ABLATE_SCHEMA,
     MODES,
     TASKS,
@@ -25,8 +25,8 @@ from qkvtrace.ablate import (
     train_run,
     training_batches,
 )
-from qkvtrace.errors import SchemaError
-from qkvtrace.validation import check_document, load_json
+from qkvtrace.base.errors import SchemaError
+from qkvtrace.records.validation import check_document, load_json
 
 ENV = {**os.environ, "COLUMNS": "200", "PYTHONWARNINGS": "ignore"}
 ATTENTION_MODES = [m for m in MODES if m != "no_attention"]

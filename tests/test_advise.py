@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
-from qkvtrace.advise import RECOMMENDED, advise
+from qkvtrace.analyses.advise import RECOMMENDED, advise
 
 E, H = 64, 8
 REPEATS = 3

@@ -1,4 +1,5 @@
-"""``qkvtrace.advise``'s parts one at a time: the JSON it writes, what a unit of work returns, how outputs are compared,
+"""``qkvtrace.analyses.advise``'s parts one at a time:
+the JSON it writes, what a unit of work returns, how outputs are compared,
 how time is judged and the verdict worded, and what the advisor records about itself.
 
 Witnesses: the JSON Schema shipped for the file and Python's own ``json`` and ``statistics``; gradients computed here
@@ -21,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qkvtrace.advice_rules import Candidate, candidates_for
-from qkvtrace.advise import (
+from qkvtrace.analyses.advice_rules import Candidate, candidates_for
+from qkvtrace.analyses.advise import (
     ADVISE_SCHEMA,
     RECOMMENDED,
     Advice,

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import qkvtrace
-from qkvtrace import paths
+from qkvtrace.facts import paths
 from qkvtrace.tracer import again, build
 from qkvtrace.tracer.observers import mha_facts
 from qkvtrace.tracer.observers import sdpa as sdpa_observer

@@ -151,8 +151,8 @@ def test_readable_on_a_wide_and_a_narrow_window(browser: Any, page: Path, width:
 def test_the_routes_picture_text_is_readable_at_1280(browser: Any, tmp_path: Path) -> None:
     """Witness: the browser's layout -- the height Chromium gives the smallest text of the routes picture of the
     tiny LM (a picture thousands of points wide) on a 1280-px window, and the page's own sideways scroll."""
-    from qkvtrace.demos import demo_tiny_lm
-    from qkvtrace.grads import measure
+    from qkvtrace.analyses.demos import demo_tiny_lm
+    from qkvtrace.analyses.grads import measure
 
     model, args = demo_tiny_lm()
     path = tmp_path / "grads.html"

@@ -13,7 +13,7 @@ import torch
 from mistakes import MISTAKES, build
 from torch import nn
 
-from qkvtrace.check import CheckReport, run_checks
+from qkvtrace.analyses.check import CheckReport, run_checks
 
 HERE = Path(__file__).resolve().parent
 ENV = {**os.environ, "COLUMNS": "200", "PYTHONWARNINGS": "ignore"}
@@ -307,7 +307,7 @@ def test_wrong_convention_given_for_a_correct_model_is_not_confirmed(bert_factor
 
 def test_default_conventions_by_argument_name() -> None:
     """Witness: PyTorch's documented key_padding_mask (True = ignore) and Hugging Face's attention_mask (1 = attend)."""
-    from qkvtrace.check import default_convention
+    from qkvtrace.analyses.check import default_convention
 
     assert default_convention("key_padding_mask") == ("ignore", "known")
     assert default_convention("src_key_padding_mask") == ("ignore", "known")

@@ -465,7 +465,7 @@ def test_public_face() -> None:
     """
     assert list(qkvtrace.__all__) == sorted(qkvtrace.__all__)
     code = (
-        "import qkvtrace, qkvtrace.tracer, qkvtrace.report, qkvtrace.diff\n"
+        "import qkvtrace, qkvtrace.tracer, qkvtrace.analyses.report, qkvtrace.analyses.diff\n"
         "missing = [n for n in qkvtrace.__all__ if getattr(qkvtrace, n, None) is None]\n"
         "assert not missing, missing\n"
         "assert callable(qkvtrace.trace) and qkvtrace.trace.__module__.startswith('qkvtrace.tracer')\n"

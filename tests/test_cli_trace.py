@@ -14,7 +14,7 @@ from _mha_reasons import reason_under
 from _witness import ENV, profiled, qkv
 from torch import nn
 
-from qkvtrace.demos import demo_encoder
+from qkvtrace.analyses.demos import demo_encoder
 
 #: the outermost attention op of a call -> the path it names (eval, no_grad: the fused kernels of PyTorch)
 PATH_OF_OP = {

@@ -26,9 +26,9 @@ from _witness import learn_kernel_backends, local_at_return, profiled
 from rich.console import Console
 from torch import nn
 
+from qkvtrace.analyses.reportio import load_report
 from qkvtrace.render.diff_render import diff_renderable
 from qkvtrace.render.terminal import calls_table, trace_table
-from qkvtrace.reportio import load_report
 
 HERE = Path(__file__).resolve().parent
 REPORTS = HERE.parent / "reports"
@@ -277,7 +277,7 @@ def test_check_calls_keep_names_whole(factory: Path, width: int, witnessed: list
         import long_names  # type: ignore[import-not-found]
     finally:
         sys.path.pop(0)
-    from qkvtrace.check import run_checks
+    from qkvtrace.analyses.check import run_checks
 
     model, args = long_names.build()
     report = run_checks(model, args, causal=True, trials=1, modes=("inference",))
@@ -349,7 +349,7 @@ def test_diff_renderable_tints_changed_lines_on_rich_terminals() -> None:
 
 @pytest.fixture(scope="module")
 def scenarios() -> list[dict[str, Any]]:
-    from qkvtrace.probes import run_scenarios
+    from qkvtrace.analyses.probes import run_scenarios
 
     return run_scenarios()[0]
 

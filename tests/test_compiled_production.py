@@ -25,7 +25,7 @@ from test_compiled import Counting
 from torch import nn
 
 import qkvtrace
-from qkvtrace.demos import demo_tiny_lm
+from qkvtrace.analyses.demos import demo_tiny_lm
 
 needs_compiler = pytest.mark.skipif(
     not any(shutil.which(c) for c in ("g++", "c++", "clang++")), reason="inductor needs a C++ compiler on the CPU"

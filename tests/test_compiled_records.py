@@ -287,7 +287,7 @@ def test_compiled_records_reach_the_json_and_the_cli(tmp_path: Any) -> None:
     import sys
 
     jsonschema = pytest.importorskip("jsonschema")
-    from qkvtrace.demos import DEMOS
+    from qkvtrace.analyses.demos import DEMOS
 
     model, args = DEMOS["tiny-lm"]()
     model.eval()
@@ -387,7 +387,7 @@ def test_inspect_says_which_written_forms_inductor_replaces() -> None:
     """Witness: torch.profiler on an untraced run of each form compiled with inductor (the report's own forms,
     run here through a module written in the test): an SDPA kernel runs exactly when the row names one, and a
     row that says 'not replaced' runs bmm and no SDPA kernel."""
-    from qkvtrace.inductor_forms import FORMS, measure
+    from qkvtrace.analyses.inductor_forms import FORMS, measure
 
     data = measure()
     assert data["skipped"] is None and len(data["forms"]) == 2 * len(FORMS)

@@ -1,4 +1,4 @@
-"""qkvtrace.dataflow read directly: the rows it names, the reasons it gives, and when an answer is reused.
+"""qkvtrace.facts.dataflow read directly: the rows it names, the reasons it gives, and when an answer is reused.
 
 The models are small modules written here that project with ``nn.Linear``
 (or a ``Conv1D``-style ``[in, out]`` weight) and call
@@ -10,7 +10,7 @@ them. The witnesses:
   part ``i`` the rows ``[j·E, (j+1)·E)`` of the ``j``-th third the forward
   hands it; a separate projection gives all of its rows;
 * which tensors the test built alike or differently (for
-  :func:`~qkvtrace.dataflow.signature`: the same layout at another sequence
+  :func:`~qkvtrace.facts.dataflow.signature`: the same layout at another sequence
   length must give the same signature, other rows a different one);
 * PyTorch's own autograd (gradients and ``.grad`` of an untouched run) for
   what the derivation must leave as it found it.
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import qkvtrace
-from qkvtrace import dataflow, lineage
+from qkvtrace.facts import dataflow, lineage
 
 E, H = 8, 2
 Rows = tuple[tuple[int, int], ...]
@@ -95,7 +95,7 @@ def _seen(model: nn.Module, x: torch.Tensor, **kwargs: object) -> QKV:
 
 
 def _rows(found: object) -> tuple[Rows, Rows, Rows]:
-    assert isinstance(found, qkvtrace.slices.Projection), found
+    assert isinstance(found, qkvtrace.facts.slices.Projection), found
     return found.spec.q.rows, found.spec.k.rows, found.spec.v.rows
 
 
@@ -277,7 +277,7 @@ def test_an_answer_is_kept_per_module_and_signature() -> None:
     again = dataflow.derived_projection(model.attn, _seen(model.attn, model.qkv(_x(2, 7, E))), [model.attn])
     for found in (first, again):
         assert _rows(found) == _by_order((0, 1, 2))
-        assert isinstance(found, qkvtrace.slices.Projection) and found.holder is model
+        assert isinstance(found, qkvtrace.facts.slices.Projection) and found.holder is model
         assert found.spec.q.param == "qkv.weight"
 
 
@@ -487,7 +487,7 @@ def test_a_part_made_of_two_weights_names_each_with_only_its_direct_rows() -> No
     """
     model = Latent()
     found = dataflow.derive_projection(_seen(model, _x(2, 5, E)), [model])
-    assert isinstance(found, qkvtrace.slices.Projection)
+    assert isinstance(found, qkvtrace.facts.slices.Projection)
     k = found.spec.k
     assert (k.param, k.rows) == ("kv_b.weight", ((0, 2),))
     assert [(p.param, p.rows, p.bias_param, p.bias_rows) for p in k.also] == [
@@ -524,7 +524,7 @@ def test_a_projection_behind_the_nearest_is_said_in_the_evidence() -> None:
     """
     model = LowRank()
     found = dataflow.derive_projection(_seen(model, _x(2, 5, E)), [model])
-    assert isinstance(found, qkvtrace.slices.Projection)
+    assert isinstance(found, qkvtrace.facts.slices.Projection)
     assert (found.spec.q.param, found.spec.q.rows) == ("q_b.weight", ((0, E),))
     assert found.spec.q.evidence == _behind("q_a", "q_b")
     assert (found.spec.k.param, found.spec.k.rows, found.spec.k.evidence) == ("kv.weight", ((0, E),), dataflow.EVIDENCE)
@@ -550,7 +550,7 @@ def test_a_weight_applied_twice_is_not_behind_itself() -> None:
     """
     model = Twice()
     found = dataflow.derive_projection(_seen(model, _x(2, 5, E)), [model])
-    assert isinstance(found, qkvtrace.slices.Projection)
+    assert isinstance(found, qkvtrace.facts.slices.Projection)
     assert (found.spec.q.param, found.spec.q.rows, found.spec.q.evidence) == ("q.weight", ((0, E),), dataflow.EVIDENCE)
 
 
@@ -574,7 +574,7 @@ def test_the_holder_is_the_innermost_module_holding_the_weights() -> None:
     model = Fed()
     model(_x(2, 5, E))
     found = dataflow.derive_projection(model.attn.seen, [model.attn, model])
-    assert isinstance(found, qkvtrace.slices.Projection) and found.holder is model.attn
+    assert isinstance(found, qkvtrace.facts.slices.Projection) and found.holder is model.attn
     assert [p.param for _, p in found.spec.parts()] == ["q.weight", "k.weight", "v.weight"]
     assert found.spec.q.evidence == _behind("Linear", "q")
 
@@ -600,7 +600,7 @@ def test_a_holder_that_is_the_projection_names_its_own_weight() -> None:
     """
     model = SelfProjecting()
     found = dataflow.derive_projection(_seen(model, _x(2, 5, E)), [model])
-    assert isinstance(found, qkvtrace.slices.Projection)
+    assert isinstance(found, qkvtrace.facts.slices.Projection)
     assert [(p.param, p.rows, p.bias_param) for _, p in found.spec.parts()] == [
         ("weight", _third(j), "bias") for j in range(3)]
     assert found.spec.q.evidence == _behind("down", "it")
@@ -613,7 +613,7 @@ def test_a_projection_without_bias_has_no_bias_rows() -> None:
     """
     model = Packed(bias=False)
     found = dataflow.derive_projection(_seen(model, _x(2, 5, E)), [model])
-    assert isinstance(found, qkvtrace.slices.Projection)
+    assert isinstance(found, qkvtrace.facts.slices.Projection)
     assert [(p.rows, p.bias_param, p.bias_rows) for _, p in found.spec.parts()] == [
         (_third(j), None, ()) for j in range(3)]
 
@@ -644,7 +644,7 @@ def test_weights_that_are_views_are_found() -> None:
     """
     model = FlatViews()
     found = dataflow.derive_projection(_seen(model, _x(2, 5, E)), [model])
-    assert isinstance(found, qkvtrace.slices.Projection), found
+    assert isinstance(found, qkvtrace.facts.slices.Projection), found
     assert [(p.param, p.rows) for _, p in found.spec.parts()] == [(f"{n}.weight", ((0, E),)) for n in "qkv"]
 
 
@@ -693,7 +693,7 @@ def test_a_matrix_vector_projection_is_read() -> None:
     """
     model = OneToken()
     found = dataflow.derive_projection(_seen(model, _x(E)), [model])
-    assert isinstance(found, qkvtrace.slices.Projection), found
+    assert isinstance(found, qkvtrace.facts.slices.Projection), found
     assert (found.spec.q.param, found.spec.q.rows, found.spec.q.evidence) == (
         "q.weight", ((0, E),), _behind("down", "q"))
 
@@ -723,7 +723,7 @@ def test_the_search_goes_past_other_matmuls_and_reads_each_node_once() -> None:
     """
     model = Biased()
     found = dataflow.derive_projection(_seen(model, _x(5, E)), [model])
-    assert isinstance(found, qkvtrace.slices.Projection), found
+    assert isinstance(found, qkvtrace.facts.slices.Projection), found
     assert (found.spec.q.param, found.spec.q.rows, found.spec.q.also) == ("q.weight", ((0, E),), ())
 
 
@@ -851,7 +851,7 @@ def test_a_shared_weight_is_named_as_pytorch_names_it() -> None:
     model = Tied()
     name = {id(p): n for n, p in model.named_parameters()}
     found = dataflow.derive_projection(_seen(model, _x(2, 5, E)), [model])
-    assert isinstance(found, qkvtrace.slices.Projection), found
+    assert isinstance(found, qkvtrace.facts.slices.Projection), found
     assert [p.param for _, p in found.spec.parts()] == [name[id(model.q.weight)], name[id(model.q.weight)],
                                                        name[id(model.v.weight)]]  # fmt: skip
     assert name[id(model.k.weight)] == "q.weight"  # the witness itself: PyTorch names it by ``q``

@@ -199,3 +199,30 @@ def test_a_long_runs_grown_calls_are_counted() -> None:
     assert sum(c["calls"] for c in module["combinations"]) == 12
     assert module["nan_count"] == expected
     assert grown.taken >= 9
+
+
+def test_a_grown_step_whose_backend_changes_is_recorded_with_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Witness: PyTorch's backend selection, wrapped by the test to answer MATH once the keys are longer than 8
+    (as a build whose choice depends on the length would, e.g. a kernel with a bound on the sequence): the
+    test's own list of what the selection answered for each step's arguments. Each record names its step's
+    answer: a grown step whose answer is not its slot's is recorded in full."""
+    real = torch._fused_sdp_choice
+    math = int(torch.nn.attention.SDPBackend.MATH)
+    answered: list[int] = []
+
+    def selection(q: torch.Tensor, k: torch.Tensor, *args: Any, **kwargs: Any) -> int:
+        found = math if k.shape[-2] > 8 else real(q, k, *args, **kwargs)
+        if k.shape[-2] >= 5:  # (the kernel's calls, not the probes of PyTorch's refusals)
+            answered.append(found)
+        return found
+
+    monkeypatch.setattr(torch, "_fused_sdp_choice", selection)
+    torch.manual_seed(0)
+    model, step = _decoding()()
+    with qkvtrace.trace(model, refusals=False) as t:
+        for i in range(12):
+            step(model, i)
+    backends = [c.sdpa_backend for c in t.calls]
+    assert backends[4:] == ["MATH"] * 8  # (keys of 9 to 16)
+    assert len(set(backends[:4])) == 1 and backends[0] != "MATH"  # (keys of 5 to 8: the real selection's)
+    assert len(answered) >= 12

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from qkvtrace.diff import diff_reports
+from qkvtrace.analyses.diff import diff_reports
+from qkvtrace.analyses.reportio import load_report
 from qkvtrace.render.diff_render import diff_dot
 from qkvtrace.render.graph import ENGINE_ENV, how_to_get_an_engine, layout_engine, render_svg
-from qkvtrace.reportio import load_report
 
 ROOT = Path(__file__).resolve().parents[1]
 REPORTS = ROOT / "reports"
@@ -156,7 +156,7 @@ def test_diff_needs_no_torch() -> None:
     """Witness: torch blocked in ``sys.modules`` by the test; the versions of the reports it names."""
     code = (
         "import sys; sys.modules['torch'] = None\n"
-        "from qkvtrace.reportio import load_report\nfrom qkvtrace.diff import diff_reports\n"
+        "from qkvtrace.analyses.reportio import load_report\nfrom qkvtrace.analyses.diff import diff_reports\n"
         f"d = diff_reports(load_report({str(REPORTS / OLD)!r}), load_report({str(REPORTS / MID)!r}))\n"
         "print(d['summary'])\n"
         "from qkvtrace.cli.main import main\n"
@@ -174,7 +174,7 @@ def test_collector_runs_without_rendering_libraries() -> None:
     Witness: the rendering libraries blocked in ``sys.modules`` by the test; the schema name the test expects."""
     code = (
         "import sys\nfor name in ('rich', 'networkx', 'graphviz'): sys.modules[name] = None\n"
-        "import runpy; runpy.run_module('qkvtrace.report', run_name='__main__')"
+        "import runpy; runpy.run_module('qkvtrace.analyses.report', run_name='__main__')"
     )
     proc = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, env=ENV,
                           timeout=300)  # fmt: skip

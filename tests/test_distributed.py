@@ -165,7 +165,7 @@ def worker(out: Path) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     import qkvtrace
-    from qkvtrace.distributed import save_per_rank
+    from qkvtrace.records.distributed import save_per_rank
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))

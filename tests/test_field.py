@@ -24,7 +24,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import qkvtrace
-from qkvtrace.paths import is_attention_op
+from qkvtrace.facts.paths import is_attention_op
 
 E, H, B, L = 32, 4, 2, 6
 

@@ -285,7 +285,7 @@ def test_cli_and_python_map_the_same_batch_items_by_default(tmp_path: Path) -> N
     weights of ``demo:mha`` on its own inputs (batch of 2), computed in the test.
     """
     pytest.importorskip("matplotlib")
-    from qkvtrace.demos import demo_mha
+    from qkvtrace.analyses.demos import demo_mha
 
     mha, (x, _, _) = demo_mha()
     with torch.no_grad():

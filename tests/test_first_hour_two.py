@@ -73,7 +73,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_every_changed_report_row_shows_what_changed() -> None:
     """Witness: the two committed reports read here as plain JSON: for each scenario whose calls differ, the fields
     that differ are found here, and the Markdown row of the diff must show both sides apart, with those values."""
-    from qkvtrace.diff import diff_reports
+    from qkvtrace.analyses.diff import diff_reports
     from qkvtrace.render.diff_render import diff_markdown
 
     a, b = (json.loads((ROOT / "reports" / v / "report.json").read_text()) for v in
@@ -163,7 +163,7 @@ def test_trace_compile_of_a_model_without_hand_written_attention_neither_warns_n
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from qkvtrace.demos import CausalSelfAttention, demo_tiny_lm
+    from qkvtrace.analyses.demos import CausalSelfAttention, demo_tiny_lm
 
     assert "scaled_dot_product_attention" in inspect.getsource(CausalSelfAttention.forward)
     model, args = demo_tiny_lm()
@@ -196,7 +196,7 @@ def test_a_model_compiled_before_the_trace_is_said_to_be(tmp_path: Path) -> None
     import torch
 
     import qkvtrace
-    from qkvtrace.demos import demo_tiny_lm
+    from qkvtrace.analyses.demos import demo_tiny_lm
 
     model, args = demo_tiny_lm()
     torch._dynamo.reset()

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from _witness import attention_core
 from torch import nn
 
-from qkvtrace.demos import demo_tiny_lm
-from qkvtrace.grads import measure
+from qkvtrace.analyses.demos import demo_tiny_lm
+from qkvtrace.analyses.grads import measure
 from qkvtrace.render.grads_render import grads_dot
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,8 +16,8 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 import qkvtrace
-from qkvtrace.behaviour import agreement, fully_masked_rows, mask_semantics
-from qkvtrace.guard import attention_estimate, guard
+from qkvtrace.analyses.behaviour import agreement, fully_masked_rows, mask_semantics
+from qkvtrace.analyses.guard import attention_estimate, guard
 
 ENV = {**os.environ, "COLUMNS": "200", "PYTHONWARNINGS": "ignore"}
 

@@ -25,7 +25,7 @@ from _witness import benchmark
 from torch import nn
 
 import qkvtrace
-from qkvtrace import health as health_module
+from qkvtrace.facts import health as health_module
 
 E, H, B, L = 16, 4, 2, 7
 D = E // H
@@ -81,11 +81,11 @@ def _close(got: list[float | None], want: list[float], rel: float = 1e-4) -> Non
         assert g is not None and math.isclose(g, w, rel_tol=rel, abs_tol=1e-5), (got, want)
 
 
-def _heads(record: qkvtrace.health.HealthRecord, name: str) -> list[float | None]:
+def _heads(record: qkvtrace.facts.health.HealthRecord, name: str) -> list[float | None]:
     return [getattr(h, name) for h in record.heads]
 
 
-def _close_heads(record: qkvtrace.health.HealthRecord, want: dict[str, list[float]]) -> None:
+def _close_heads(record: qkvtrace.facts.health.HealthRecord, want: dict[str, list[float]]) -> None:
     """Each head's max logit and entropies in ``record`` against the witness's."""
     for name in ("max_logit", "entropy_mean", "entropy_min"):
         _close(_heads(record, name), want[name])

@@ -22,10 +22,10 @@ from typing import Any
 
 import pytest
 
-from qkvtrace.diff import diff_reports
-from qkvtrace.history import build_history, find_reports, source_change, version_key
-from qkvtrace.reportio import load_report
-from qkvtrace.validation import check_document
+from qkvtrace.analyses.diff import diff_reports
+from qkvtrace.analyses.history import build_history, find_reports, source_change, version_key
+from qkvtrace.analyses.reportio import load_report
+from qkvtrace.records.validation import check_document
 
 ROOT = Path(__file__).resolve().parents[1]
 REPORTS = ROOT / "reports"
@@ -368,7 +368,7 @@ def test_compat_forces_backends_by_capability() -> None:
     Witness: whether this torch has ``torch.nn.attention.sdpa_kernel``, and ``flash_sdp_enabled`` read from torch."""
     import torch
 
-    from qkvtrace import compat
+    from qkvtrace.base import compat
 
     has_new = callable(getattr(getattr(torch.nn, "attention", None), "sdpa_kernel", None))
     assert compat.backend_forcing_api() == (

@@ -169,7 +169,7 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 
 def test_trace_html_from_the_command_line(tmp_path: Path) -> None:
     """Witness: the demo's own inputs and vocabulary (the map's row labels are the words of batch item 0)."""
-    from qkvtrace.demos import VOCABULARY, demo_tiny_lm
+    from qkvtrace.analyses.demos import VOCABULARY, demo_tiny_lm
 
     _, (ids,) = demo_tiny_lm()
     words = [VOCABULARY[i] for i in ids[0].tolist()]

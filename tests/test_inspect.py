@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qkvtrace import introspect
+from qkvtrace.analyses.report import collect_report, dumps_report, load_report
+from qkvtrace.facts import introspect
 from qkvtrace.render.graph import ENGINE_ENV, how_to_get_an_engine, layout_engine, render_svg, report_graph, to_dot
-from qkvtrace.report import collect_report, dumps_report, load_report
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "COLUMNS": "200", "PYTHONWARNINGS": "ignore"}

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import qkvtrace
-from qkvtrace import lazy
+from qkvtrace.base import lazy
 
 
 @dataclass

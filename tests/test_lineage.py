@@ -1,7 +1,7 @@
-"""Rows read from the torch functions a call ran (``qkvtrace.lineage``), one way of making Q, K and V at a time.
+"""Rows read from the torch functions a call ran (``qkvtrace.facts.lineage``), one way of making Q, K and V at a time.
 
 Each test writes a call's functions into a log itself -- with a ``TorchFunctionMode`` of its own that hands
-every function to :func:`qkvtrace.lineage.see`, as the tracer's mode does -- under ``torch.no_grad()``, then
+every function to :func:`qkvtrace.facts.lineage.see`, as the tracer's mode does -- under ``torch.no_grad()``, then
 reads the rows from that log. The witness is each module's construction: which output features of which
 weight reach Q, K and V, computed in the test.
 """
@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from qkvtrace import lineage
-from qkvtrace.slices import Projection
+from qkvtrace.facts import lineage
+from qkvtrace.facts.slices import Projection
 
 E, H, D, B, T = 16, 2, 8, 2, 5
 WHY = "not derived: no graph: grad is disabled (torch.no_grad)"

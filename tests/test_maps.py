@@ -26,7 +26,7 @@ from torch import nn
 
 import qkvtrace
 from qkvtrace.records import TraceResult
-from qkvtrace.validation import load_json
+from qkvtrace.records.validation import load_json
 
 B, L, E, H = 2, 5, 32, 4
 #: The README's claims (torch 2.13.0 CPU, float32), max abs error of a map against each witness; each test
@@ -498,7 +498,7 @@ def test_cli_maps_writes_pictures_per_call_and_head_and_a_grid(tmp_path: Path) -
     svg = next(p for p in out.iterdir() if p.name.endswith("_head0.svg")).read_text()
     import html
 
-    from qkvtrace.demos import VOCABULARY, demo_tiny_lm
+    from qkvtrace.analyses.demos import VOCABULARY, demo_tiny_lm
 
     first_token = int(demo_tiny_lm()[1][0][0, 0])
     assert "<svg" in svg and f">{html.escape(VOCABULARY[first_token])}</text>" in svg  # the demo's words label the axes
@@ -653,7 +653,7 @@ def test_demo_tiny_lm_labels_its_maps_with_words() -> None:
     """The demo language model carries a vocabulary, so its pictures show words, not ids.
     Witness: the demo's VOCABULARY looked up here for each id of its input."""
 
-    from qkvtrace.demos import VOCABULARY, demo_tiny_lm
+    from qkvtrace.analyses.demos import VOCABULARY, demo_tiny_lm
     from qkvtrace.render.maps_render import token_labels
 
     model, (ids,) = demo_tiny_lm()

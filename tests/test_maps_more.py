@@ -6,7 +6,7 @@ layer's first norm and masks, attention written by hand), and the reasons given 
 Each map is checked against PyTorch itself (``nn.MultiheadAttention``'s own ``need_weights=True,
 average_attn_weights=False`` weights, the weights ``F.multi_head_attention_forward`` returns, the probabilities a
 model written here computed) or against a float64 softmax written here on Q and K projected here; sizes and
-messages are computed here from the shapes built here. The sources of qkvtrace/maps.py are called directly only
+messages are computed here from the shapes built here. The sources of qkvtrace/facts/maps.py are called directly only
 where the public API cannot hand them an input (said in each such test).
 """
 
@@ -22,7 +22,7 @@ from _witness import sdpa_refusal_of_mask_with_causal
 from torch import nn
 
 import qkvtrace
-from qkvtrace import maps
+from qkvtrace.facts import maps
 
 B, L, E, H = 2, 5, 16, 4
 D = E // H
@@ -118,9 +118,9 @@ def test_the_smallest_bounds_and_index_zero_are_accepted() -> None:
 
 
 def test_options_made_from_none_take_the_documented_defaults() -> None:
-    """Witness: the defaults written in qkvtrace/limits.py's names, which the docs quote (MapOptions.make called
+    """Witness: the defaults written in qkvtrace/base/limits.py's names, which the docs quote (MapOptions.make called
     directly: the trace passes None for an option not given)."""
-    from qkvtrace.limits import DEFAULT_MAX_MAP_MB, DEFAULT_MAX_MAP_TOKENS
+    from qkvtrace.base.limits import DEFAULT_MAX_MAP_MB, DEFAULT_MAX_MAP_TOKENS
 
     made = maps.MapOptions.make(None, None, None, None)
     assert made == maps.MapOptions(DEFAULT_MAX_MAP_TOKENS, float(DEFAULT_MAX_MAP_MB), None, None)

@@ -19,8 +19,8 @@ from torch import nn
 
 import qkvtrace
 from qkvtrace.cli.main import main
-from qkvtrace.distributed import load_rank_traces, merge_traces, save_per_rank
-from qkvtrace.validation import load_json
+from qkvtrace.records.distributed import load_rank_traces, merge_traces, save_per_rank
+from qkvtrace.records.validation import load_json
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "COLUMNS": "200", "PYTHONWARNINGS": "ignore"}

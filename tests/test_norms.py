@@ -136,7 +136,7 @@ def test_the_dense_run_of_a_view() -> None:
     """Which dimensions of a view are reduced first. Witness: the layouts built here, whose dense runs are known by
     construction (GPT-2's heads: the H·D values of a token's part lie together; interleaved heads: a head's D values;
     a weight's column slice: each row's; a dense view in any order, or one with no unit stride: none)."""
-    from qkvtrace.slices import dense_run
+    from qkvtrace.facts.slices import dense_run
 
     x = torch.zeros(2, 64, 3 * 64)
     q = _packed_heads(x)[0]  # [2, 4, 64, 16], strides (12288, 16, 192, 1)

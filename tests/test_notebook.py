@@ -13,7 +13,7 @@ import pytest
 from _mha_reasons import reason_under
 from torch import nn
 
-from qkvtrace.demos import demo_encoder
+from qkvtrace.analyses.demos import demo_encoder
 
 nbformat = pytest.importorskip("nbformat", reason="nbformat is not installed (pip install nbformat)")
 nbclient = pytest.importorskip("nbclient", reason="nbclient is not installed (pip install nbclient)")

@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from qkvtrace import compat, paths
+from qkvtrace.base import compat
+from qkvtrace.facts import paths
 
 
 def test_backend_names_come_from_pytorch() -> None:

@@ -83,8 +83,8 @@ def _warm_up() -> None:
     import torch._dynamo
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from qkvtrace.check import run_checks
-    from qkvtrace.validation import load_json  # noqa: F401
+    from qkvtrace.analyses.check import run_checks
+    from qkvtrace.records.validation import load_json  # noqa: F401
 
     torch.manual_seed(0)
     block = nn.Linear(16, 48)
@@ -427,7 +427,7 @@ def test_same_as_committed_report_scenario(qkvtrace: object) -> None:
     Witness: the committed report, whose mha_train call is checked here against torch.profiler (its attention
     ops) and PyTorch's own ``why_not_fast_path`` (sys.settrace), both on an untraced run of the scenario.
     """
-    from qkvtrace.probes import SCENARIOS
+    from qkvtrace.analyses.probes import SCENARIOS
 
     folder = _report_of_installed_torch()
     scenario = next(s for s in SCENARIOS if s.name == "mha_train")
@@ -511,7 +511,7 @@ def test_leak_assertion_in_process() -> None:
 
     Witness: computed here, changing the last token leaves the outputs at every earlier position as they were.
     """
-    from qkvtrace.demos import demo_tiny_lm
+    from qkvtrace.analyses.demos import demo_tiny_lm
 
     model, (tokens,) = demo_tiny_lm()
     assert_no_future_leak(model, tokens[:1, :6])

@@ -220,6 +220,10 @@ WITNESSED: list[tuple[str, str, list[str]]] = [
       "tests/test_rows_in_use.py::test_a_decoding_loop_with_a_cache_has_rows_and_its_cache_is_untouched"]),
     ("docs/slices.md", "once a call's layout is one already seen, nothing more is written down",
      ["tests/test_hand_written_watch.py::test_an_sdpa_user_keeps_its_hooks_for_its_first_call_of_each_trace_only"]),
+    ("docs/slices.md", "A step whose keys and values only grew by the new token is recorded like its module's "
+     "previous step, with its own shapes; PyTorch is asked again which backend it takes.",
+     ["tests/test_decoding.py::test_a_decoding_loops_records_equal_records_built_in_full[cat]",
+      "tests/test_decoding.py::test_a_generate_loops_records_say_what_each_step_received"]),
     ("docs/slices.md", "Inside a profiler of your own the functions are not run again on stand-ins",
      ["tests/test_dataflow.py::test_an_answer_given_while_profiling_is_not_kept"]),
     ("docs/slices.md", "each function, the tensors it read and the tensors it made. Nothing is copied.",

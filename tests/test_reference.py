@@ -19,8 +19,8 @@ import pytest
 import torch
 from torch import nn
 
-from qkvtrace import reference
-from qkvtrace.reference import (
+from qkvtrace.analyses import reference
+from qkvtrace.analyses.reference import (
     MultiHeadSelfAttention,
     TransformerBlock,
     attention,

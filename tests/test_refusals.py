@@ -222,7 +222,7 @@ def test_the_cached_answer_is_keyed_by_all_a_refusal_can_depend_on() -> None:
     is longer, a head size, a layout's last stride) must not share an answer; two calls that differ only in values,
     or in lengths both past 128, share it. Witness: the pairs built here, each differing in one property by
     construction. Fault caught: a cache key blind to one of them, which would hand one call another's reasons."""
-    from qkvtrace.refusals import signature
+    from qkvtrace.facts.refusals import signature
 
     b, h, t, d = 2, 3, 8, 16
 
@@ -282,7 +282,7 @@ def test_the_cached_answer_is_shared_where_nothing_a_check_reads_differs() -> No
     stride other than the last one (a slice of a wider tensor has other strides there), the full lengths rather
     than lengths capped at 128, a length or head size read from the wrong dimension, and the order of two
     lengths read with ``>=`` or ``<=``."""
-    from qkvtrace.refusals import signature
+    from qkvtrace.facts.refusals import signature
 
     b, h, t, d = 2, 3, 8, 16
 
@@ -331,7 +331,7 @@ def test_the_stand_in_keeps_what_pytorchs_checks_read(lq: int, lk: int) -> None:
     stride of its own, 2) and whether it requires grad (only with grad enabled, and never a bool mask's); a mask's
     broadcast dimensions kept at 1, the others those of the stand-in's scores, a bool mask all True, a float one
     zeros. Faults caught: lengths made equal or swapped in order, caps off by one, strides or grad lost."""
-    from qkvtrace.refusals import _stand_in
+    from qkvtrace.facts.refusals import _stand_in
 
     b, h, d = 2, 3, 4
     q = torch.randn(b, h, lq, 3 * d, dtype=torch.float64)[..., ::3].requires_grad_()  # last stride 3

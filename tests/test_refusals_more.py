@@ -23,7 +23,7 @@ from _witness import DirectSDPA, ranked_above, sdpa_choice
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import qkvtrace
-from qkvtrace import refusals
+from qkvtrace.facts import refusals
 
 attention = pytest.importorskip("torch.nn.attention")
 sdpa_kernel, SDPBackend = attention.sdpa_kernel, attention.SDPBackend

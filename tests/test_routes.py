@@ -22,7 +22,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import qkvtrace
-from qkvtrace.validation import load_trace
+from qkvtrace.records.validation import load_trace
 
 E, H, B, T = 16, 4, 3, 6
 D = E // H

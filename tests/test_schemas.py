@@ -21,9 +21,9 @@ import pytest
 import torch
 from jsonschema import Draft202012Validator
 
+from qkvtrace.base.errors import SchemaError
 from qkvtrace.cli.main import main
-from qkvtrace.errors import SchemaError
-from qkvtrace.validation import MAX_JSON_BYTES, check_document, load_json, load_trace, schema_file, schema_ids
+from qkvtrace.records.validation import MAX_JSON_BYTES, check_document, load_json, load_trace, schema_file, schema_ids
 
 ROOT = Path(__file__).resolve().parents[1]
 REPORTS = ROOT / "reports"
@@ -467,7 +467,7 @@ def test_compare_refuses_a_damaged_collector_report(tmp_path: Path, capsys: pyte
     fake = tmp_path / "python"
     script = [
         "#!/bin/sh",
-        f'case "$*" in *qkvtrace.report*) cat "{damaged}"; exit 0;; esac',  # the collector's run
+        f'case "$*" in *qkvtrace.analyses.report*) cat "{damaged}"; exit 0;; esac',  # the collector's run
         f'exec "{sys.executable}" "$@"',  # everything else: the real interpreter
     ]
     fake.write_text("\n".join(script) + "\n")
@@ -480,7 +480,7 @@ def test_compare_refuses_a_damaged_collector_report(tmp_path: Path, capsys: pyte
 
 def test_diff_reports_checks_reports_given_in_memory() -> None:
     """Witness: the committed report damaged here in memory, and the message written here."""
-    from qkvtrace.diff import diff_reports
+    from qkvtrace.analyses.diff import diff_reports
 
     broken = _good()
     broken["fast_path_conditions"][0]["conditions"] = None
@@ -493,7 +493,8 @@ def test_report_collector_imports_without_jsonschema() -> None:
     """The collector `compare` ships to other environments (torch only) must not need jsonschema.
 
     Witness: a fresh interpreter in which the test blocks importing jsonschema and referencing."""
-    code = "import sys\nfor name in ('jsonschema', 'referencing'): sys.modules[name] = None\nimport qkvtrace.report"
+    code = ("import sys\nfor name in ('jsonschema', 'referencing'): sys.modules[name] = None\n"
+            "import qkvtrace.analyses.report")
     proc = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, env=ENV,
                           timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stderr

@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import qkvtrace
-from qkvtrace import slices
-from qkvtrace.grads import measure
+from qkvtrace.analyses.grads import measure
+from qkvtrace.facts import slices
 from qkvtrace.records import QKVInfo, SliceGrad
 
 E, H, B, L = 16, 4, 2, 5

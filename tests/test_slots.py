@@ -25,7 +25,7 @@ from _mha_reasons import reason_under
 from torch import nn
 
 import qkvtrace
-from qkvtrace import lineage
+from qkvtrace.facts import lineage
 
 
 class Direct(nn.Module):
@@ -321,7 +321,7 @@ def test_the_first_call_of_a_signature_says_witnessed_and_the_later_ones_cached(
     """Witness: the evidence cache of the process, emptied by the test first, so that the kernels of the
     first call are profiled now and the later ones read from that profile; MultiheadAttention with
     ``need_weights=False`` (its kernel an SDPA call) and a model's own SDPA call."""
-    from qkvtrace import paths
+    from qkvtrace.facts import paths
 
     paths.shared_evidence()._ops.clear()
     torch.manual_seed(6)

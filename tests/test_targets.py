@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from qkvtrace.errors import TargetError
-from qkvtrace.target import load_target
+from qkvtrace.analyses.target import load_target
+from qkvtrace.base.errors import TargetError
 
 HERE = Path(__file__).resolve().parent
 #: never reach the network: the hub refuses at once instead of trying

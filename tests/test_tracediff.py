@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import qkvtrace
-from qkvtrace.tracediff import diff_traces
+from qkvtrace.analyses.tracediff import diff_traces
 
 
 def _profiled_attention_ops(run: Any) -> list[str]:
@@ -275,7 +275,7 @@ def test_compare_a_target_across_two_environments(tmp_path: Path) -> None:
     the switch on and off, computed here -- the backend each environment's
     trace must report.
     """
-    from qkvtrace.demos import DEMOS  # noqa: F401  (the demo exists in this qkvtrace)
+    from qkvtrace.analyses.demos import DEMOS  # noqa: F401  (the demo exists in this qkvtrace)
 
     site = tmp_path / "site"
     site.mkdir()
@@ -502,8 +502,8 @@ def test_every_compared_fact_on_traces_written_by_hand() -> None:
 @pytest.mark.parametrize("side", ["A", "B"])
 def test_a_document_that_is_not_a_trace_is_refused_with_its_name(side: str) -> None:
     """Witness: a report-schema document written here, given as trace A or as trace B."""
-    from qkvtrace.errors import SchemaError
-    from qkvtrace.tracediff import is_trace
+    from qkvtrace.analyses.tracediff import is_trace
+    from qkvtrace.base.errors import SchemaError
 
     trace = {"schema": "qkvtrace.trace/1", "calls": []}
     other = {"schema": "qkvtrace.report/1"}

@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 
 import qkvtrace
+from qkvtrace.analyses.walkthrough import LABELS, TEXTS, SentimentAttention, run_walkthrough
 from qkvtrace.cli.main import main
-from qkvtrace.validation import load_json
-from qkvtrace.walkthrough import LABELS, TEXTS, SentimentAttention, run_walkthrough
+from qkvtrace.records.validation import load_json
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -310,7 +310,7 @@ def test_a_failed_check_is_a_problem() -> None:
 
     Witness: the three values the test tampered with.
     """
-    from qkvtrace.walkthrough import problems
+    from qkvtrace.analyses.walkthrough import problems
 
     data = run_walkthrough(epochs=1)
     assert problems(data) == []

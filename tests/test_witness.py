@@ -431,7 +431,7 @@ def test_every_recorded_path_is_in_the_vocabulary() -> None:
     import re
     from pathlib import Path
 
-    from qkvtrace.demos import DEMOS
+    from qkvtrace.analyses.demos import DEMOS
 
     root = Path(__file__).resolve().parents[1]
     # the call record's table in docs/trace.md: "| `path` | `fast`, `fallback`, ... or `hand_written` |"

@@ -1,4 +1,4 @@
-"""Tables and a chart of an ablation study. Reads :class:`~qkvtrace.ablate.AblationResult` only.
+"""Tables and a chart of an ablation study. Reads :class:`~qkvtrace.analyses.ablate.AblationResult` only.
 
 The chart needs matplotlib, the optional extra ``qkvtrace[plot]``; it is
 imported only when a chart is asked for.
@@ -10,8 +10,8 @@ from pathlib import Path
 
 from rich.table import Table
 
-from qkvtrace.ablate import AblationResult, ModeResult
-from qkvtrace.errors import OutputError
+from qkvtrace.analyses.ablate import AblationResult, ModeResult
+from qkvtrace.base.errors import OutputError
 
 __all__ = ["ablate_chart", "ablate_markdown", "ablate_table", "margin_line", "properties_table"]
 

@@ -6,7 +6,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from qkvtrace.advise import RECOMMENDED, Advice, Measured
+from qkvtrace.analyses.advise import RECOMMENDED, Advice, Measured
 
 __all__ = ["advise_table"]
 

@@ -18,7 +18,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from qkvtrace.grads import PARTS_ORDER, GradsResult, Route, SliceGradient
+from qkvtrace.analyses.grads import PARTS_ORDER, GradsResult, Route, SliceGradient
 from qkvtrace.records import rows_label
 
 __all__ = ["fmt", "grads_dot", "grads_table", "node_width", "slice_label"]

@@ -3,7 +3,7 @@
 Per module: its max logit (any head) and its lowest head's mean entropy over
 the measured steps, each a polyline whose every point carries its step and
 value as text (a ``<title>`` tooltip), with first -> last in words and the
-alert of :func:`qkvtrace.health.alert`. No script, no external resource: the
+alert of :func:`qkvtrace.facts.health.alert`. No script, no external resource: the
 same fragment shows in a notebook cell and in a saved page. Reads
 ``health`` lines (or :meth:`HealthRecord.to_dict`) only.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from qkvtrace.health_alerts import alert, series_of
+from qkvtrace.records.health_alerts import alert, series_of
 from qkvtrace.render.html_parts import esc, fragment
 
 __all__ = ["curve_svg", "health_html", "health_page"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from qkvtrace.history import headline_rows, version_key
+from qkvtrace.analyses.history import headline_rows, version_key
 
 __all__ = ["chart_rows", "draw_history_chart", "history_markdown"]
 

@@ -20,7 +20,7 @@ from qkvtrace.records import TraceResult, atomic_write_text, rows_label
 from qkvtrace.render.html_parts import DEFAULT_BOUNDS, STYLE, MapBounds, esc, fmt, fragment, trace_fragment
 
 if TYPE_CHECKING:
-    from qkvtrace.grads import GradsResult
+    from qkvtrace.analyses.grads import GradsResult
 
 __all__ = ["grads_html", "grads_page", "grads_section", "save_page", "trace_html", "trace_page"]
 
@@ -128,7 +128,7 @@ def _controls(result: TraceResult) -> str:
 
 
 def _document(title: str, body: str) -> str:
-    from qkvtrace import __version__
+    from qkvtrace.base.version import __version__
 
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
@@ -223,7 +223,7 @@ def grads_section(result: GradsResult) -> str:
 
 
 def _loss_line(result: GradsResult) -> str:
-    from qkvtrace.grads import LOSS_TEXT
+    from qkvtrace.analyses.grads import LOSS_TEXT
 
     loss = LOSS_TEXT.get(result.loss_kind, result.loss_kind)
     return f"<p>Loss: {esc(loss)} = {fmt(result.loss)} · torch {esc(result.torch_version)}</p>"
@@ -243,7 +243,7 @@ def _routes_of_trace(result: TraceResult) -> str:
     """The routes picture and a row per call, for a trace whose backward pass reached its calls; else nothing."""
     if not result.routes:
         return ""
-    from qkvtrace.grads import routes_of
+    from qkvtrace.analyses.grads import routes_of
 
     return grads_section(routes_of(result))
 

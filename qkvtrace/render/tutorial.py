@@ -1,6 +1,6 @@
 """Rendering of the tutorial's experiments: the walkthrough and the reference-agreement table.
 
-Reads the plain dicts of :mod:`qkvtrace.walkthrough` and :mod:`qkvtrace.reference`;
+Reads the plain dicts of :mod:`qkvtrace.analyses.walkthrough` and :mod:`qkvtrace.analyses.reference`;
 never touches torch.
 """
 

@@ -27,10 +27,10 @@ import threading
 from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any
 
-from qkvtrace import compat
+from qkvtrace.base import compat
+from qkvtrace.facts import routes
+from qkvtrace.facts.slices import Projection
 from qkvtrace.records import AttentionCall, QKVInfo, SliceInfo
-from qkvtrace.slices import Projection
-from qkvtrace.tracer import routes
 
 if TYPE_CHECKING:
     from torch import nn

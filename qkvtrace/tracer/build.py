@@ -1,7 +1,7 @@
 """Turning what a wrapper saw into records, without reading the device.
 
 Numbers measured here (NaN counts, norms, blocked entries) stay 0-dim
-tensors until the trace resolves its records (:mod:`qkvtrace.lazy`). One
+tensors until the trace resolves its records (:mod:`qkvtrace.base.lazy`). One
 call is observed once, however many traces record it: :func:`deliver` gives
 each of them its own copy with its own index and its own module name.
 """
@@ -17,10 +17,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from qkvtrace import compat
+from qkvtrace.base import compat
+from qkvtrace.facts import routes
+from qkvtrace.facts.slices import Projection, norm_of
 from qkvtrace.records import AttentionCall, QKVInfo, SliceInfo
-from qkvtrace.slices import Projection, norm_of
-from qkvtrace.tracer import again, routes
+from qkvtrace.tracer import again
 
 if TYPE_CHECKING:
     from qkvtrace.tracer.session import Trace
@@ -175,7 +176,7 @@ def counts_only(targets: list[Target]) -> bool:
 
 
 def count_again(targets: list[Target], key: tuple[Any, ...], backend: str | None, output: Any) -> bool:
-    """The steady state of long runs: when ``key`` (:func:`qkvtrace.monitor.combination_key`) is the combination
+    """The steady state of long runs: when ``key`` (:func:`qkvtrace.tracer.monitor.combination_key`) is the combination
     of the module's previous call in every trace of ``targets`` (all :func:`counts_only`), count the call there
     and return ``True``; no record is built. ``output``: a function giving its NaN count and fully-masked rows."""
     if not all(t.monitor.is_last(name, key) for t, name, _ in targets):  # type: ignore[union-attr]
@@ -198,7 +199,7 @@ def deliver(
     """Hand one observed call to every trace that records it (``core``: its backward side).
 
     ``maps``: where the call's attention map comes from (a source of
-    :mod:`qkvtrace.maps`, or a string saying why there is none), for the
+    :mod:`qkvtrace.facts.maps`, or a string saying why there is none), for the
     traces that asked for maps; each computes its own from it, now, after the call.
     ``built_from``: the key and refs the record was built from, kept with it as its module's previous
     record so that a call like it is recorded from it (:mod:`qkvtrace.tracer.again`).

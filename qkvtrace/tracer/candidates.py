@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from qkvtrace import compat
-from qkvtrace.projection_rows import weight_dim
+from qkvtrace.base import compat
+from qkvtrace.facts.projection_rows import weight_dim
+from qkvtrace.facts.slices import Projection, guess_projection
 from qkvtrace.records import TraceResult, Unobserved
-from qkvtrace.slices import Projection, guess_projection
 from qkvtrace.tracer.observers import handwritten
 
 if TYPE_CHECKING:
@@ -158,7 +158,7 @@ def projection_holders(named: Iterable[tuple[str, nn.Module]], compiled: set[int
     and are not watched already (``watched``): none on or inside PyTorch's attention modules, none scripted or
     compiled. While one of them runs its first calls (until one meets no new layout), the torch functions it
     calls are written down, so that a module calling SDPA in it, of any name, gets its rows from them when its
-    call builds no graph (:mod:`qkvtrace.lineage`)."""
+    call builds no graph (:mod:`qkvtrace.facts.lineage`)."""
     named = [(n, m) for n, m in named if id(m) not in compiled]
     torch_attention = [n for n, m in named if isinstance(m, handwritten.TORCH_ATTENTION)]
     taken = {id(m) for m in watched}

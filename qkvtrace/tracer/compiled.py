@@ -521,7 +521,7 @@ def _interesting(op: str) -> bool:
 
 
 def _backend_from(record: CompiledAttention, ops: list[str], device: str) -> None:
-    from qkvtrace.paths import shared_evidence
+    from qkvtrace.facts.paths import shared_evidence
 
     kernels = ["aten::" + op.split("aten.")[-1] for op in ops if "aten." in op]
     backend = shared_evidence().backend_of(device, kernels)

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from qkvtrace import compat
+from qkvtrace.base import compat
 from qkvtrace.tracer import compiled, compiled_code
 
 if TYPE_CHECKING:

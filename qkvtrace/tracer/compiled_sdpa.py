@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from qkvtrace import paths
+from qkvtrace.facts import paths
 
 __all__ = ["EVIDENCE", "backend_of_node"]
 

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from qkvtrace import maps
+from qkvtrace.facts import maps
 
 __all__ = ["ProbsSource", "heads_in", "module_heads", "split_heads"]
 

@@ -1,6 +1,6 @@
 """Q/K/V slice gradients per module, and gradient routes per call, for each backward pass.
 
-Routes: hooks on the backward core of each call (:mod:`qkvtrace.tracer.routes`)
+Routes: hooks on the backward core of each call (:mod:`qkvtrace.facts.routes`)
 keep the norms of the gradients that reached its Q, K and V.
 
 Slices: a hook on each Q/K/V parameter keeps the norm of this pass's gradient for
@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from qkvtrace import compat
+from qkvtrace.base import compat
+from qkvtrace.facts import routes
+from qkvtrace.facts.slices import Projection, Rows, grad_slices, param_of, slice_norms_of
 from qkvtrace.records import GradientRecord, RouteGrad, RouteRecord
-from qkvtrace.slices import Projection, Rows, grad_slices, param_of, slice_norms_of
-from qkvtrace.tracer import routes
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle

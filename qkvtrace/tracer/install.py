@@ -92,7 +92,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qkvtrace import compat
+from qkvtrace.base import compat
 from qkvtrace.tracer import dispatch, identity, registry
 from qkvtrace.tracer.dispatch import redispatch_sdpa
 from qkvtrace.tracer.observers import handwritten

@@ -1,7 +1,7 @@
 """Which weight rows are each call's Q, K and V, kept for one trace while they hold.
 
 ``nn.MultiheadAttention`` keeps them where its definition says. Any other
-module's are derived from what its call did (:mod:`qkvtrace.dataflow`) and
+module's are derived from what its call did (:mod:`qkvtrace.facts.dataflow`) and
 kept per call layout: every call is checked against the layouts this trace
 has seen -- how the kernel's Q, K and V view their storage (strides and
 offsets) and the module's children, a few attribute reads -- and a call
@@ -19,9 +19,9 @@ from typing import Any
 
 from torch import nn
 
-from qkvtrace import lineage
-from qkvtrace.dataflow import derived_projection, signature
-from qkvtrace.slices import Projection, mha_projection
+from qkvtrace.facts import lineage
+from qkvtrace.facts.dataflow import derived_projection, signature
+from qkvtrace.facts.slices import Projection, mha_projection
 from qkvtrace.tracer import registry
 from qkvtrace.tracer.observers import handwritten
 

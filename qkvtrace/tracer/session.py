@@ -20,9 +20,11 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from qkvtrace import compat, lazy, maps, masks, paths
-from qkvtrace.health import Health, HealthRecords
-from qkvtrace.monitor import Event, Monitor
+from qkvtrace.base import compat, lazy
+from qkvtrace.facts import maps, masks, paths
+from qkvtrace.facts.health import Health, HealthRecords
+from qkvtrace.facts.routes import Core
+from qkvtrace.facts.slices import NormCache, Projection
 from qkvtrace.records import (
     AttentionCall,
     CompiledAttention,
@@ -32,15 +34,14 @@ from qkvtrace.records import (
     TraceResult,
     squared_shares,
 )
-from qkvtrace.slices import NormCache, Projection
 from qkvtrace.tracer import again, compiled_before, registry, slots, structure
 from qkvtrace.tracer import candidates as found_candidates
 from qkvtrace.tracer import compiled as compiled_log
 from qkvtrace.tracer.gradients import GradientRecorder
 from qkvtrace.tracer.install import code_globals, installation
+from qkvtrace.tracer.monitor import Event, Monitor
 from qkvtrace.tracer.observers import handwritten
 from qkvtrace.tracer.projections import Projections
-from qkvtrace.tracer.routes import Core
 
 __all__ = ["Trace", "trace"]
 
@@ -137,7 +138,7 @@ class Trace:
         self._compiled_before: frozenset[int] = frozenset()
         self._noted: set[str] = set()
         self._note_lock = threading.Lock()
-        #: with ``keep="changes"``: the counts and events of a long run (:mod:`qkvtrace.monitor`)
+        #: with ``keep="changes"``: the counts and events of a long run (:mod:`qkvtrace.tracer.monitor`)
         self.monitor: Monitor | None = None
         if keep == "changes":
             self.monitor = Monitor(max_records=max_records, stream_to=stream_to, tensorboard=tensorboard,
@@ -262,7 +263,7 @@ class Trace:
     @property
     def health(self) -> HealthRecords:
         """With ``health_every=N``: per measured step and module, the heads' max logit and entropies and the
-        Q/K/V slice norms (:mod:`qkvtrace.health`); a step's records appear when ``t.step()`` ends it."""
+        Q/K/V slice norms (:mod:`qkvtrace.facts.health`); a step's records appear when ``t.step()`` ends it."""
         found = self.monitor.health if self.monitor is not None else None
         return HealthRecords(found.records if found is not None else [])
 
@@ -551,14 +552,14 @@ def trace(
     on many small calls.
     ``refusals``: record PyTorch's own words refusing each SDPA backend it
     ranks above the one it chose (asked once per call signature on a stand-in
-    of the call; see :mod:`qkvtrace.refusals`).
+    of the call; see :mod:`qkvtrace.facts.refusals`).
     ``threads``: ``"entering"`` (default) records calls of the thread that
     entered the block; ``"all"`` records the model's calls in every thread
     (servers, data loaders).
     ``attention_maps``: give each call an ``attention_map`` (CPU float32
     ``[B, H, T_query, T_key]``), recomputed on the side from the call's own
     inputs after it ran, without changing its path, kernel or outputs
-    (:mod:`qkvtrace.maps`). ``heads`` / ``batch_index``: only these heads and
+    (:mod:`qkvtrace.facts.maps`). ``heads`` / ``batch_index``: only these heads and
     batch items (default: all of them, as ``--map-heads`` / ``--map-batch``
     of ``qkvtrace trace``). A map longer than ``max_map_tokens`` on a side (default
     1024), or that would bring the trace's maps over ``max_map_mb`` (default
@@ -569,7 +570,7 @@ def trace(
     is for long runs: per module and combination (path, backend, reasons,
     dtype, masks, training) it counts calls with their first and last step,
     and keeps the record of the first call of each combination and of every
-    change, at most ``max_records`` (:mod:`qkvtrace.monitor`). Mark steps with
+    change, at most ``max_records`` (:mod:`qkvtrace.tracer.monitor`). Mark steps with
     ``t.step()``; read ``t.changes`` and ``t.summary()``. ``stream_to``: write
     the events and per-step counts as JSON Lines while the run goes
     (``qkvtrace summarize FILE``); ``tensorboard``: a ``SummaryWriter`` that
@@ -579,7 +580,7 @@ def trace(
     the first call of each attention module gives per head its largest
     pre-softmax logit and its mean and least attention entropy, and per
     module its Q/K/V slice weight and gradient norms: ``t.health``,
-    ``health`` lines in the stream, TensorBoard scalars (:mod:`qkvtrace.health`).
+    ``health`` lines in the stream, TensorBoard scalars (:mod:`qkvtrace.facts.health`).
 
     Traces nest and overlap, in any order and any thread: each records the
     calls of its own model, with its own indices.

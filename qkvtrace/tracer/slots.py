@@ -47,16 +47,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from qkvtrace import compat, lazy
+from qkvtrace.base import compat, lazy
+from qkvtrace.facts import routes
+from qkvtrace.facts.slices import Projection, ProjectionSpec, Stamp
 from qkvtrace.records import AttentionCall
-from qkvtrace.slices import Projection, ProjectionSpec, Stamp
-from qkvtrace.tracer import again, routes
+from qkvtrace.tracer import again
 from qkvtrace.tracer.build import shared_inputs
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from qkvtrace.monitor import _Module, _Seen
+    from qkvtrace.tracer.monitor import _Module, _Seen
     from qkvtrace.tracer.session import Trace
 
 __all__ = ["Capture", "Kept", "Slot", "build", "keep", "keep_counting", "keep_recording", "revive"]
@@ -82,10 +83,10 @@ class Slot:
     projection: Projection | str | None = None
     #: the Q/K/V slice record the weights' versions gave (``None`` where no projection is known)
     base: Any = None
-    #: what that record was found by, read when the slot was kept (:meth:`~qkvtrace.slices.NormCache.stamp`):
+    #: what that record was found by, read when the slot was kept (:meth:`~qkvtrace.facts.slices.NormCache.stamp`):
     #: checked on every call in place of looking the record up again (``None``: looked up)
     stamp: Stamp | None = None
-    #: the call signature routes are found by (:func:`qkvtrace.tracer.routes.sdpa_core`)
+    #: the call signature routes are found by (:func:`qkvtrace.facts.routes.sdpa_core`)
     signature: Any = None
     #: what a ``MultiheadAttention`` call itself said (path, reasons, backend, evidence, kernels, what its kernel
     #: received): a call is the slot's only when it says the same
@@ -96,7 +97,7 @@ class Slot:
     kernel: tuple[Any, ...] | None = None
     #: ``False`` once a steady call's backward core could not be left to its backward pass (:meth:`verdict`)
     follows: bool = True
-    #: the call signature (:func:`qkvtrace.dataflow.signature`) a call whose keys grew was last found to have the
+    #: the call signature (:func:`qkvtrace.facts.dataflow.signature`) a call whose keys grew was last found to have the
     #: slot's Q/K/V rows by: a grown call with it has them too (the trace keeps its rows by it)
     layout: Any = None
 
@@ -127,7 +128,7 @@ class Slot:
     def verdict(self, trace: Trace, index: int, name: str, out: Any, inputs: tuple[Any, ...], *, heads: int | None,
                 key: Any, fused: bool = False) -> routes.Verdict | None:  # fmt: skip
         """What a steady call's core says where it can be left to its backward pass
-        (:func:`~qkvtrace.tracer.routes.steady_verdict`, its hook watched by ``trace``), else ``None``: the caller
+        (:func:`~qkvtrace.facts.routes.steady_verdict`, its hook watched by ``trace``), else ``None``: the caller
         finds the core. Asked until it cannot be so once -- a decomposed SDPA kernel's never can (its key decides
         it), nor a call with no graph -- then no more: the core found instead says the same, only later."""
         if not self.follows:
@@ -145,7 +146,7 @@ class Slot:
         call's graph differs from its signature's, before or after the record is built).
         ``norms``: the Q, K and V a model's own SDPA call received (``None``: the slot's record's are kept).
         ``said``: what its core says where the core is followed only in the backward pass
-        (:func:`~qkvtrace.tracer.routes.steady_verdict`; ``core`` is then ``None``).
+        (:func:`~qkvtrace.facts.routes.steady_verdict`; ``core`` is then ``None``).
         ``grown``: a call whose keys' length is not the slot's (:func:`qkvtrace.tracer.observers.sdpa.grown`):
         its own fully-masked rows and the shapes of its Q, K and V."""
         rank, world = compat.distributed_rank()
@@ -259,7 +260,7 @@ Capture = tuple[AttentionCall, int, str, Any, Any, Any, Any, "tuple[Any, Any, An
 
 def build(captured: list[Capture]) -> list[AttentionCall]:
     """The records of calls captured by their slots, each made from its slot's record with its own numbers,
-    as :func:`qkvtrace.tracer.again.repeat` makes them, with those numbers read now (:func:`qkvtrace.lazy.read`:
+    as :func:`qkvtrace.tracer.again.repeat` makes them, with those numbers read now (:func:`qkvtrace.base.lazy.read`:
     one read per accelerator for all of them) -- the slots' records must have been resolved first."""
     numbers = [[nan, rows, *(norms or ())] for _, _, _, _, _, nan, rows, norms, _, _ in captured]
     grown: dict[tuple[Any, ...], dict[str, Any]] = {}  # (the inputs of grown calls, one per template's and shapes)

@@ -29,7 +29,7 @@ from typing import Any
 
 from torch import nn
 
-from qkvtrace import compat
+from qkvtrace.base import compat
 from qkvtrace.tracer import candidates
 
 __all__ = ["Structure", "Walked", "walk"]

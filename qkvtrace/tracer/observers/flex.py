@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from qkvtrace import paths
+from qkvtrace.facts import paths, routes
 from qkvtrace.records import AttentionCall
-from qkvtrace.tracer import registry, routes
+from qkvtrace.tracer import registry
 from qkvtrace.tracer.build import deliver, modes, nan_count, shape, wants_backward
 from qkvtrace.tracer.observers.mha import arg
 

@@ -36,10 +36,10 @@ GPT-2's ``c_attn`` projection) once a call of it ended with no product of
 two activations in it; while the wrapper runs, the mode steps off the stack, so PyTorch decides the kernel as
 it would without it. The mode calls every function with the very arguments
 it was given and returns its result untouched; it reads no values (masks and
-biases are named when the trace resolves, :mod:`qkvtrace.patterns`).
+biases are named when the trace resolves, :mod:`qkvtrace.facts.patterns`).
 
 The same mode writes every torch function a watched module calls into this
-thread's :class:`~qkvtrace.lineage.Log`: a call that builds no graph (under
+thread's :class:`~qkvtrace.facts.lineage.Log`: a call that builds no graph (under
 ``no_grad``, ``inference_mode``, frozen weights) reads its Q/K/V rows from
 there, running no code of the model again. So the mode is also on, while
 their layouts are new, in an entry user's calls (the call after one whose
@@ -65,7 +65,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from qkvtrace import compat, lineage
+from qkvtrace.base import compat
+from qkvtrace.facts import lineage
 from qkvtrace.tracer import registry
 from qkvtrace.tracer.observers.handwritten_ops import Recogniser, busy, local, state
 from qkvtrace.tracer.observers.handwritten_record import PATH
@@ -80,7 +81,7 @@ TORCH_ATTENTION = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.Transfo
 #: modules that called an entry point the tracer wraps while watched: their attention is recorded there
 _entry_users: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 #: entry users whose last call built no graph and had a layout not seen before in the trace: their next calls
-#: are watched too, so that each new layout's rows are read from its own functions (:mod:`qkvtrace.lineage`)
+#: are watched too, so that each new layout's rows are read from its own functions (:mod:`qkvtrace.facts.lineage`)
 _learning: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 #: entry users that made a call with gradients off (under no_grad; in inference mode, whose views keep no base)
 #: in a layout seen before: a later such call is not watched for its rows unless it turns out to be new (then

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from qkvtrace import lineage, patterns
+from qkvtrace.facts import lineage, patterns
 from qkvtrace.tracer import folded, registry
 from qkvtrace.tracer.observers.handwritten_record import record
 
@@ -128,7 +128,7 @@ def busy() -> set[int]:
 
 class Recogniser(TorchFunctionMode):
     """Follows the dataflow of hand-written attention, and writes every function into this thread's
-    :class:`~qkvtrace.lineage.Log` (from which a call that builds no graph gets its rows)."""
+    :class:`~qkvtrace.facts.lineage.Log` (from which a call that builds no graph gets its rows)."""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}

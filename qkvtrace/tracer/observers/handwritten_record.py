@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from qkvtrace import patterns
-from qkvtrace.health import hand_written_inputs
+from qkvtrace.facts import patterns, routes
+from qkvtrace.facts.health import hand_written_inputs
 from qkvtrace.records import AttentionCall
-from qkvtrace.tracer import folded, registry, routes
+from qkvtrace.tracer import folded, registry
 from qkvtrace.tracer.build import Target, deliver, modes, nan_count, qkv_info, shape, wants_backward, wants_maps
 
 if TYPE_CHECKING:

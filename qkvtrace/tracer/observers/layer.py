@@ -18,10 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from qkvtrace import maps, masks, paths
-from qkvtrace.monitor import combination_key, mask_kind
+from qkvtrace.facts import maps, masks, paths, routes
 from qkvtrace.records import AttentionCall
-from qkvtrace.tracer import registry, routes
+from qkvtrace.tracer import registry
 from qkvtrace.tracer.build import (
     count_again,
     counts_only,
@@ -33,6 +32,7 @@ from qkvtrace.tracer.build import (
     shape,
     wants_maps,
 )
+from qkvtrace.tracer.monitor import combination_key, mask_kind
 from qkvtrace.tracer.observers.mha import arg
 
 __all__ = ["observe_layer"]

@@ -26,11 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qkvtrace import paths
-from qkvtrace.monitor import combination_key, mask_kind
+from qkvtrace.facts import paths, routes
+from qkvtrace.facts.slices import Projection
 from qkvtrace.records import EVIDENCE_WITNESSED, AttentionCall
-from qkvtrace.slices import Projection
-from qkvtrace.tracer import again, registry, routes, slots
+from qkvtrace.tracer import again, registry, slots
 from qkvtrace.tracer.build import (
     Target,
     count_again,
@@ -42,6 +41,7 @@ from qkvtrace.tracer.build import (
     wants_backward,
     wants_maps,
 )
+from qkvtrace.tracer.monitor import combination_key, mask_kind
 from qkvtrace.tracer.observers import mha_facts
 
 __all__ = ["OpenMHA", "ahead_of_function", "observe_forward", "observe_function", "observe_native"]

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qkvtrace import maps, masks, paths
-from qkvtrace.slices import PartSpec, Projection, ProjectionSpec, Rows, whole
+from qkvtrace.facts import maps, masks, paths
+from qkvtrace.facts.slices import PartSpec, Projection, ProjectionSpec, Rows, whole
 from qkvtrace.tracer.build import Target, dtype_name, frame_of, modes, nested_lengths, shape
 
 if TYPE_CHECKING:

@@ -7,7 +7,7 @@ it. A call made by a module of a traced model is a call of its own (path
 The backend is PyTorch's own choice on the very arguments
 (``torch._fused_sdp_choice``, what SDPA's C++ entry calls to pick its
 kernel), evaluated before the call runs; the ``aten::`` kernels come from
-:class:`~qkvtrace.paths.KernelEvidence`.
+:class:`~qkvtrace.facts.paths.KernelEvidence`.
 
 Arguments that override ``__torch_function__`` (``CausalBias`` from
 ``torch.nn.attention.bias``, a user's own tensor subclass, an active mode)
@@ -29,13 +29,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from qkvtrace import maps, masks, paths, refusals
-from qkvtrace.dataflow import signature
-from qkvtrace.lineage import lasting
-from qkvtrace.monitor import combination_key, mask_kind
+from qkvtrace.facts import maps, masks, paths, refusals, routes
+from qkvtrace.facts.dataflow import signature
+from qkvtrace.facts.lineage import lasting
+from qkvtrace.facts.slices import Projection, norm_of
 from qkvtrace.records import EVIDENCE_CACHED, AttentionCall
-from qkvtrace.slices import Projection, norm_of
-from qkvtrace.tracer import again, registry, routes, slots
+from qkvtrace.tracer import again, registry, slots
 from qkvtrace.tracer.build import (
     Target,
     count_again,
@@ -49,6 +48,7 @@ from qkvtrace.tracer.build import (
     wants_maps,
 )
 from qkvtrace.tracer.dispatch import overridden, redispatch_sdpa, relevant_overrides
+from qkvtrace.tracer.monitor import combination_key, mask_kind
 from qkvtrace.tracer.observers.mha import OpenMHA, arg
 
 __all__ = ["OpenOverride", "fully_masked_rows", "observe_sdpa"]
@@ -327,7 +327,7 @@ _PLAIN_SCALES = frozenset((type(None), float, int))
 def _built_from(owner: nn.Module, a: _Args, backend: str | None, ops: list[str] | None, evidence: str,
                 projection: Projection | str, base: Any) -> tuple[Hashable, tuple[Any, ...]]:  # fmt: skip
     """Everything an unmasked call's record (:func:`_record`) and PyTorch's refusals for it
-    (:func:`qkvtrace.refusals.signature`) are made from, but the per-call numbers: a call with the same key
+    (:func:`qkvtrace.facts.refusals.signature`) are made from, but the per-call numbers: a call with the same key
     and refs is recorded from its module's previous record."""
     q, k, v = a.q, a.k, a.v
     # (one dtype and one device: SDPA refuses Q, K and V of different ones, and such a call is never copied)
@@ -340,7 +340,7 @@ def _built_from(owner: nn.Module, a: _Args, backend: str | None, ops: list[str] 
 
 
 def _combination(owner: nn.Module, a: _Args, backend: str | None) -> tuple[Any, ...]:
-    """The key of the combination the record of this call would have (:func:`~qkvtrace.monitor.combination`)."""
+    """The key of the combination the record of this call would have (:func:`~qkvtrace.tracer.monitor.combination`)."""
     mask = a.mask
     kind = (type(mask).__name__ if _overrides(mask) else mask_kind(mask)) if isinstance(mask, torch.Tensor) else None
     return combination_key(path="sdpa", sdpa_backend=backend, dtype=str(a.q.dtype), training=bool(owner.training),
