@@ -55,6 +55,20 @@ class Rewired(nn.Module):
         return F.scaled_dot_product_attention(q, k, v)
 
 
+class Packed(nn.Module):
+    """Q, K and V from the thirds of one projection's output, split by a view; its ``forward`` names its module
+    ``m``, not ``self`` (as a forward replaced or wrapped by a library may), so the module is found at PyTorch's
+    ``Module._call_impl``, which called it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+
+    def forward(m, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = m.qkv(x).view(1, 4, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v)
+
+
 @pytest.mark.parametrize("mode", ["train", "no_grad", "inference_mode"])
 def test_a_module_rewired_after_its_slot_was_filled_gets_its_new_rows(mode: str) -> None:
     """Witness: the rows by construction -- Q, K and V are the whole weights of ``q``, ``k`` and ``v`` before
@@ -605,3 +619,18 @@ def test_a_steady_call_of_a_model_made_in_inference_mode_follows_its_weights() -
                                            lambda: model.proj[0].weight)  # fmt: skip
     assert [c.qkv.q.weight_norm for c in calls] == pytest.approx(expected, rel=1e-5)
     assert expected[4] == pytest.approx(3 * expected[3], rel=1e-5)
+
+
+def test_steady_calls_of_a_module_found_at_call_impl_stay_steady_under_no_grad() -> None:
+    """Witness: the interpreter's own profile hook (``sys.setprofile``), counting qkvtrace's functions run by each
+    call under ``no_grad``. While a module is watched for its rows its hooks make PyTorch call its forward
+    through other frames of its own (``Module._call_impl``'s slow path); the call's place in the forward is the
+    same, so its slot still takes it: every call after the first two runs as few of qkvtrace's functions as a
+    steady call does (not every other one in full, as when the place was read in PyTorch's frames)."""
+    torch.manual_seed(1)
+    model = Packed()
+    x = torch.randn(1, 4, 16)
+    with qkvtrace.trace(model) as t, torch.no_grad():
+        counts = [_functions_in(lambda: model(x)) for _ in range(10)]
+    assert max(counts[2:]) <= 31, counts
+    assert all(c.qkv.layout == "packed" for c in t.calls[1:]), [c.qkv.reason for c in t.calls]

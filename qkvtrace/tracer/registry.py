@@ -112,6 +112,7 @@ def _codes_of(value: Any) -> list[types.CodeType]:
 
 
 _CALL_IMPL: types.CodeType = nn.Module._call_impl.__code__
+_MODULE_FILE = _CALL_IMPL.co_filename
 
 
 def open_traces() -> tuple[Trace, ...]:
@@ -157,14 +158,20 @@ def owner_module(frame: types.FrameType | None) -> tuple[nn.Module, list[tuple[T
     """The innermost module on the Python stack that an open trace covers, with those traces; where in its
     forward the call is made is kept for :func:`call_site`."""
     codes = _codes
+    called = None
     while frame is not None:
         if id(frame.f_code) in codes:  # (no other frame's locals are read: reading them costs more)
             obj = frame.f_locals.get("self")
             if isinstance(obj, nn.Module):
                 targets = covering(obj)
                 if targets:
-                    _local.site = (id(frame.f_code), frame.f_lineno)
+                    # (found at ``Module._call_impl``: the place is in what it called, the forward or its wrapper,
+                    # past ``_call_impl``'s own helpers -- whose lines depend on whether the module has hooks)
+                    site = called if frame.f_code is _CALL_IMPL and called is not None else frame
+                    _local.site = (id(site.f_code), site.f_lineno)
                     return obj, targets
+        if frame.f_code.co_filename != _MODULE_FILE:
+            called = frame
         frame = frame.f_back
     return None
 
