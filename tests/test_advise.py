@@ -284,7 +284,6 @@ class _Slow(nn.Module):
         self.attn = _HandWritten()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        import time
 
         time.sleep(0.05)
         return self.attn(x)
@@ -349,9 +348,22 @@ def test_training_mha_with_dropout_names_dropout_as_what_forces_math(tmp_path: P
     text = " ".join(run.stdout.split())
     assert "SDPA ran MATH" in text and words[0] in text and "dropout=0.1" in text, text
     assert "repetitions" not in text and "nothing was timed" in text
+class _PaceClock:
+    """The test's own clock, handed to ``advise``: it moves only as :class:`_Paced` says its calls take."""
+
+    now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+_PACE = _PaceClock()
+
+
 class _Paced(nn.MultiheadAttention):
-    """A MultiheadAttention whose calls take as long as the test says: ``TODAY`` seconds with the weights asked for
-    (as called), and per call of this copy without them (the change) the next of ``changed`` (the last repeats)."""
+    """A MultiheadAttention whose calls take as long as the test says, on its clock: ``TODAY`` seconds with the
+    weights asked for (as called), and per call of this copy without them (the change) the next of ``changed``
+    (the last repeats)."""
 
     TODAY = 0.03
 
@@ -364,9 +376,9 @@ class _Paced(nn.MultiheadAttention):
         out = super().forward(query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights,
                               is_causal)  # fmt: skip
         if need_weights:
-            time.sleep(self.TODAY)
+            _PACE.now += self.TODAY
         else:
-            time.sleep(self.changed[min(self.calls, len(self.changed) - 1)])
+            _PACE.now += self.changed[min(self.calls, len(self.changed) - 1)]
             self.calls += 1
         return out
 
@@ -374,9 +386,9 @@ class _Paced(nn.MultiheadAttention):
 #: changed-call durations: a copy's first two calls are its trace and the output comparison, then one call a
 #: repetition (TODAY is longer than advise's 0.05 s sample, so one loop a repetition)
 PACES = {
-    "faster in every repetition": ([0.002] * 2 + [0.002] * 5, True),
-    "faster in all but the last": ([0.002] * 2 + [0.002] * 4 + [0.09], False),
-    "slower in all but the first": ([0.002] * 2 + [0.002] + [0.09] * 4, False),
+    "faster in every repetition": ([0.02] * 2 + [0.02] * 5, True),
+    "faster in all but the last": ([0.02] * 2 + [0.02] * 4 + [0.045], False),
+    "slower in all but the first": ([0.02] * 2 + [0.02] + [0.045] * 4, False),
 }
 
 
@@ -385,8 +397,9 @@ def test_recommended_only_when_faster_in_every_repetition(pace: str) -> None:
     """The verdict on a change that moves the call (need_weights=False: onto SDPA) and keeps its results, timed by
     the test: recommended only when every repetition was faster.
 
-    Witness: the sleeps written here (today 30 ms a call; the change 2 ms, or 90 ms in the repetitions the pace
-    names), and the rule computed here from them; the ratios advise recorded must show the same pattern.
+    Witness: the times written here, on the test's clock (today 30 ms a call; the change 20 ms, or 45 ms in the
+    repetitions the pace names: within ten times of the others, so a measurement, not a broken sample), and the
+    rule computed here from them; the ratios advise recorded must show the same pattern, exactly.
     """
     durations, faster_every_time = PACES[pace]
 
@@ -398,11 +411,12 @@ def test_recommended_only_when_faster_in_every_repetition(pace: str) -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.attn(x, x, x)[0]
 
-    advice = advise(Model(), torch.randn(2, 8, E), train=True, repeats=5)
+    advice = advise(Model(), torch.randn(2, 8, E), train=True, repeats=5, clock=_PACE)
     row = _by_change(advice, "need_weights=False")
     assert (row.path, row.backend) == ("fallback", None) and row.backend_after is not None  # the call moved
     assert row.max_abs_diff is not None and row.max_abs_diff < 1e-4  # and its results agree
     slow = [d > _Paced.TODAY for d in durations[2:]]
-    assert [r > 1 for r in row.ratios] == slow, row.ratios  # the premise: the sleeps set each repetition's side
+    assert row.ratios == pytest.approx([1.5 if s else 2 / 3 for s in slow]), row.ratios  # the premise: the clock
+    assert row.discarded == 0
     assert (row.verdict == RECOMMENDED) is faster_every_time, row.verdict
     assert (row in advice.recommended) is faster_every_time

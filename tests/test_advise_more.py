@@ -39,6 +39,7 @@ from qkvtrace.analyses.advise import (
     _verdict,
     advise,
 )
+from qkvtrace.render.advise_render import advise_table
 
 E, H = 32, 4
 SCHEMA = Path(__file__).parent.parent / "qkvtrace" / "schemas" / "advise-1.json"
@@ -218,43 +219,99 @@ def test_traced_records_paths_but_no_gradients_or_routes() -> None:
 # -- judging time -------------------------------------------------------------------------------------------------
 
 
-class _Sleeper:
-    """A unit of work that sleeps ``seconds`` and returns N(0, 1) of shape (4,) drawn from torch's global RNG."""
+class _Clock:
+    """The test's own clock (handed to the advisor in place of ``time.perf_counter``): it moves only when a unit of
+    work of the test's says it took time."""
 
-    def __init__(self, seconds: float, outputs: int = 1) -> None:
-        self.seconds, self.outputs, self.calls = seconds, outputs, 0
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class _Unit:
+    """A unit of work that takes ``seconds`` on ``clock`` (several: its successive calls' times, the last one
+    repeated) and returns N(0, 1) of shape (4,) drawn from torch's global RNG."""
+
+    def __init__(self, clock: _Clock, *seconds: float, outputs: int = 1) -> None:
+        self.clock, self.seconds, self.outputs, self.calls = clock, seconds, outputs, 0
 
     def __call__(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        self.clock.now += self.seconds[min(self.calls, len(self.seconds) - 1)]
         self.calls += 1
-        time.sleep(self.seconds)
         return [torch.randn(4) for _ in range(self.outputs)], []
 
 
 def test_judge_times_whole_samples_and_estimates_the_model() -> None:
-    """Witness: the sleeps written here. Today 18 ms a unit (advise's 50 ms sample: 2 units), the change 9 ms, the
-    whole model 18 ms (2 units a sample): each ratio ≈ 0.5, the model's estimate (18 - (18 - 9)) / 18 ≈ 0.5 with one
-    call of the code, the core's share 18/18 = 1; both outputs are N(0, 1) drawn with torch's RNG set to 0, so equal.
-    Catches the sample's loop count wrong on either side or for the model, the estimate's formula, the share's
-    formula, the default of one call, and the RNG set to anything but 0 on either side."""
-    today, changed, model = _Sleeper(0.018), _Sleeper(0.009), _Sleeper(0.018)
+    """Witness: the times the test's clock gives. Today 18 ms a unit (advise's 50 ms sample: 2 units), the change
+    9 ms, the whole model 18 ms (2 units a sample): each ratio 0.5, the model's estimate (18 - (18 - 9)) / 18 = 0.5
+    with one call of the code, the core's share 18/18 = 1; both outputs are N(0, 1) drawn with torch's RNG set to 0,
+    so equal. Catches the sample's loop count wrong on either side or for the model, the estimate's formula, the
+    share's formula, the default of one call, and the RNG set to anything but 0 on either side."""
+    clock = _Clock()
+    today, changed, model = _Unit(clock, 0.018), _Unit(clock, 0.009), _Unit(clock, 0.018)
     m = _row()
-    _judge(m, _cand(), today, changed, 3, False, model=model)  # type: ignore[arg-type]
+    assert _judge(m, _cand(), today, changed, 3, False, model=model, clock=clock) == 0  # type: ignore[arg-type]
     assert m.max_abs_diff == 0.0
     assert (today.calls, changed.calls, model.calls) == (2 + 3 * 2, 1 + 3 * 2, 1 + 3 * 2)
-    assert len(m.ratios) == len(m.model_ratios) == 3
-    # tolerances leave a sleep's wake-up on a loaded machine several milliseconds (a wrong loop count is 0.25 or 1)
-    assert all(r == pytest.approx(0.5, abs=0.2) for r in m.ratios), m.ratios
-    assert all(r == pytest.approx(0.5, abs=0.25) for r in m.model_ratios), m.model_ratios
-    assert m.core_share == pytest.approx(1.0, abs=0.3)
+    assert m.ratios == pytest.approx([0.5] * 3, abs=1e-9)
+    assert m.model_ratios == pytest.approx([0.5] * 3, abs=1e-9)
+    assert m.core_share == pytest.approx(1.0, abs=1e-9)
 
 
 def test_judge_with_a_slow_model_times_it_once_a_sample() -> None:
-    """Witness: a model sleep of 30 ms, longer than half advise's 50 ms sample: one unit a sample. Catches a floor of
-    two units."""
-    today, changed, model = _Sleeper(0.018), _Sleeper(0.009), _Sleeper(0.03)
+    """Witness: a model of 30 ms on the test's clock, longer than half advise's 50 ms sample: one unit a sample.
+    Catches a floor of two units."""
+    clock = _Clock()
+    today, changed, model = _Unit(clock, 0.018), _Unit(clock, 0.009), _Unit(clock, 0.03)
     m = _row()
-    _judge(m, _cand(), today, changed, 2, False, model=model, calls=1)  # type: ignore[arg-type]
+    _judge(m, _cand(), today, changed, 2, False, model=model, calls=1, clock=clock)  # type: ignore[arg-type]
     assert model.calls == 1 + 2
+
+
+def test_a_broken_sample_is_discarded_and_taken_again() -> None:
+    """Witness: the times the test's clock gives. The change takes 9 ms a unit (today 18: ratio 0.5) but in its
+    second repetition 0.01 ms (ratio 0.0006: a broken sample, as when the machine paused the other side) and in
+    its fourth 900 ms (ratio 50): both are discarded and taken again, so the three ratios kept are 0.5 and the row
+    says two were discarded, in its JSON and in the table."""
+    clock = _Clock()
+    today = _Unit(clock, 0.018)
+    # the first call compares the outputs; then two units a repetition
+    changed = _Unit(clock, 0.009, 0.009, 0.009, 0.00001, 0.00001, 0.009, 0.009, 0.9, 0.9, 0.009)
+    m = _row()
+    assert _judge(m, _cand(), today, changed, 3, False, clock=clock) == 2
+    m.discarded = 2
+    assert m.ratios == pytest.approx([0.5] * 3, abs=1e-9)
+    assert changed.calls == 1 + 5 * 2
+    m.path_after = "sdpa"
+    assert _verdict(m, _cand()) == RECOMMENDED
+    advice = Advice(target="t", torch_version=torch.__version__, device="cpu", train=False, repeats=3, measured=[m])
+    assert advice.to_json()["measured"][0]["discarded"] == 2
+    from rich.console import Console
+
+    console = Console(width=200, record=True)
+    console.print(advise_table(advice))
+    assert "(2 broken samples taken again)" in console.export_text()
+
+
+def test_a_verdict_needs_good_repetitions() -> None:
+    """Witness: the test's clock. Two repetitions are asked for; the change's ratios come out 0.5, 50, 0.005 and
+    5000 (each more than ten times away from the median of those taken, but one): after twice the repetitions
+    asked for only one is good, and the verdict says the row was not measured, with the count, instead of
+    judging on broken samples. A change that is 1000 times slower in every repetition is measured: consistent
+    ratios are a measurement, however large."""
+    clock = _Clock()
+    m = _row(path_after="sdpa")
+    changed = _Unit(clock, 0.018, 0.009, 0.009, 0.9, 0.9, 0.00009, 0.00009, 90.0)
+    m.discarded = _judge(m, _cand(), _Unit(clock, 0.018), changed, 2, False, clock=clock)
+    assert m.discarded == 3 and m.ratios == pytest.approx([50.0])
+    assert _verdict(m, _cand()) == ("not measured: 3 of 4 repetitions were broken samples (more than 10x away "
+                                    "from their median); 2 good ones are needed")  # fmt: skip
+    slow = _row(path_after="sdpa")
+    assert _judge(slow, _cand(), _Unit(clock, 0.018), _Unit(clock, 18.0), 3, False, clock=clock) == 0
+    assert slow.ratios == pytest.approx([1000.0] * 3)
+    assert _verdict(slow, _cand()).startswith("not faster beyond the spread: 1000.00-1000.00")
 
 
 def test_judge_compares_outputs_drawn_with_the_rng_at_zero() -> None:
@@ -287,10 +344,10 @@ def test_judge_leaves_out_only_the_outputs_a_change_gives_up() -> None:
     compared on the one both return; any other change that returns fewer outputs differs in number (``None``).
     Catches the trim applied to every change, and the trimmed list lost."""
     m = _row()
-    _judge(m, _cand(drops_outputs=True), _Sleeper(0.0, outputs=2), _Sleeper(0.0), 2, False)
+    _judge(m, _cand(drops_outputs=True), _Unit(_Clock(), 0.0, outputs=2), _Unit(_Clock(), 0.0), 2, False)
     assert m.max_abs_diff == 0.0
     m = _row()
-    _judge(m, _cand(drops_outputs=False), _Sleeper(0.0, outputs=2), _Sleeper(0.0), 2, False)
+    _judge(m, _cand(drops_outputs=False), _Unit(_Clock(), 0.0, outputs=2), _Unit(_Clock(), 0.0), 2, False)
     assert m.max_abs_diff is None
 
 
@@ -583,23 +640,29 @@ def test_a_change_is_read_back_from_the_same_occurrence_of_the_call() -> None:
     assert row.backend is not None and any(row.backend.split("_")[0].lower() in o for o in flash if "scaled_dot" in o)
 
 
+#: the clock of the advisor's runs of :class:`_PacedModes` (handed to ``advise``)
+_PACE = _Clock()
+
+
 class _PacedModes(nn.MultiheadAttention):
-    """A MultiheadAttention whose time the test sets: 80 ms a call as called (weights asked for), 10 ms without
-    the weights, no sleep under inference_mode -- where it also adds 1 to its output (so that change alters the
-    results). The gaps are wide enough that a busy machine's own time for the call does not reorder them."""
+    """A MultiheadAttention whose time the test sets on its own clock (:data:`_PACE`): 80 ms a call as called
+    (weights asked for), 10 ms without the weights, 5 ms under inference_mode -- where it also adds 1 to its
+    output (so that change alters the results). The machine's own time for the call does not count."""
 
     def forward(self, query: Any, key: Any, value: Any, key_padding_mask: Any = None, need_weights: bool = True,
                 attn_mask: Any = None, average_attn_weights: bool = True, is_causal: bool = False) -> Any:  # fmt: skip
         out, weights = super().forward(query, key, value, key_padding_mask, need_weights, attn_mask,
                                        average_attn_weights, is_causal)  # fmt: skip
         if torch.is_inference_mode_enabled():
+            _PACE.now += 0.005
             return out + 1.0, weights
-        time.sleep(0.08 if need_weights else 0.01)
+        _PACE.now += 0.08 if need_weights else 0.01
         return out, weights
 
 
 def test_recommended_changes_come_first_even_when_another_was_faster() -> None:
-    """Witness: the sleeps and the +1 written here: need_weights=False is 8x faster with the same results
+    """Witness: the times on the test's clock and the +1 written here: need_weights=False is 8x faster with the same
+    results
     (recommended), inference_mode faster still but it changes the output by 1 (not recommended); the schema says
     recommended ones come first, then by median ratio. Catches the recommended rank lost in the sort."""
 
@@ -612,7 +675,7 @@ def test_recommended_changes_come_first_even_when_another_was_faster() -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.attn(x, x, x)[0]
 
-    advice = advise(Model().eval(), torch.randn(2, 8, E), repeats=2)
+    advice = advise(Model().eval(), torch.randn(2, 8, E), repeats=2, clock=_PACE)
     verdicts = [(m.change, m.verdict) for m in advice.measured]
     assert advice.measured[0].change == "need_weights=False" and advice.measured[0].verdict == RECOMMENDED, verdicts
     fast_other = [m for m in advice.measured if m.change == "run the forward under torch.inference_mode()"]

@@ -224,6 +224,12 @@ WITNESSED: list[tuple[str, str, list[str]]] = [
      "previous step, with its own shapes; PyTorch is asked again which backend it takes.",
      ["tests/test_decoding.py::test_a_decoding_loops_records_equal_records_built_in_full[cat]",
       "tests/test_decoding.py::test_a_generate_loops_records_say_what_each_step_received"]),
+    ("docs/advise.md", "A repetition whose ratio is more than ten times away from the median of the repetitions "
+     "(the machine paused one side) is a broken sample: it is discarded and taken again, and the time column says "
+     "how many were (`discarded` in the JSON);",
+     ["tests/test_advise_more.py::test_a_broken_sample_is_discarded_and_taken_again"]),
+    ("docs/advise.md", "or when fewer than two good repetitions were left after twice the repetitions asked for.",
+     ["tests/test_advise_more.py::test_a_verdict_needs_good_repetitions"]),
     ("docs/slices.md", "Inside a profiler of your own the functions are not run again on stand-ins",
      ["tests/test_dataflow.py::test_an_answer_given_while_profiling_is_not_kept"]),
     ("docs/slices.md", "each function, the tensors it read and the tensors it made. Nothing is copied.",

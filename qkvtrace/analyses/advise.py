@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -62,6 +63,8 @@ class Measured:
     reason_after: str | None = None
     #: changed / unchanged time of one unit of work, per interleaved repetition
     ratios: list[float] = field(default_factory=list)
+    #: repetitions discarded as broken samples (a ratio outside :data:`SANE_BAND`) and taken again
+    discarded: int = 0
     #: what ``ratios`` time: ``"model"`` (a unit of the whole model), or ``"core"`` (a change to the model's own
     #: code: the attention core alone, as written and with the change, on tensors of the call's shapes)
     measured_on: str = "model"
@@ -182,15 +185,25 @@ def _max_diff(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float | N
 _MIN_SAMPLE = 0.05
 
 
-def _timed(run: Callable[[], Any], loops: int = 1) -> float:
+#: a repetition whose changed / unchanged time is outside this band around the median of the repetitions is a
+#: broken sample (the machine paused one side, a timer jumped), not a measurement: it is discarded and taken again
+#: (a change that is really 20 times faster is so in every repetition)
+SANE_BAND = (0.1, 10.0)
+#: the good repetitions a verdict needs at least
+MIN_GOOD = 2
+
+Clock = Callable[[], float]
+
+
+def _timed(run: Callable[[], Any], loops: int = 1, clock: Clock = time.perf_counter) -> float:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    start = time.perf_counter()
+    start = clock()
     for _ in range(loops):
         run()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    return time.perf_counter() - start
+    return clock() - start
 
 
 def _peak(run: _Run) -> float | None:
@@ -226,16 +239,18 @@ def advise(
     budget: float | None = None,
     target: str = "",
     progress: Callable[[str], None] | None = None,
+    clock: Clock = time.perf_counter,
     **kwargs: Any,
 ) -> Advice:
     """Measure, on copies of ``model`` called with ``args``/``kwargs``, the changes that move attention to a faster
     path. ``train``: a training step (forward and backward) instead of an inference forward in ``eval()``.
     ``budget``: seconds after which no further candidate is measured (those left are listed).
+    ``clock``: what times the repetitions and the budget (``time.perf_counter``; a test hands its own).
     """
     if repeats < 2:
         raise ValueError(f"repeats={repeats}: at least 2 interleaved repetitions are needed for a spread")
     say = progress or (lambda _text: None)
-    started = time.perf_counter()
+    started = clock()
     device = next((p.device.type for p in model.parameters()), "cpu")
     advice = Advice(target=target, torch_version=torch.__version__, device=device, train=train, repeats=repeats)
     with torch.random.fork_rng(devices=_cuda_devices()):
@@ -267,17 +282,17 @@ def advise(
                          scope=cand.scope, gives_up=cand.gives_up)  # fmt: skip
             seen[key] = m
             advice.measured.append(m)
-            if budget is not None and time.perf_counter() - started > budget:
+            if budget is not None and clock() - started > budget:
                 m.verdict = f"not measured: --budget {budget:g} s spent"
                 advice.unmeasured.append(f"{call.module or '(root)'}: {cand.change}")
                 continue
             say(f"measuring {i}/{len(work)}: {cand.change} on {call.module or '(root)'}")
             same_code = sum(1 for c in before.calls if (c.path, c.module_type) == (call.path, call.module_type))
-            _measure(m, cand, base, model, args, kwargs, train, repeats, n, same_code)
+            _measure(m, cand, base, model, args, kwargs, train, repeats, n, same_code, clock)
             work[i:i] = [(call, n, c) for c in _next_changes(m, cand, call, base_model, train)]
     order = {RECOMMENDED: 0}
     advice.measured.sort(key=lambda m: (order.get(m.verdict, 1), m.model_median if m.model_median is not None else 9e9))
-    advice.seconds = time.perf_counter() - started
+    advice.seconds = clock() - started
     return advice
 
 
@@ -297,9 +312,10 @@ def _cuda_devices() -> list[int]:
 
 
 def _measure(m: Measured, cand: Candidate, base: _Run, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-             train: bool, repeats: int, occurrence: int, same_code: int = 1) -> None:  # fmt: skip
+             train: bool, repeats: int, occurrence: int, same_code: int = 1,
+             clock: Clock = time.perf_counter) -> None:  # fmt: skip
     if cand.pair is not None:
-        _measure_pair(m, cand, repeats, train, base, same_code)
+        _measure_pair(m, cand, repeats, train, base, same_code, clock)
         return
     changed_model = copy.deepcopy(model).train(train)
     try:
@@ -317,7 +333,7 @@ def _measure(m: Measured, cand: Candidate, base: _Run, model: nn.Module, args: t
         m.path_after, m.backend_after = call.path, call.sdpa_backend
         m.reason_after = call.why_not_fast_path or call.why_not_fused_layer
         refused = kernel_refusal(call.sdpa_refusals)
-    _judge(m, cand, base, changed, repeats, train)
+    m.discarded = _judge(m, cand, base, changed, repeats, train, clock=clock)
     peak_a, peak_b = _peak(base), _peak(changed)
     if peak_a and peak_b:
         m.memory_ratio = peak_b / peak_a
@@ -326,7 +342,8 @@ def _measure(m: Measured, cand: Candidate, base: _Run, model: nn.Module, args: t
         m.verdict += f"; PyTorch refused {refused[0]}: {refused[1]}"
 
 
-def _measure_pair(m: Measured, cand: Candidate, repeats: int, train: bool, base: _Run, calls: int) -> None:
+def _measure_pair(m: Measured, cand: Candidate, repeats: int, train: bool, base: _Run, calls: int,
+                  clock: Clock = time.perf_counter) -> None:  # fmt: skip
     """A change to the model's own code: the computation as written and as changed, on tensors of its shapes; the
     whole model is timed beside them, so the change's share of a unit can be estimated (``model_ratios``)."""
     assert cand.pair is not None
@@ -334,13 +351,16 @@ def _measure_pair(m: Measured, cand: Candidate, repeats: int, train: bool, base:
     m.where = cand.site
     m.measured_on = "core"
     m.path_after, m.backend_after = kernel()
-    _judge(m, cand, written, changed, repeats, train, model=base, calls=calls)
+    m.discarded = _judge(m, cand, written, changed, repeats, train, model=base, calls=calls, clock=clock)
     m.verdict = _verdict(m, cand)
 
 
 def _judge(m: Measured, cand: Candidate, today: Callable[[], Any], changed: Callable[[], Any], repeats: int,
-           train: bool, model: _Run | None = None, calls: int = 1) -> None:  # fmt: skip
-    """The largest output (and, with ``train``, gradient) difference of one run each, then their time ratio."""
+           train: bool, model: _Run | None = None, calls: int = 1,
+           clock: Clock = time.perf_counter) -> int:  # fmt: skip
+    """The largest output (and, with ``train``, gradient) difference of one run each, then their time ratio over
+    ``repeats`` good repetitions: one whose ratio is outside :data:`SANE_BAND` around the median of those taken is
+    discarded and taken again (as many more tries as ``repeats``). Returns how many were discarded."""
     torch.manual_seed(0)
     out_a, grad_a = today()
     torch.manual_seed(0)
@@ -350,19 +370,39 @@ def _judge(m: Measured, cand: Candidate, today: Callable[[], Any], changed: Call
     m.max_abs_diff = _max_diff(out_a, out_b)
     if train:
         m.max_abs_grad_diff = _max_diff(grad_a, grad_b)
-    loops = max(1, int(_MIN_SAMPLE / max(_timed(today), 1e-6)))  # a sample long enough to rise above the timer's noise
-    model_loops = max(1, int(_MIN_SAMPLE / max(_timed(model), 1e-6))) if model is not None else 0
-    shares = []
-    for _ in range(repeats):  # interleaved: the same drifts of the machine hit both
-        a = _timed(today, loops)
-        b = _timed(changed, loops)
-        m.ratios.append(b / a)
+    # a sample long enough to rise above the timer's noise
+    loops = max(1, int(_MIN_SAMPLE / max(_timed(today, 1, clock), 1e-6)))
+    model_loops = max(1, int(_MIN_SAMPLE / max(_timed(model, 1, clock), 1e-6))) if model is not None else 0
+    taken: list[tuple[float, float | None, float | None]] = []  # each repetition's ratio, model ratio and share
+    good: list[tuple[float, float | None, float | None]] = []
+    while len(good) < repeats and len(taken) < 2 * repeats:  # interleaved: the same drifts of the machine hit both
+        a = _timed(today, loops, clock)
+        b = _timed(changed, loops, clock)
+        model_ratio = share = None
         if model is not None:
-            whole = _timed(model, model_loops) / model_loops
-            m.model_ratios.append(max(whole - calls * (a - b) / loops, 1e-9) / whole)
-            shares.append(calls * a / loops / whole)
-    if shares:
-        m.core_share = statistics.median(shares)
+            whole = _timed(model, model_loops, clock) / model_loops
+            model_ratio = max(whole - calls * (a - b) / loops, 1e-9) / whole if whole > 0 else None
+            share = calls * a / loops / whole if whole > 0 else None
+        taken.append((b / a if a > 0 else math.inf, model_ratio, share))
+        good = _good(taken)
+    good = good[:repeats]
+    m.ratios = [r for r, _, _ in good]
+    if model is not None:
+        m.model_ratios = [r for _, r, _ in good if r is not None]
+        shares = [s for _, _, s in good if s is not None]
+        if shares:
+            m.core_share = statistics.median(shares)
+    return len(taken) - len(good)
+
+
+def _good(taken: list[tuple[float, float | None, float | None]]) -> list[tuple[float, float | None, float | None]]:
+    """The repetitions whose ratio is within :data:`SANE_BAND` of the median of the finite, positive ones."""
+    finite = [r for r, _, _ in taken if 0 < r < math.inf]
+    if not finite:
+        return []
+    middle = statistics.median(finite)
+    low, high = SANE_BAND
+    return [t for t in taken if 0 < t[0] < math.inf and low <= t[0] / middle <= high]
 
 
 def _verdict(m: Measured, cand: Candidate) -> str:
@@ -375,6 +415,10 @@ def _verdict(m: Measured, cand: Candidate) -> str:
     if not moved:
         return f"no other path: the call still runs {m.path_after or 'nothing seen'}" + (
             f" ({m.backend_after})" if m.backend_after else "")
+    if len(m.ratios) < MIN_GOOD:
+        high = SANE_BAND[1]
+        return (f"not measured: {m.discarded} of {m.discarded + len(m.ratios)} repetitions were broken samples "
+                f"(more than {high:g}x away from their median); {MIN_GOOD} good ones are needed")  # fmt: skip
     if max(m.ratios) < 1.0 and (not m.model_ratios or max(m.model_ratios) < 1.0):
         return RECOMMENDED
     return (f"not faster beyond the spread: {min(m.ratios):.2f}-{max(m.ratios):.2f} of today's time "

@@ -28,6 +28,8 @@ def _speed(m: Measured) -> str:
     if not m.ratios:
         return "–"
     spread = f"{m.median:.2f}×\n{min(m.ratios):.2f}–{max(m.ratios):.2f}"
+    if m.discarded:
+        spread += f"\n({m.discarded} broken sample{'s' * (m.discarded > 1)} taken again)"
     if m.measured_on != "core":
         return spread
     model = f"\nwhole model ≈ {m.model_median:.2f}× (estimate)" if m.model_median is not None else ""
