@@ -27,6 +27,9 @@ With health_every=N, per module its largest pre-softmax logit and its
 lowest head's mean attention entropy, first -> last, and an alert at the
 first step where the max logit went over 50 and over twice its first value,
 or the entropy under 1 nat and under half its first value.
+
+Exits 0 when done, 1 when it printed an alert (a run's health is a check:
+a script or CI step can stop on it), 2 on a file it cannot read.
 """
 
 
@@ -124,7 +127,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
             Col("last step", justify="right"),
         ]
         console.print(records_view("per module", cols, table, width=console.width, title_cols=2), crop=False)
-    _health(lines, console)
+    alerts = _health(lines, console)
     if args.html is not None:
         from qkvtrace.render.health_render import health_page
         from qkvtrace.render.html_page import save_page
@@ -134,18 +137,19 @@ def run(args: argparse.Namespace, console: Console) -> int:
         console.print(f"page: {page}", soft_wrap=True, markup=False)
     if note:
         console.print(note, style="yellow")
-    return 0
+    return 1 if alerts else 0
 
 
 def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.3g}"
 
 
-def _health(lines: list[dict[str, Any]], console: Console) -> None:
-    """Per module: max logit and lowest head's mean entropy, first → last, and the first alert."""
+def _health(lines: list[dict[str, Any]], console: Console) -> int:
+    """Per module: max logit and lowest head's mean entropy, first → last, and the first alert; how many modules
+    had one."""
     found = [x for x in lines if x["kind"] == "health"]
     if not found:
-        return
+        return 0
     rows: list[list[Any]] = []
     alerts: list[str] = []
     for module, series in series_of(found).items():
@@ -170,3 +174,4 @@ def _health(lines: list[dict[str, Any]], console: Console) -> None:
             f"entropy under {ENTROPY_ALERT:g} nat and {ENTROPY_DROP:g}x its first value",
             soft_wrap=True,
         )
+    return len(alerts)

@@ -384,7 +384,7 @@ def test_summarize_alerts_at_the_step_the_witness_crosses_the_threshold(tmp_path
     env = {"COLUMNS": "200", "NO_COLOR": "1", "PATH": "/usr/bin:/bin"}
     command = [sys.executable, "-m", "qkvtrace", "summarize", str(stream), "--html", str(page)]
     out = subprocess.run(command, capture_output=True, text=True, env=env)
-    assert out.returncode == 0, out.stderr
+    assert out.returncode == 1, out.stderr  # an alert: the documented exit code of a check that found a problem
     alert = next(line for line in out.stdout.splitlines() if line.startswith("alert (root)"))
     said = dict(part.strip().split(" ", 1) for part in alert.removeprefix("alert (root):").split(";"))
     assert f"at step {crossed}:" in said["max"] and said["max"].startswith("logit")
@@ -405,6 +405,29 @@ def test_summarize_alerts_at_the_step_the_witness_crosses_the_threshold(tmp_path
     for head in range(H):
         got = [e.value for e in events.Scalars(f"qkvtrace/health/(root)/max_logit/head{head}")]
         _close(got, [w["max_logit"][head] for w in wants])  # type: ignore[arg-type]
+
+
+def test_summarize_of_a_healthy_run_says_no_alert_and_exits_0(tmp_path: Path) -> None:
+    """The same run with ``W_q`` left as it is: no alert, exit 0.
+
+    Witness: the test's max logit and lowest head's mean entropy per step (``_witness``): none crosses the
+    documented thresholds (the premise, asserted), and the command's exit code and its line."""
+    mha = nn.MultiheadAttention(E, H, batch_first=True)
+    x = torch.randn(B, L, E)
+    stream = tmp_path / "run.jsonl"
+    wants = []
+    with qkvtrace.trace(mha, keep="changes", health_every=1, stream_to=stream) as t:
+        for _ in range(5):
+            q, k = _mha_qk(mha, x)
+            wants.append(_witness(q, k, 1 / math.sqrt(D), None))
+            mha(x, x, x, need_weights=False)
+            t.step()
+    assert max(max(w["max_logit"]) for w in wants) < 50 and min(min(w["entropy_mean"]) for w in wants) > 1
+    env = {"COLUMNS": "200", "NO_COLOR": "1", "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-m", "qkvtrace", "summarize", str(stream)], capture_output=True,
+                         text=True, env=env)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "no alert:" in out.stdout and "\nalert" not in out.stdout
 
 
 def test_health_needs_a_long_run() -> None:

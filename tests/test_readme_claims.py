@@ -230,6 +230,10 @@ WITNESSED: list[tuple[str, str, list[str]]] = [
      ["tests/test_advise_more.py::test_a_broken_sample_is_discarded_and_taken_again"]),
     ("docs/advise.md", "or when fewer than two good repetitions were left after twice the repetitions asked for.",
      ["tests/test_advise_more.py::test_a_verdict_needs_good_repetitions"]),
+    ("docs/long-runs.md", "`qkvtrace summarize` exits 1 when it prints an alert, so a script or a CI step can stop "
+     "on it; a run with no alert exits 0.",
+     ["tests/test_health.py::test_summarize_alerts_at_the_step_the_witness_crosses_the_threshold",
+      "tests/test_health.py::test_summarize_of_a_healthy_run_says_no_alert_and_exits_0"]),
     ("docs/slices.md", "Inside a profiler of your own the functions are not run again on stand-ins",
      ["tests/test_dataflow.py::test_an_answer_given_while_profiling_is_not_kept"]),
     ("docs/slices.md", "each function, the tensors it read and the tensors it made. Nothing is copied.",
