@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import qkvtrace
@@ -260,3 +261,61 @@ def test_gradients_in_json() -> None:
     read_back = TraceResult.from_dict(data).gradients
     assert read_back == t.gradients
     assert_record(read_back[1], expected)
+
+
+class _Attend(nn.Module):
+    """A small "attend" module with no weights of its own: its parent holds the projection."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v)
+
+
+class _Block(nn.Module):
+    """Q, K and V from one packed ``qkv`` of the block, attended by its child ``attend``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(E, 3 * E)
+        self.attend = _Attend()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, H, E // H).permute(2, 0, 3, 1, 4)
+        return self.attend(q, k, v)
+
+
+def test_gradient_records_name_their_weights_rows_and_holder() -> None:
+    """Witness: the layouts by construction -- MultiheadAttention packs Q, K and V as the thirds of
+    ``in_proj_weight`` (rows [0, E), [E, 2E), [2E, 3E)); with ``kdim``/``vdim`` they are ``q_proj_weight``,
+    ``k_proj_weight`` and ``v_proj_weight``, each whole; the test's block packs them in ``qkv.weight`` and its
+    child ``attend`` calls the kernel, so the records' holder is the block's name. Each gradient record says what
+    the call's own slices say, in the JSON too, and reads back the same."""
+    third = [[[0, E]], [[E, 2 * E]], [[2 * E, 3 * E]]]
+    mha = nn.MultiheadAttention(E, H, batch_first=True)
+    x = torch.randn(B, L, E)
+    with qkvtrace.trace(mha) as t:
+        loss_of(mha, x).backward()
+    [record] = t.gradients
+    assert record.holder is None
+    assert [(getattr(record, p).param, getattr(record, p).rows) for p in PARTS] == [
+        ("in_proj_weight", rows) for rows in third
+    ]
+    separate = nn.MultiheadAttention(E, H, batch_first=True, kdim=24, vdim=20)
+    q, k, v = torch.randn(B, L, E), torch.randn(B, L + 2, 24), torch.randn(B, L + 2, 20)
+    with qkvtrace.trace(separate) as t:
+        loss_of(separate, q, k, v).backward()
+    [record] = t.gradients
+    assert [(getattr(record, p).param, getattr(record, p).rows) for p in PARTS] == [
+        ("q_proj_weight", [[0, E]]), ("k_proj_weight", [[0, E]]), ("v_proj_weight", [[0, E]])
+    ]
+    model = nn.Sequential(nn.Linear(E, E), _Block())
+    with qkvtrace.trace(model) as t:
+        model(x).square().mean().backward()
+    [record] = t.gradients
+    assert (record.module, record.holder) == ("1.attend", "1")
+    assert [(getattr(record, p).param, getattr(record, p).rows) for p in PARTS] == [
+        ("qkv.weight", rows) for rows in third
+    ]
+    data = json.loads(json.dumps(t.to_dict()))
+    assert data["gradients"][0]["holder"] == "1" and data["gradients"][0]["k"]["rows"] == third[1]
+    assert TraceResult.from_dict(data).gradients == t.gradients

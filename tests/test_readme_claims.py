@@ -234,6 +234,9 @@ WITNESSED: list[tuple[str, str, list[str]]] = [
      "on it; a run with no alert exits 0.",
      ["tests/test_health.py::test_summarize_alerts_at_the_step_the_witness_crosses_the_threshold",
       "tests/test_health.py::test_summarize_of_a_healthy_run_says_no_alert_and_exits_0"]),
+    ("docs/trace.md", "Each part also names its weight and rows as the calls' slices do (`param`, `rows`), and the "
+     "record names the module holding them when it is not the module itself (`holder`)",
+     ["tests/test_gradients.py::test_gradient_records_name_their_weights_rows_and_holder"]),
     ("docs/slices.md", "Inside a profiler of your own the functions are not run again on stand-ins",
      ["tests/test_dataflow.py::test_an_answer_given_while_profiling_is_not_kept"]),
     ("docs/slices.md", "each function, the tensors it read and the tensors it made. Nothing is copied.",

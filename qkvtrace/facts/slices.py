@@ -516,6 +516,8 @@ def grad_slices(
             pass_grad_norm=_joint([pass_norms.get((p.param, p.rows)) for p in ps.pieces()]),  # type: ignore[arg-type]
             pass_bias_grad_norm=_joint([pass_norms.get((p.bias_param, p.bias_rows))  # type: ignore[arg-type]
                                         for p in ps.pieces() if p.bias_param]),
+            param=ps.param,
+            rows=[list(r) for r in ps.rows],
         )
         for part, ps in spec.parts()
     }

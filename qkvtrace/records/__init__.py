@@ -333,6 +333,10 @@ class SliceGrad:
     pass_bias_grad_norm: float | None = None
     #: This slice's share of the squared norm of the pass's Q/K/V weight gradient.
     pass_share: float | None = None
+    #: The weight these rows are of, named as the call's slices name it (relative to the record's ``holder``),
+    #: and its rows, as ``[start, stop)`` ranges: the same as the call's ``qkv`` part.
+    param: str | None = None
+    rows: list[list[int]] | None = None
 
 
 @dataclass(slots=True)
@@ -349,6 +353,9 @@ class GradientRecord:
     #: ``grad_norm`` is read after the gradients were reduced); ``None`` outside it.
     rank: int | None = None
     world_size: int | None = None
+    #: Dotted name (in the trace) of the module holding the projection, when it is not ``module`` itself (as
+    #: the calls' ``qkv.holder``): the parts' ``param`` names are relative to it.
+    holder: str | None = None
 
 
 @dataclass(slots=True)
@@ -510,6 +517,7 @@ class TraceResult:
                 backward_index=g["backward_index"],
                 rank=g.get("rank"),
                 world_size=g.get("world_size"),
+                holder=g.get("holder"),
                 **{part: SliceGrad(**g[part]) for part in ("q", "k", "v")},
             )
             for g in data["gradients"]

@@ -133,10 +133,10 @@ class GradientRecorder:
                 owner, projection = self._watched[mid]
                 name = self._name_of(owner) or ""
                 parts = grad_slices(projection, pass_norms)
+                holder = None if projection.holder is owner else self._name_of(projection.holder)
                 self.records.append(
-                    GradientRecord(
-                        module=name, backward_index=self._backward_index, rank=rank, world_size=world, **parts
-                    )
+                    GradientRecord(module=name, backward_index=self._backward_index, rank=rank, world_size=world,
+                                   holder=holder, **parts)
                 )
         self._pending = {}
         self._backward_index += 1
