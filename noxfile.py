@@ -74,8 +74,8 @@ MUTANT_OWNERS: dict[str, list[str]] = {
     "facts/masks": ["tests/test_records.py", "tests/test_hand_written.py"],
     "facts/refusals": ["tests/test_refusals.py", "tests/test_refusals_more.py"],
     "analyses/tracediff": ["tests/test_tracediff.py"],
-    "tracer/monitor": ["tests/test_monitor.py", "tests/test_health.py", "tests/test_steady_state.py", "tests/test_slots.py",
-                "--deselect",
+    "tracer/monitor": ["tests/test_monitor.py", "tests/test_health.py", "tests/test_steady_state.py",
+                       "tests/test_slots.py", "--deselect",
                 "tests/test_monitor.py::test_a_long_run_reports_exactly_the_steps_where_attention_changed"],
     "facts/paths": ["tests/test_paths.py"],
     "facts/slices": ["tests/test_slices.py", "tests/test_norms.py", "tests/test_trace_reopen.py"],
@@ -85,8 +85,8 @@ MUTANT_OWNERS: dict[str, list[str]] = {
                 "tests/test_observe_only.py::test_a_collective_in_the_forward_with_one_rank_traced"],
     "facts/maps": ["tests/test_maps.py", "tests/test_maps_more.py"],
     "analyses/advise": ["tests/test_advise.py", "tests/test_advise_more.py"],
-    "tracer/slots": ["tests/test_slots.py", "tests/test_again.py", "tests/test_steady_state.py", "tests/test_health.py",
-                     "tests/test_monitor.py", "--deselect",
+    "tracer/slots": ["tests/test_slots.py", "tests/test_again.py", "tests/test_decoding.py",
+                     "tests/test_steady_state.py", "tests/test_health.py", "tests/test_monitor.py", "--deselect",
                      "tests/test_monitor.py::test_a_long_run_reports_exactly_the_steps_where_attention_changed"],
 }  # fmt: skip
 
