@@ -926,3 +926,49 @@ def test_a_change_inside_an_encoder_layer_keeps_the_layers_own_reason() -> None:
     assert "floating-point masks" in (row.reason or "") and row.path_after == row.path
     changes = [m.change for m in advice.measured]
     assert all(f"{first} + {c}" in changes for c in then), (then, changes)
+
+
+def test_a_verdict_names_the_gradient_that_differs() -> None:
+    """Witness: outputs and gradients made here. Both sides return the same output; the changed side's gradient of
+    ``attn.in_proj_weight`` is off by 0.8 (as dropout drawn differently on another path makes it), the other
+    gradient equal: the verdict says it is that gradient that differs, by how much, against which tolerance, and
+    that the outputs agree. Without names (a change to the model's own code) it says "the gradients"."""
+    out = torch.ones(3)
+    grads = [torch.zeros(2, 2), torch.zeros(4)]
+
+    class Side:
+        def __init__(self, off: float) -> None:
+            self.off = off
+            self.grad_names = ["attn.in_proj_weight", "attn.out_proj.bias"]
+
+        def __call__(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+            return [out.clone()], [grads[0] + self.off, grads[1].clone()]
+
+    m = _row(path_after="sdpa")
+    _judge(m, _cand(), Side(0.0), Side(0.8), 2, True)
+    assert (m.max_abs_diff, m.max_abs_grad_param) == (0.0, "attn.in_proj_weight")
+    assert m.max_abs_grad_diff == pytest.approx(0.8)
+    assert _verdict(m, _cand()) == ("changes results: the gradient of attn.in_proj_weight differs by up to 0.8 "
+                                    "(more than 0.0001); outputs agree within 0")  # fmt: skip
+    m.max_abs_grad_param = None
+    assert _verdict(m, _cand()).startswith("changes results: the gradients differ by up to 0.8")
+
+
+def test_a_root_module_is_called_by_qkvtrace() -> None:
+    """Witness: the test hands ``advise`` the MultiheadAttention itself: no code of the test's calls it, the
+    advisor's own unit of work does -- the row says so instead of naming a file of qkvtrace's (or the
+    ``qkvtrace`` executable); a module called by the test's own forward is placed at the test's line."""
+    from qkvtrace.analyses.advice_rules import CALLED_BY_QKVTRACE
+
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(E, H, batch_first=True).eval()
+    x = torch.randn(2, 8, E)
+    ticks = iter(range(10**6))
+    advice = advise(mha, x, x, x, repeats=2, clock=lambda: next(ticks) * 0.06)  # (one unit a sample: no timing here)
+    (row,) = [m for m in advice.measured if m.change == "need_weights=False"]
+    assert row.where == CALLED_BY_QKVTRACE
+    from rich.console import Console
+
+    console = Console(width=200, record=True)
+    console.print(advise_table(advice))
+    assert "(called by qkvtrace)" in console.export_text() and "at (called" not in console.export_text()

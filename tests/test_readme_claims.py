@@ -237,6 +237,11 @@ WITNESSED: list[tuple[str, str, list[str]]] = [
     ("docs/trace.md", "Each part also names its weight and rows as the calls' slices do (`param`, `rows`), and the "
      "record names the module holding them when it is not the module itself (`holder`)",
      ["tests/test_gradients.py::test_gradient_records_name_their_weights_rows_and_holder"]),
+    ("docs/advise.md", "With `--train`, `changes results` says which differs: the outputs, or the gradient of the "
+     "parameter that differs the most, by how much, against which tolerance.",
+     ["tests/test_advise_more.py::test_a_verdict_names_the_gradient_that_differs"]),
+    ("docs/advise.md", "the module you hand `advise` itself is `(called by qkvtrace)`.",
+     ["tests/test_advise_more.py::test_a_root_module_is_called_by_qkvtrace"]),
     ("docs/slices.md", "Inside a profiler of your own the functions are not run again on stand-ins",
      ["tests/test_dataflow.py::test_an_answer_given_while_profiling_is_not_kept"]),
     ("docs/slices.md", "each function, the tensors it read and the tensors it made. Nothing is copied.",

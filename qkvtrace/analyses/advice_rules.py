@@ -149,15 +149,22 @@ def _mha_rules(call: Any, train: bool) -> list[Candidate]:
 
 
 _MHA_SIGNATURE = inspect.signature(inspect.unwrap(nn.MultiheadAttention.forward))
-_OURS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_TORCH = os.path.dirname(torch.__file__)
+#: the qkvtrace package's own folder
+_OURS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: what a module called by the advisor's own unit of work (the model's root) is called by
+CALLED_BY_QKVTRACE = "(called by qkvtrace)"
 
 
 def _caller() -> str | None:
-    """``file:line`` of the first frame outside PyTorch and qkvtrace: the code that called the module."""
+    """``file:line`` of the first frame outside PyTorch: the code that called the module -- or, where that is
+    qkvtrace's own (the unit of work calling the model's root module), :data:`CALLED_BY_QKVTRACE`."""
     frame = sys._getframe(2)
     while frame is not None:
         name = os.path.abspath(frame.f_code.co_filename)
-        if not name.startswith(_OURS) or os.sep + "tests" + os.sep in name:
+        if not name.startswith(_TORCH):
+            if name.startswith(_OURS + os.sep) and os.sep + "tests" + os.sep not in name:
+                return CALLED_BY_QKVTRACE
             return f"{frame.f_code.co_filename}:{frame.f_lineno}"
         frame = frame.f_back  # type: ignore[assignment]
     return None

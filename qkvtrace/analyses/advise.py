@@ -77,6 +77,8 @@ class Measured:
     #: the largest |changed - unchanged| over every output element (and every gradient with ``train``)
     max_abs_diff: float | None = None
     max_abs_grad_diff: float | None = None
+    #: the parameter whose gradient differs the most (``train``; ``None`` where the gradients are not named)
+    max_abs_grad_param: str | None = None
     #: peak device memory changed / unchanged (CUDA only; ``None`` where it cannot be measured)
     memory_ratio: float | None = None
     #: ``recommended``, or why not (not faster, no other path, changes results, raised, not measured)
@@ -152,6 +154,8 @@ class _Run:
     context: Callable[[], Any] = contextlib.nullcontext
     #: the loss's fixed weighting of each output, made once (not in every timed unit)
     probes: dict[tuple[Any, ...], torch.Tensor] = field(default_factory=dict)
+    #: the names of the parameters whose gradients the last unit returned, in their order
+    grad_names: list[str] = field(default_factory=list)
 
     def probe(self, out: torch.Tensor) -> torch.Tensor:
         key = (tuple(out.shape), out.device)
@@ -170,8 +174,9 @@ class _Run:
                 loss = sum((o.float() * self.probe(o)).sum() for o in outs if o.requires_grad)
                 if isinstance(loss, torch.Tensor):
                     loss.backward()
-        grads = [p.grad for p in model.parameters() if p.grad is not None] if self.train else []
-        return [o.detach() for o in outs], grads
+        named = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None] if self.train else []
+        self.grad_names = [n for n, _ in named]
+        return [o.detach() for o in outs], [g for _, g in named]
 
 
 def _max_diff(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float | None:
@@ -370,6 +375,10 @@ def _judge(m: Measured, cand: Candidate, today: Callable[[], Any], changed: Call
     m.max_abs_diff = _max_diff(out_a, out_b)
     if train:
         m.max_abs_grad_diff = _max_diff(grad_a, grad_b)
+        names = getattr(today, "grad_names", None)
+        if m.max_abs_grad_diff and names and len(names) == len(grad_a) == len(grad_b):
+            m.max_abs_grad_param = max(zip(names, grad_a, grad_b, strict=True),
+                                       key=lambda t: float((t[1].float() - t[2].float()).abs().max()))[0]  # fmt: skip
     # a sample long enough to rise above the timer's noise
     loops = max(1, int(_MIN_SAMPLE / max(_timed(today, 1, clock), 1e-6)))
     model_loops = max(1, int(_MIN_SAMPLE / max(_timed(model, 1, clock), 1e-6))) if model is not None else 0
@@ -410,8 +419,12 @@ def _verdict(m: Measured, cand: Candidate) -> str:
     tolerance = cand.tolerance
     if m.max_abs_diff is None:
         return "changes results: the outputs differ in number or shape"
-    if m.max_abs_diff > tolerance or (m.max_abs_grad_diff or 0.0) > tolerance:
+    if m.max_abs_diff > tolerance:
         return f"changes results: outputs differ by up to {m.max_abs_diff:.3g} (more than {tolerance:g})"
+    if (m.max_abs_grad_diff or 0.0) > tolerance:
+        which = f"the gradient of {m.max_abs_grad_param} differs" if m.max_abs_grad_param else "the gradients differ"
+        return (f"changes results: {which} by up to {m.max_abs_grad_diff:.3g} (more than {tolerance:g}); "
+                f"outputs agree within {m.max_abs_diff:.3g}")  # fmt: skip
     if not moved:
         return f"no other path: the call still runs {m.path_after or 'nothing seen'}" + (
             f" ({m.backend_after})" if m.backend_after else "")

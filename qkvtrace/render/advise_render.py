@@ -6,6 +6,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from qkvtrace.analyses.advice_rules import CALLED_BY_QKVTRACE
 from qkvtrace.analyses.advise import RECOMMENDED, Advice, Measured
 
 __all__ = ["advise_table"]
@@ -65,7 +66,7 @@ def advise_table(advice: Advice) -> Group:
         table.add_column(name, overflow="fold")
     for m in advice.measured:
         style = "green" if m.verdict == RECOMMENDED else None
-        where = f"\nat {m.where}" if m.where else ""
+        where = "" if not m.where else f"\n{m.where}" if m.where == CALLED_BY_QKVTRACE else f"\nat {m.where}"
         scope = "\nchange to: the whole model" if m.scope is None else ""
         table.add_row(
             f"#{m.call} {m.module or '(root)'}{scope}{where}",
