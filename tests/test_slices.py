@@ -730,12 +730,12 @@ def test_a_joint_norm_follows_the_one_weight_that_changed() -> None:
 
 
 def test_grad_slices_before_any_backward_are_none() -> None:
-    """Witness: a module never run backward has ``.grad is None`` (PyTorch). Catches a norm read from no
-    gradient."""
+    """Witness: a module never run backward has ``.grad is None`` (PyTorch); the part's weight and rows by
+    MultiheadAttention's packing (the thirds of ``in_proj_weight``). Catches a norm read from no gradient."""
     mha = nn.MultiheadAttention(E, H)
     got = slices.grad_slices(slices.mha_projection(mha), {})
-    for part in "qkv":
-        assert got[part] == SliceGrad(None, None, None, None)
+    for i, part in enumerate("qkv"):
+        assert got[part] == SliceGrad(None, None, None, None, param="in_proj_weight", rows=[[i * E, (i + 1) * E]])
 
 
 def test_norm_cache_recomputes_after_an_in_place_change_only() -> None:
