@@ -179,11 +179,17 @@ class _Run:
         return [o.detach() for o in outs], [g for _, g in named]
 
 
-def _max_diff(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float | None:
+def _diffs(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> list[float] | None:
+    """The largest |a - b| of each pair of tensors (0 for an empty pair), ``None`` when they differ in number or
+    shape."""
     if len(a) != len(b) or any(x.shape != y.shape for x, y in zip(a, b, strict=True)):
         return None
-    diffs = [float((x.float() - y.float()).abs().max()) for x, y in zip(a, b, strict=True) if x.numel()]
-    return max(diffs, default=0.0)
+    return [float((x.float() - y.float()).abs().max()) if x.numel() else 0.0 for x, y in zip(a, b, strict=True)]
+
+
+def _max_diff(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float | None:
+    diffs = _diffs(a, b)
+    return None if diffs is None else max(diffs, default=0.0)
 
 
 #: seconds one timed sample should last at least (small models run several units per sample)
@@ -374,11 +380,11 @@ def _judge(m: Measured, cand: Candidate, today: Callable[[], Any], changed: Call
         out_a = out_a[: len(out_b)]
     m.max_abs_diff = _max_diff(out_a, out_b)
     if train:
-        m.max_abs_grad_diff = _max_diff(grad_a, grad_b)
+        diffs = _diffs(grad_a, grad_b)
+        m.max_abs_grad_diff = None if diffs is None else max(diffs, default=0.0)
         names = getattr(today, "grad_names", None)
-        if m.max_abs_grad_diff and names and len(names) == len(grad_a) == len(grad_b):
-            m.max_abs_grad_param = max(zip(names, grad_a, grad_b, strict=True),
-                                       key=lambda t: float((t[1].float() - t[2].float()).abs().max()))[0]  # fmt: skip
+        if diffs and m.max_abs_grad_diff and names and len(names) == len(diffs):
+            m.max_abs_grad_param = names[diffs.index(m.max_abs_grad_diff)]
     # a sample long enough to rise above the timer's noise
     loops = max(1, int(_MIN_SAMPLE / max(_timed(today, 1, clock), 1e-6)))
     model_loops = max(1, int(_MIN_SAMPLE / max(_timed(model, 1, clock), 1e-6))) if model is not None else 0
