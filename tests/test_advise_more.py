@@ -930,19 +930,20 @@ def test_a_change_inside_an_encoder_layer_keeps_the_layers_own_reason() -> None:
 
 def test_a_verdict_names_the_gradient_that_differs() -> None:
     """Witness: outputs and gradients made here. Both sides return the same output; the changed side's gradient of
-    ``attn.in_proj_weight`` is off by 0.8 (as dropout drawn differently on another path makes it), the other
-    gradient equal: the verdict says it is that gradient that differs, by how much, against which tolerance, and
-    that the outputs agree. Without names (a change to the model's own code) it says "the gradients"."""
+    ``attn.in_proj_weight`` (the second of three) is off by 0.8 (as dropout drawn differently on another path makes
+    it), the first by 0.08, the third equal: the verdict says it is that gradient that differs, by how much,
+    against which tolerance, and that the outputs agree. Without names (a change to the model's own code) it says
+    "the gradients"."""
     out = torch.ones(3)
     grads = [torch.zeros(2, 2), torch.zeros(4)]
 
     class Side:
         def __init__(self, off: float) -> None:
             self.off = off
-            self.grad_names = ["attn.in_proj_weight", "attn.out_proj.bias"]
+            self.grad_names = ["attn.out_proj.bias", "attn.in_proj_weight", "attn.out_proj.weight"]
 
         def __call__(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-            return [out.clone()], [grads[0] + self.off, grads[1].clone()]
+            return [out.clone()], [grads[1] + 0.1 * self.off, grads[0] + self.off, grads[0].clone()]
 
     m = _row(path_after="sdpa")
     _judge(m, _cand(), Side(0.0), Side(0.8), 2, True)
