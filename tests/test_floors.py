@@ -70,8 +70,8 @@ def test_an_import_against_the_floors_is_caught(tmp_path: Path, where: str, line
 
 
 def _modules_of_a_steady_call(keep: str) -> list[str]:
-    """The files of qkvtrace whose functions a steady SDPA call runs (after four first calls), in order of first
-    entry, read by the interpreter's own profile hook (``sys.setprofile``)."""
+    """The file of each function of qkvtrace a steady SDPA call enters (after four first calls), in order,
+    read by the interpreter's own profile hook (``sys.setprofile``)."""
     import torch
     import torch.nn.functional as F
     from torch import nn
@@ -103,14 +103,15 @@ def _modules_of_a_steady_call(keep: str) -> list[str]:
             model(x)
         finally:
             sys.setprofile(None)
-    return list(dict.fromkeys(seen))
+    return seen
 
 
-@pytest.mark.xfail(strict=True, reason="the straight hot path (a steady call in at most three modules) is not built")
 @pytest.mark.parametrize("keep", ["all", "changes"])
-def test_a_steady_call_runs_in_at_most_three_modules(keep: str) -> None:
-    """The house's goal for a steady call: wrapper, slot, numbers -- its functions in at most three of qkvtrace's
-    modules. Witness: ``sys.setprofile``. Today it runs in more (the list is in the failure), so the test is
-    expected to fail until the path is built; a pass makes it fail loudly (``strict``), to be made a plain test."""
-    modules = _modules_of_a_steady_call(keep)
-    assert len(modules) <= 3, modules
+def test_a_steady_call_runs_in_at_most_three_modules_and_never_comes_back(keep: str) -> None:
+    """The house's rule for a steady call: wrapper, slot, where its numbers are kept -- its functions in at most
+    three of qkvtrace's modules, and no module entered again once left. Witness: ``sys.setprofile``, every
+    function entered during the call, in order."""
+    entered = _modules_of_a_steady_call(keep)
+    runs = [m for i, m in enumerate(entered) if i == 0 or entered[i - 1] != m]  # (each stay in a module, once)
+    assert len(set(entered)) <= 3, entered
+    assert len(runs) == len(set(runs)), runs

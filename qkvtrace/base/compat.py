@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 __all__ = [
+    "DIST",
     "MissingCapability",
     "backend_forcing_api",
     "dynamo_compiled_code_ids",
@@ -258,7 +259,7 @@ def data_parallel_types() -> tuple[type, ...]:
 
 def distributed_rank() -> tuple[int | None, int | None]:
     """``(rank, world_size)`` of this process's default group, ``(None, None)`` outside ``torch.distributed``."""
-    dist = _DIST
+    dist = DIST
     if dist is None or not dist.is_initialized():
         return None, None
     return int(dist.get_rank()), int(dist.get_world_size())
@@ -270,7 +271,7 @@ def _distributed() -> Any:
 
 
 #: ``torch.distributed`` where this build has it (a build's answer, asked once)
-_DIST = _distributed()
+DIST = _distributed()
 
 
 def is_dtensor(t: Any) -> bool:

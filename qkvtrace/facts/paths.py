@@ -27,6 +27,7 @@ from qkvtrace.base import compat
 from qkvtrace.records import EVIDENCE_CACHED, EVIDENCE_WITNESSED
 
 __all__ = [
+    "SDP_SWITCHES",
     "UNAVAILABLE_PROFILER",
     "KernelEvidence",
     "is_attention_op",
@@ -262,8 +263,9 @@ def _switch(name: str) -> Callable[[], bool | None]:
 
 
 #: the switches read by :func:`sdp_flags`, looked up once: the key of every call reads them
-_FLASH, _EFFICIENT, _MATH, _CUDNN = (_switch(n) for n in ("flash_sdp_enabled", "mem_efficient_sdp_enabled",
-                                                         "math_sdp_enabled", "cudnn_sdp_enabled"))  # fmt: skip
+SDP_SWITCHES = tuple(_switch(n) for n in ("flash_sdp_enabled", "mem_efficient_sdp_enabled", "math_sdp_enabled",
+                                          "cudnn_sdp_enabled"))  # fmt: skip
+_FLASH, _EFFICIENT, _MATH, _CUDNN = SDP_SWITCHES
 
 
 def sdp_flags() -> tuple[bool | None, ...]:

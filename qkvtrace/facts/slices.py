@@ -49,6 +49,7 @@ __all__ = [
     "layout_of",
     "mha_projection",
     "norm_of",
+    "norm_plan",
     "ranges",
     "rows_of",
     "slice_norms_of",
@@ -266,8 +267,19 @@ def norm_of(t: torch.Tensor) -> torch.Tensor:
     """
     if t.requires_grad:  # detached: no autograd record (a tensor that needs no gradient gets none anyway)
         t = t.detach()
-    if t.dtype != torch.float32:
+    cast, runs = norm_plan(t)
+    if cast:
         t = t.float()
+    if runs is not None:
+        return torch.linalg.vector_norm(torch.linalg.vector_norm(t, dim=runs))
+    return torch.linalg.vector_norm(t)
+
+
+def norm_plan(t: torch.Tensor) -> tuple[bool, tuple[int, ...] | None]:
+    """How :func:`norm_of` reduces ``t``: whether it is cast to float32 first, and the dimensions of its dense
+    runs it reduces first (``None``: all at once). Decided by ``t``'s dtype, shape and strides alone: a caller
+    that knows those are the same reads it once (:mod:`qkvtrace.tracer.hot`)."""
+    cast = t.dtype != torch.float32
     if t.dim() > 1 and t.numel() >= _RUNS_FROM and not t.is_contiguous():
         layout = (t.shape, t.stride())
         runs = _RUNS.get(layout, _UNKNOWN)
@@ -275,9 +287,8 @@ def norm_of(t: torch.Tensor) -> torch.Tensor:
             if len(_RUNS) >= _MAX_LAYOUTS:
                 _RUNS.clear()
             runs = _RUNS[layout] = dense_run(*layout)
-        if runs is not None:
-            return torch.linalg.vector_norm(torch.linalg.vector_norm(t, dim=runs))
-    return torch.linalg.vector_norm(t)
+        return cast, runs  # type: ignore[return-value]
+    return cast, None
 
 
 def dense_run(shape: Sequence[int], stride: Sequence[int]) -> tuple[int, ...] | None:

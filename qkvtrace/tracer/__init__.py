@@ -10,8 +10,9 @@ How it observes without disturbing what runs (DESIGN.md, principle 1):
   the user's own debugger.
 * Instead, thin wrappers replace a few PyTorch attributes while any trace is
   open (:mod:`.install`, one installation per process); each wrapper asks
-  the registry of open traces (:mod:`.registry`) who records the call and
-  hands it to the observer of its entry point (:mod:`.observers`). Records
+  which open traces record the call (:mod:`.hot`, :mod:`.registry`) and
+  hands it to the observer of its entry point (:mod:`.observers`); a call
+  its module's slot knows (:mod:`.slots`) is taken in :mod:`.hot` alone. Records
   are built in one place (:mod:`.build`), gradients apart (:mod:`.gradients`),
   and the trace a user holds is :mod:`.session`.
 """

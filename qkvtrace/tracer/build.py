@@ -22,6 +22,7 @@ from qkvtrace.facts import routes
 from qkvtrace.facts.slices import Projection, norm_of
 from qkvtrace.records import AttentionCall, QKVInfo, SliceInfo
 from qkvtrace.tracer import again
+from qkvtrace.tracer.hot import nan_count
 
 if TYPE_CHECKING:
     from qkvtrace.tracer.session import Trace
@@ -46,29 +47,6 @@ def nested_lengths(t: Any) -> list[int] | None:
     if not isinstance(t, torch.Tensor) or not t.is_nested:
         return None
     return [int(x.shape[0]) for x in t.unbind()]
-
-
-def nan_count(t: Any) -> torch.Tensor | int | None:
-    """NaNs in ``t`` as a 0-dim tensor (no host read), ``None`` for non-float results."""
-    if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-        return None
-    # (``isnan`` and ``count_nonzero`` give no gradient: PyTorch records nothing for them, detached or not)
-    if t.is_nested:
-        parts = [torch.count_nonzero(torch.isnan(x)) for x in t.detach().unbind()]  # (unbind is recorded)
-        return torch.stack(parts).sum() if parts else 0
-    if _SUM_FROM <= t.numel() < _SUM_BELOW and t.device.type == "cpu" and t.dtype in _SUMMED:
-        # the same count from arithmetic PyTorch's CPU kernels vectorise (``isnan`` there is several times slower
-        # on large outputs), in two passes: clamped to [1, 1], every value is 1 but NaN, which clamping keeps;
-        # ``nansum`` counts the ones, exactly (whole numbers below 2**24 are exact in float32), and the NaNs are
-        # the rest; detached: no autograd record
-        return t.numel() - torch.nansum(torch.clamp(t.detach(), 1.0, 1.0)).long()
-    return torch.count_nonzero(torch.isnan(t))
-
-
-#: where :func:`nan_count` sums on the CPU: from the size the sum is faster (measured, float32 values: 8,192,
-#: 6.3 against 7.1 µs; 131,072: 20 against 90), to the size its float32 sum stays exact
-_SUM_FROM, _SUM_BELOW = 8_192, 2**24
-_SUMMED = (torch.float32, torch.float64)
 
 
 def qkv_info(trace: Trace, projection: Projection | str, tensors: tuple[Any, Any, Any]) -> QKVInfo:

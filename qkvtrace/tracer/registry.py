@@ -6,8 +6,9 @@ A call is delivered to every open trace that covers the calling thread
 whose model contains the module that made the call; each of them records
 it with its own index and its own name for the module.
 
-State that belongs to one thread -- the attention calls that have started
-and not yet ended on it -- lives in a ``threading.local``.
+What every call reads of this -- the open traces, the owner on the
+Python stack, this thread's open calls (a ``threading.local``) -- lives in
+:mod:`.hot`, with a steady call's whole way; this module opens and closes.
 """
 
 from __future__ import annotations
@@ -19,47 +20,42 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from qkvtrace.tracer.hot import (
+    CALL_IMPL,
+    OPEN,
+    call_site,
+    covering,
+    is_active,
+    open_calls,
+    owner_module,
+    thread_state,
+)
+
 if TYPE_CHECKING:
     from qkvtrace.tracer.session import Trace
 
-__all__ = ["call_site", "covering", "is_active", "open_calls", "owner_module", "register", "report_failure",
-           "unregister"]
+__all__ = ["call_site", "covering", "is_active", "open_calls", "open_traces", "owner_module", "register",
+           "report_failure", "thread_state", "unregister"]
 
 _lock = threading.Lock()
-#: the open traces; replaced, never mutated, so readers need no lock
-_traces: tuple[Trace, ...] = ()
-#: the ids of the code objects whose frames may run with a module an open trace covers as ``self``
-#: (:func:`owner_module`), replaced with :data:`_traces`; and, per class, its methods' codes
-_codes: frozenset[int] = frozenset()
 #: (the class's ``forward``, the ids of its methods' codes, those codes: held, so that no id is another code's)
 _class_codes: weakref.WeakKeyDictionary[type, tuple[Any, frozenset[int], list[types.CodeType]]] = (
     weakref.WeakKeyDictionary()
 )
 
 
-class _Local(threading.local):
-    def __init__(self) -> None:
-        #: this thread's open attention calls (made on the thread's first look)
-        self.stack: list[Any] = []
-        #: where in its module's forward the last call :func:`owner_module` found was made (code, line)
-        self.site: tuple[int, int] | None = None
-
-
-_local = _Local()
-
-
 def register(trace: Trace) -> None:
-    global _traces, _codes
     with _lock:
-        _traces = (*_traces, trace)
-        _codes = _method_codes(_traces)
+        traces = (*OPEN.traces, trace)
+        OPEN.codes = _method_codes(traces)  # (the codes first: a reader that sees the trace finds its codes)
+        OPEN.traces = traces
 
 
 def unregister(trace: Trace) -> None:
-    global _traces, _codes
     with _lock:
-        _traces = tuple(t for t in _traces if t is not trace)
-        _codes = _method_codes(_traces)
+        traces = tuple(t for t in OPEN.traces if t is not trace)
+        OPEN.traces = traces
+        OPEN.codes = _method_codes(traces)
 
 
 def _method_codes(traces: tuple[Trace, ...]) -> frozenset[int]:
@@ -67,7 +63,7 @@ def _method_codes(traces: tuple[Trace, ...]) -> frozenset[int]:
     classes it inherits from, up to ``nn.Module`` (through decorators that keep ``__wrapped__``), a ``forward``
     set on the module itself, and ``nn.Module._call_impl``, whose frame every module called has. A class's
     codes are kept while its ``forward`` is the same."""
-    found: set[int] = {id(_CALL_IMPL)}
+    found: set[int] = {id(CALL_IMPL)}
     classes: set[type] = set()
     for t in traces:
         for _, m in t.names.values():
@@ -111,76 +107,9 @@ def _codes_of(value: Any) -> list[types.CodeType]:
     return found
 
 
-_CALL_IMPL: types.CodeType = nn.Module._call_impl.__code__
-_MODULE_FILE = _CALL_IMPL.co_filename
-
-
 def open_traces() -> tuple[Trace, ...]:
     """Every open trace, in any thread."""
-    return _traces
-
-
-def is_active() -> bool:
-    return bool(_traces)
-
-
-def covering(module: nn.Module) -> list[tuple[Trace, str]]:
-    """``(trace, name of module in it)`` for every open trace that records this call."""
-    traces = _traces
-    if not traces:
-        return []
-    out = []
-    ident = None
-    key = id(module)
-    for t in traces:
-        if t.thread is not None:
-            if ident is None:
-                ident = threading.get_ident()
-            if t.thread != ident:
-                continue
-        entry = t.names.get(key)  # (:meth:`Trace.name_of`, on every call)
-        if entry is not None and entry[1] is module:
-            out.append((t, entry[0]))
-    return out
-
-
-def thread_state() -> _Local:
-    """The per-thread state whose ``stack`` :func:`open_calls` gives (for a caller that reads it on every call)."""
-    return _local
-
-
-def open_calls() -> list[Any]:
-    """This thread's attention calls that have started and not yet ended (innermost last)."""
-    return _local.stack
-
-
-def owner_module(frame: types.FrameType | None) -> tuple[nn.Module, list[tuple[Trace, str]]] | None:
-    """The innermost module on the Python stack that an open trace covers, with those traces; where in its
-    forward the call is made is kept for :func:`call_site`."""
-    codes = _codes
-    called = None
-    while frame is not None:
-        if id(frame.f_code) in codes:  # (no other frame's locals are read: reading them costs more)
-            obj = frame.f_locals.get("self")
-            if isinstance(obj, nn.Module):
-                targets = covering(obj)
-                if targets:
-                    # (found at ``Module._call_impl``: the place is in what it called, the forward or its wrapper,
-                    # past ``_call_impl``'s own helpers -- whose lines depend on whether the module has hooks)
-                    site = called if frame.f_code is _CALL_IMPL and called is not None else frame
-                    _local.site = (id(site.f_code), site.f_lineno)
-                    return obj, targets
-        if frame.f_code.co_filename != _MODULE_FILE:
-            called = frame
-        frame = frame.f_back
-    return None
-
-
-def call_site() -> tuple[int, int] | None:
-    """Where in its module's forward this thread's last call found by :func:`owner_module` was made: a module
-    that calls its kernel twice in one forward (differential attention: over each half of V) tells its calls
-    apart by it, whatever their tensors' layouts."""
-    return _local.site
+    return OPEN.traces
 
 
 def report_failure(entry_point: str, error: BaseException) -> None:
@@ -190,6 +119,6 @@ def report_failure(entry_point: str, error: BaseException) -> None:
         f"a call of {entry_point} could not be recorded ({type(error).__name__}: {error}); "
         "it ran and returned to its caller as it would without a trace"
     )
-    for t in _traces:
+    for t in OPEN.traces:
         if t.thread is None or t.thread == ident:
             t.note(text)

@@ -118,7 +118,8 @@ class Trace:
         self._walked: structure.Walked | None = None
         self._by_name: dict[str, nn.Module] = {}
         self._projections = Projections(self._parents)
-        self._counter = itertools.count()
+        #: the next call's index (a counter's own ``__next__``: read on every call, a call into no function of qkvtrace)
+        self.take_index: Callable[[], int] = itertools.count().__next__
         self._grads = GradientRecorder(self.name_of)
         self._exit: contextlib.ExitStack | None = None
         self._ended = False
@@ -319,9 +320,6 @@ class Trace:
             self._exit.callback(undo)
         else:
             undo()
-
-    def take_index(self) -> int:
-        return next(self._counter)
 
     def projection(self, module: nn.Module, qkv: Sequence[Any] | None = None) -> Projection | str:
         """Where ``module``'s Q/K/V live for this call (:class:`~qkvtrace.tracer.projections.Projections`)."""

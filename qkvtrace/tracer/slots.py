@@ -29,6 +29,9 @@ its module's previous record (another way of calling it in between
 replaced it) and, for records, that the Q/K/V slice record is the one the
 weights' versions give now (so an optimizer step or a swapped weight
 misses). A miss takes the full observer, which fills the slot again.
+A model's own SDPA call is checked and captured in :mod:`.hot`, whose
+functions are all its steady way runs in besides its wrapper and the place
+its numbers are kept.
 
 A plain trace's slots of a model's own SDPA calls are *kept* when it closes
 (:class:`Kept`, with the model's structure: :mod:`.structure`), their record
@@ -40,18 +43,17 @@ and the slice record all still hold.
 
 from __future__ import annotations
 
-import threading
 import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from qkvtrace.base import compat, lazy
+from qkvtrace.base import lazy
 from qkvtrace.facts import routes
 from qkvtrace.facts.slices import Projection, ProjectionSpec, Stamp
 from qkvtrace.records import AttentionCall
-from qkvtrace.tracer import again
+from qkvtrace.tracer import again, hot
 from qkvtrace.tracer.build import shared_inputs
 
 if TYPE_CHECKING:
@@ -69,7 +71,7 @@ class Slot:
     alive), and the key of the facts that decided it."""
 
     #: the call's facts that decide its record: shapes, dtypes, strides, flags, modes (each observer's
-    #: ``steady_key``)
+    #: ``steady_key``: :func:`qkvtrace.tracer.hot.steady_key`, :func:`.observers.mha_facts.steady_key`)
     key: tuple[Any, ...]
     #: fully-masked query rows, decided by the key (shapes and ``is_causal``; no mask): shared by its calls
     rows: Any = 0
@@ -92,7 +94,7 @@ class Slot:
     #: received): a call is the slot's only when it says the same
     facts: tuple[Any, ...] | None = None
     #: what the SDPA kernel of a ``MultiheadAttention`` fallback said, with the key of its arguments
-    #: (:func:`qkvtrace.tracer.observers.sdpa.steady_key`): a steady call's kernel with that key says it again
+    #: (:func:`qkvtrace.tracer.hot.steady_key`): a steady call's kernel with that key says it again
     #: (learnt from the first steady call whose kernel was found out in full)
     kernel: tuple[Any, ...] | None = None
     #: ``False`` once a steady call's backward core could not be left to its backward pass (:meth:`verdict`)
@@ -101,23 +103,15 @@ class Slot:
     #: slot's Q/K/V rows by: a grown call with it has them too (the trace keeps its rows by it)
     layout: Any = None
 
+    #: what a call with the key says of its backward core where the key decides it builds no graph (no grad,
+    #: inference mode, nothing requiring grad): its first steady call's, said again (``None``: not known yet)
+    quiet: routes.Verdict | None = None
+    #: how the Q, K and V of a call with the key are reduced to their norms (:func:`~qkvtrace.facts.slices.norm_plan`)
+    plans: tuple[Any, Any, Any] | None = None
+
     def holds(self, trace: Trace, name: str) -> bool:
-        """What the slot relies on beyond the call's key still holds: in a long run, its combination is still
-        the module's last and no health is due; in a plain trace, the Q/K/V slice record is the one the
-        weights' versions give now."""
-        if self.entry is not None:
-            return self.entry.last is self.combination and not trace.health_due(name)
-        stamp = self.stamp
-        if stamp is None:
-            return not isinstance(self.projection, Projection) or trace.norms.qkv(self.projection) is self.base
-        steps, pieces = stamp  # the same parameters where PyTorch finds them, at the version and storage read then
-        for owner, attr, registered, name, held in steps:
-            if registered.get(name) is not held or owner.__dict__.get(attr) is not registered:
-                return False
-        for p, version, where in pieces:
-            if p._version != version or p.data_ptr() != where:
-                return False
-        return True
+        """What the slot relies on beyond the call's key still holds (:func:`qkvtrace.tracer.hot.holds`)."""
+        return hot.holds(self, trace, name)
 
     def count(self, trace: Trace, nan_count: Any, rows: Any = None) -> None:
         """Count, in a long run, a call the slot knows: its NaN count added to its module's, nothing else
@@ -138,23 +132,11 @@ class Slot:
         self.follows = said is not None
         return said
 
-    def record(self, trace: Trace, owner: nn.Module, name: str, index: int, nan_count: Any,
-               norms: tuple[Any, Any, Any] | None, core: routes.Core | None,
-               said: routes.Verdict | None = None, grown: tuple[Any, Any] | None = None) -> None:  # fmt: skip
-        """Record, in a plain trace, a call the slot knows: captured, its record built when the records are read
-        (:func:`build`), with what its backward core says then (corrected, when the backward pass finds the
-        call's graph differs from its signature's, before or after the record is built).
-        ``norms``: the Q, K and V a model's own SDPA call received (``None``: the slot's record's are kept).
-        ``said``: what its core says where the core is followed only in the backward pass
-        (:func:`~qkvtrace.facts.routes.steady_verdict`; ``core`` is then ``None``).
-        ``grown``: a call whose keys' length is not the slot's (:func:`qkvtrace.tracer.observers.sdpa.grown`):
-        its own fully-masked rows and the shapes of its Q, K and V."""
-        rank, world = compat.distributed_rank()
-        if said is None:
-            said = _NO_ROUTES if core is None else core.verdict()
-        rows, shapes = (self.rows, None) if grown is None else grown
-        trace.capture((self.last.record, index, threading.current_thread().name, rank, world, nan_count,  # type: ignore[union-attr]
-                       rows, norms, said, shapes), name, core)  # fmt: skip
+    def record(self, trace: Trace, name: str, index: int, nan_count: Any, core: routes.Core | None,
+               said: routes.Verdict | None = None) -> None:  # fmt: skip
+        """Record, in a plain trace, a ``MultiheadAttention`` call the slot knows (:func:`qkvtrace.tracer.hot.capture`:
+        the norms of its slot's record kept)."""
+        hot.capture(self, trace, name, index, nan_count, None, core, said)
 
 
 def keep_counting(trace: Trace, name: str, key: tuple[Any, ...], backend: str | None, rows: Any, *,
@@ -287,5 +269,3 @@ def build(captured: list[Capture]) -> list[AttentionCall]:
         out.append(record)
     return out
 
-
-_NO_ROUTES = routes.Core(None, "not recorded: the trace was opened with routes=False").verdict()

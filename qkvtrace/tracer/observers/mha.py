@@ -422,7 +422,7 @@ def _steady(slot: slots.Slot, ctx: OpenMHA, out: Any) -> bool:
         said = slot.verdict(trace, index, name, result, (ctx.query,), heads=found[1], key=found[0])
         if said is None:
             core = routes.find_core(result, (ctx.query,), heads=found[1], key=found[0])
-    slot.record(trace, module, name, index, nan_count(result), None, core, said)
+    slot.record(trace, name, index, nan_count(result), core, said)
     return True
 
 

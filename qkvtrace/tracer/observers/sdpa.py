@@ -34,7 +34,7 @@ from qkvtrace.facts.dataflow import signature
 from qkvtrace.facts.lineage import lasting
 from qkvtrace.facts.slices import Projection, norm_of
 from qkvtrace.records import EVIDENCE_CACHED, AttentionCall
-from qkvtrace.tracer import again, registry, slots
+from qkvtrace.tracer import again, hot, registry, slots
 from qkvtrace.tracer.build import (
     Target,
     count_again,
@@ -48,6 +48,7 @@ from qkvtrace.tracer.build import (
     wants_maps,
 )
 from qkvtrace.tracer.dispatch import overridden, redispatch_sdpa, relevant_overrides
+from qkvtrace.tracer.hot import PLAIN_SCALES, steady_key
 from qkvtrace.tracer.monitor import combination_key, mask_kind
 from qkvtrace.tracer.observers.mha import OpenMHA, arg
 
@@ -127,43 +128,45 @@ class _Args:
         )
 
 
-def observe_sdpa(original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    if not registry.is_active():
-        return redispatch_sdpa(original, args, kwargs)
-    if overridden(args, kwargs):
-        return _observe_override(original, args, kwargs, relevant_overrides(args, kwargs))
-    stack = registry.open_calls()
-    enclosing = stack[-1] if stack else None
-    if isinstance(enclosing, OpenOverride):  # made on behalf of an override that is being recorded
-        made = _Args(args, kwargs)
-        enclosing.backend = made.backend()
-        enclosing.refusals = made.refusals(enclosing.owner_trace, enclosing.backend)
-        return original(*args, **kwargs)
-    if isinstance(enclosing, OpenMHA):  # the kernel of a MultiheadAttention fallback
-        return _kernel_of_mha(enclosing, original, args, kwargs)
-    found = registry.owner_module(sys._getframe(1))
-    if found is None:  # not made by a traced model
-        return original(*args, **kwargs)
+def _observe(original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+             found: tuple[nn.Module, list[tuple[Any, str]]] | None = None, key: tuple[Any, ...] | None = None) -> Any:
+    """A call :mod:`qkvtrace.tracer.hot` did not take: ``found`` and ``key`` where it looked them up."""
+    if found is None:
+        if not registry.is_active():
+            return redispatch_sdpa(original, args, kwargs)
+        if overridden(args, kwargs):
+            return _observe_override(original, args, kwargs, relevant_overrides(args, kwargs))
+        stack = registry.open_calls()
+        enclosing = stack[-1] if stack else None
+        if isinstance(enclosing, OpenOverride):  # made on behalf of an override that is being recorded
+            made = _Args(args, kwargs)
+            enclosing.backend = made.backend()
+            enclosing.refusals = made.refusals(enclosing.owner_trace, enclosing.backend)
+            return original(*args, **kwargs)
+        if isinstance(enclosing, OpenMHA):  # the kernel of a MultiheadAttention fallback
+            return _kernel_of_mha(enclosing, original, args, kwargs)
+        found = registry.owner_module(sys._getframe(1))
+        if found is None:  # not made by a traced model
+            return original(*args, **kwargs)
+        key = steady_key(found[0], args, kwargs) if len(found[1]) == 1 else None
     owner, covering = found
-    key = None
     a: _Args | None = None
-    if len(covering) == 1:  # one trace records the call: its module's slot may know it (:mod:`..slots`)
-        key = steady_key(owner, args, kwargs)
-        if key is not None:
-            trace, name = covering[0]
-            slot = trace.slots.get(id(owner))
-            if slot is None:  # its first call in this trace: a slot an earlier trace of the model kept, if it holds
-                slot = slots.revive(trace, owner, name, key)
-                if slot is not None:
-                    return _steady(slot, owner, trace, name, original, args, kwargs)
-            elif slot.key == key and slot.holds(trace, name):
-                return _steady(slot, owner, trace, name, original, args, kwargs)
-            elif grown(slot.key, key) and slot.holds(trace, name):
-                a = _Args(args, kwargs)
-                backend = a.backend()
-                if _grown_holds(slot, owner, trace, a, backend):
-                    slot.key = key
-                    return _steady(slot, owner, trace, name, original, args, kwargs, a)
+    if key is not None:  # one trace records the call: its module's slot may know it (:mod:`..slots`)
+        trace, name = covering[0]
+        slot = trace.slots.get(id(owner))
+        if slot is None:  # its first call in this trace: a slot an earlier trace of the model kept, if it holds
+            slot = slots.revive(trace, owner, name, key)
+            if slot is not None:
+                return hot.steady(slot, owner, trace, name, original, args, kwargs, _raised)
+        elif slot.key == key and slot.holds(trace, name):
+            return hot.steady(slot, owner, trace, name, original, args, kwargs, _raised)
+        elif grown(slot.key, key) and slot.holds(trace, name):
+            a = _Args(args, kwargs)
+            backend = a.backend()
+            if _grown_holds(slot, owner, trace, a, backend):
+                slot.key = key
+                own = (fully_masked_rows(a.q, a.k, None, a.is_causal), (a.q.shape, a.k.shape, a.v.shape))
+                return hot.steady(slot, owner, trace, name, original, args, kwargs, _raised, own)
     if a is None:
         a = _Args(args, kwargs)
         backend = a.backend()
@@ -185,7 +188,7 @@ def observe_sdpa(original: Callable[..., Any], args: tuple[Any, ...], kwargs: di
         return out
     core = routes.sdpa_core(out, a.q, a.k, a.v, key=sig) if wants_backward(targets) else None
     built_from = None
-    if again.plain(targets) and a.mask is None and not a.q.is_nested and type(a.scale) in _PLAIN_SCALES:
+    if again.plain(targets) and a.mask is None and not a.q.is_nested and type(a.scale) in PLAIN_SCALES:
         # a call like its module's previous one is recorded from that record (:mod:`qkvtrace.tracer.again`)
         first = targets[0][0]
         if a.projection_of is not owner:  # (found already where a grown call missed its slot)
@@ -221,35 +224,6 @@ def _record_raised(owner: nn.Module, targets: list[Target], a: _Args, backend: s
 
 
 # -- a module's steady calls (:mod:`qkvtrace.tracer.slots`) --------------------------------------
-
-_KEYWORDS = frozenset(("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"))
-
-
-def steady_key(owner: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
-    """The facts of an unmasked call that decide everything its record says but its own numbers: what
-    :func:`_built_from`'s key holds (the backend, kernels and PyTorch's reasons follow from them), every
-    stride and storage offset (the rows' check of :class:`~qkvtrace.tracer.projections.Projections`, and
-    alignment) and the module's children; ``None`` for a call a slot does not take (a mask, nested tensors,
-    a tensor ``scale``, arguments passed by other names)."""
-    n = len(args)
-    if n < 3 or n > 6 or (kwargs and not _KEYWORDS.issuperset(kwargs)):
-        return None
-    q, k, v = args[0], args[1], args[2]
-    if (args[3] if n > 3 else kwargs.get("attn_mask")) is not None or q.is_nested or k.is_nested or v.is_nested:
-        return None
-    scale = kwargs.get("scale")
-    if type(scale) not in _PLAIN_SCALES:
-        return None
-    # (Q's dtype and device: SDPA refuses K and V of others, and a refused call is recorded in full)
-    # (K's and V's shapes and strides first, the rest in one tuple: :func:`grown` compares it at once)
-    return (q.shape, k.shape, v.shape, k.stride(), v.stride(),
-            (q.dtype, q.device, q.stride(), q.storage_offset(), k.storage_offset(), v.storage_offset(),
-             k.is_contiguous() and v.is_contiguous(), q.requires_grad, k.requires_grad, v.requires_grad,
-             args[4] if n > 4 else kwargs.get("dropout_p", 0.0),
-             args[5] if n > 5 else kwargs.get("is_causal", False), scale, kwargs.get("enable_gqa", False),
-             owner.training, torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.is_autocast_enabled(),
-             paths.sdp_flags(), tuple(map(id, owner._modules.values())), registry.call_site()))  # fmt: skip
-
 
 def _keep_recording(owner: nn.Module, covering: tuple[Any, str], key: tuple[Any, ...], a: _Args, sig: Any,
                     refs: tuple[Any, ...]) -> None:  # fmt: skip
@@ -295,33 +269,14 @@ def _grown_holds(slot: slots.Slot, owner: nn.Module, trace: Any, a: _Args, backe
     return a.refusals(trace, backend) == (record.sdpa_refusals, record.sdpa_refusals_source)
 
 
-def _steady(slot: slots.Slot, owner: nn.Module, trace: Any, name: str, original: Callable[..., Any],
-            args: tuple[Any, ...], kwargs: dict[str, Any], grew: _Args | None = None) -> Any:  # fmt: skip
-    """Run a call its module's slot knows, and capture only what is its own (``grew``: the arguments of a call
-    whose keys' length is not the slot's, with its own shapes and fully-masked rows)."""
-    index = trace.take_index()
-    try:
-        out = original(*args, **kwargs)
-    except BaseException as exc:
-        a = _Args(args, kwargs)
-        _record_raised(owner, [(trace, name, index)], a, a.backend(), exc)
-        raise
-    q, k, v = args[0], args[1], args[2]
-    own = None if grew is None else (fully_masked_rows(q, k, None, grew.is_causal), (q.shape, k.shape, v.shape))
-    if slot.entry is not None:  # a long run: counted, nothing else
-        slot.count(trace, nan_count(out), None if own is None else own[0])
-        return out
-    core = said = None
-    if trace.record_routes:
-        said = slot.verdict(trace, index, name, out, (q, k, v), heads=None, key=slot.signature, fused=True)
-        if said is None:
-            core = routes.sdpa_core(out, q, k, v, key=slot.signature)
-    slot.record(trace, owner, name, index, nan_count(out), (norm_of(q), norm_of(k), norm_of(v)), core, said, own)
-    return out
+def _raised(owner: nn.Module, trace: Any, name: str, index: int, args: tuple[Any, ...], kwargs: dict[str, Any],
+            exc: BaseException) -> None:  # fmt: skip
+    """Record a call its module's slot took that raised, as the full observer records one."""
+    a = _Args(args, kwargs)
+    _record_raised(owner, [(trace, name, index)], a, a.backend(), exc)
 
 
-#: the types of ``scale`` whose value a record's key compares (a tensor's ``==`` is not a truth value)
-_PLAIN_SCALES = frozenset((type(None), float, int))
+observe_sdpa = hot.sdpa_observer(_observe, _raised)
 
 
 def _built_from(owner: nn.Module, a: _Args, backend: str | None, ops: list[str] | None, evidence: str,
