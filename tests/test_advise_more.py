@@ -10,12 +10,13 @@ read from the machine's luck); PyTorch's own warning words; and the rules module
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 import statistics
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from torch import nn
 from qkvtrace.analyses.advice_rules import Candidate, candidates_for
 from qkvtrace.analyses.advise import (
     ADVISE_SCHEMA,
+    MAX_JOINED,
     RECOMMENDED,
     Advice,
     Measured,
@@ -472,7 +474,8 @@ def _call_of(model: nn.Module, x: torch.Tensor) -> Any:
 def test_next_changes_answer_the_reason_the_change_uncovered() -> None:
     """Witness: the rules module's candidates for the call traced here on a copy with batch_first=True (PyTorch's
     next reason: grad is enabled): those are the changes to try with batch_first. None when the call moved, when no
-    new reason was given, when the reason is unchanged, or when the change already joins three. Catches each of the
+    new reason was given, when the reason is unchanged, or when the change already joins as many as may be
+    joined (every rule of one call). Catches each of the
     stop conditions joined with 'and' or loosened."""
     model = _Seq(batch_first=False).eval()
     x = torch.randn(8, 2, E)
@@ -493,9 +496,11 @@ def test_next_changes_answer_the_reason_the_change_uncovered() -> None:
                          cand, call, model, False) == []  # fmt: skip
     assert _next_changes(_row(path=call.path, reason=m.reason, path_after=call.path, reason_after=m.reason),
                          cand, call, model, False) == []  # fmt: skip
-    two = copy.copy(cand)
-    two.change = "a + b + c"
-    assert _next_changes(m, two, call, model, False) == []
+    full = copy.copy(cand)
+    full.parts = tuple("abcde"[:MAX_JOINED])
+    assert _next_changes(m, full, call, model, False) == []
+    full.parts = full.parts[:-1]
+    assert _next_changes(m, full, call, model, False)
 
 
 # -- what the advisor records about itself ------------------------------------------------------------------------
@@ -973,3 +978,83 @@ def test_a_root_module_is_called_by_qkvtrace() -> None:
     console = Console(width=200, record=True)
     console.print(advise_table(advice))
     assert "(called by qkvtrace)" in console.export_text() and "at (called" not in console.export_text()
+
+
+# -- changes joined: each applied on top of the others ---------------------------------------------------------------
+
+
+class _Watched(nn.MultiheadAttention):
+    """A sequence-first MultiheadAttention that writes down, per call, what is in force when it is called (its
+    batch_first, its mask's dtype, whether grad is on, need_weights) under the label :func:`advise` last said it
+    was measuring; the fast path's own function (``torch._native_multi_head_attention``, wrapped by the test)
+    writes down that it ran."""
+
+    seen: ClassVar[dict[str, list[tuple[bool, Any, bool, bool]]]] = {}
+    fast: ClassVar[dict[str, int]] = {}
+    label = ""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        bound = _MHA_ARGS.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        mask = bound.arguments["attn_mask"]
+        state = (bool(self.batch_first), None if mask is None else mask.dtype, torch.is_grad_enabled(),
+                 bool(bound.arguments["need_weights"]))  # fmt: skip
+        _Watched.seen.setdefault(_Watched.label, []).append(state)
+        return super().forward(*args, **kwargs)
+
+
+_MHA_ARGS = inspect.signature(nn.MultiheadAttention.forward)
+
+
+def test_joined_changes_are_all_in_force_at_once_and_the_ones_that_reach_the_fast_path_are_measured(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Witness: the module's own view of each call made while a row was measured (its ``batch_first``, its mask's
+    dtype, grad mode, ``need_weights``, written by the module itself) and a count of PyTorch's fast-path function
+    (``torch._native_multi_head_attention``, wrapped by the test). A sequence-first module with a float causal mask
+    in ``eval()``: a row joining changes must have a call where every change it names is in force at once, and
+    the rows joining batch_first, a boolean mask and inference_mode reach the fast path -- also with one of the
+    four left out (need_weights=False is not needed), never with batch_first, the mask or inference_mode left
+    out. Catches a change that replaces the one made before it, and joined changes that stop at pairs."""
+    native = torch._native_multi_head_attention
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        _Watched.fast[_Watched.label] = _Watched.fast.get(_Watched.label, 0) + 1
+        return native(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_native_multi_head_attention", counted)
+    _Watched.seen, _Watched.fast = {}, {}
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.attn = _Watched(E, H)
+            self.register_buffer("mask", torch.triu(torch.full((8, 8), float("-inf")), 1))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.attn(x, x, x, attn_mask=self.mask)[0]
+
+    def say(text: str) -> None:
+        _Watched.label = text.split(": ", 1)[1].rsplit(" on ", 1)[0] if text.startswith("measuring") else text
+
+    ticks = iter(range(10**9))  # (a clock that moves on each reading: no timing depends on the machine)
+    advice = advise(Model().eval(), torch.randn(8, 2, E), repeats=2, progress=say, clock=lambda: next(ticks) / 100)
+    bf = "batch_first=True for attn (inputs as (batch, sequence, features))"
+    boolean = "a boolean mask (True = blocked) instead of a float one"
+    inference = "run the forward under torch.inference_mode()"
+    no_weights = "need_weights=False"
+    wanted = {bf: lambda s: s[0], boolean: lambda s: s[1] == torch.bool, inference: lambda s: not s[2],
+              no_weights: lambda s: not s[3]}  # fmt: skip
+    rows = {frozenset(m.change.split(" + ")): m for m in advice.measured}
+    for names, m in rows.items():
+        states = _Watched.seen.get(m.change, [])
+        assert any(all(wanted[n](s) for n in names) for s in states), (m.change, set(states))
+    fixed = frozenset((bf, boolean, inference))
+    for names in (fixed, fixed | {no_weights}):
+        assert names in rows, sorted(rows)
+        assert _Watched.fast.get(rows[names].change, 0) > 0, (rows[names].change, _Watched.fast)
+    for left in (bf, boolean, inference):
+        rest = fixed - {left}
+        assert rest in rows, (sorted(rows), left)
+        assert _Watched.fast.get(rows[rest].change, 0) == 0, (rows[rest].change, _Watched.fast)

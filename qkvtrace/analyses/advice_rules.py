@@ -46,6 +46,13 @@ class Candidate:
     site: str | None = None
     #: the change drops outputs the caller may read (weights): only the outputs both still return are compared
     drops_outputs: bool = False
+    #: the single changes a combined one is made of, in the order they are applied (empty: a single change)
+    parts: tuple[str, ...] = ()
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The single changes this one makes (itself, for a single change)."""
+        return self.parts or (self.change,)
 
 
 def candidates_for(call: Any, model: nn.Module, train: bool) -> tuple[list[Candidate], str]:
@@ -88,7 +95,9 @@ def candidates_for(call: Any, model: nn.Module, train: bool) -> tuple[list[Candi
 
 
 def combined(first: Candidate, then: Candidate) -> Candidate:
-    """Both changes at once: PyTorch names only the first reason it meets, so fixing it may show the next."""
+    """Both changes at once, ``first`` made first and ``then`` on top of it (a change to a module's calls hands its
+    arguments on to the change made before it): PyTorch names only the first reason it meets, so fixing it may
+    show the next."""
 
     def apply(model: nn.Module) -> tuple[Callable[[], Any] | None, list[str]]:
         ctx_a, where_a = first.apply(model)
@@ -106,7 +115,8 @@ def combined(first: Candidate, then: Candidate) -> Candidate:
 
     scope = first.scope if first.scope == then.scope else _WHOLE
     return Candidate(f"{first.change} + {then.change}", f"{first.gives_up}; {then.gives_up}", scope, apply,
-                     max(first.tolerance, then.tolerance))  # fmt: skip
+                     max(first.tolerance, then.tolerance), drops_outputs=first.drops_outputs or then.drops_outputs,
+                     parts=first.names + then.names)  # fmt: skip
 
 
 def _no_copy(_model: nn.Module) -> tuple[Callable[[], Any] | None, list[str]]:
@@ -176,6 +186,8 @@ def _wrapped(name: str, change: Callable[[nn.Module, inspect.BoundArguments], Ca
     def apply(model: nn.Module) -> tuple[Callable[[], Any] | None, list[str]]:
         module = model.get_submodule(name)
         where: list[str] = []
+        #: a change made to the copy before this one (:func:`combined`): this one hands its arguments on to it
+        inner = module.__dict__.get("forward")
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             bound = _MHA_SIGNATURE.bind(module, *args, **kwargs)
@@ -184,6 +196,8 @@ def _wrapped(name: str, change: Callable[[nn.Module, inspect.BoundArguments], Ca
                 found = _caller()
                 if found:
                     where.append(found)
+            if inner is not None:
+                return after(inner(*bound.args[1:], **bound.kwargs))
             # the class's forward as it is now (a trace open around the copy wraps it there)
             return after(type(module).forward(*bound.args, **bound.kwargs))
 

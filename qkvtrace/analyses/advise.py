@@ -280,14 +280,17 @@ def advise(
                 advice.settled.append({"call": call.index, "module": call.module, "path": call.path,
                                        "backend": call.sdpa_backend, "why": settled})  # fmt: skip
             work.extend((call, n, c) for c in found)
-        seen: dict[tuple[str | None, str], Measured] = {}
+        seen: dict[tuple[str | None, frozenset[str]], Measured] = {}
+        #: every single change offered so far, by name: what a joined change that moved the call is made of
+        singles = {c.change: c for _, _, c in work}
+
         i = 0
         while i < len(work):
             call, n, cand = work[i]
             i += 1
-            key = (cand.scope, cand.change)
-            if key in seen:  # one change of a module (or of the whole model) reaches all its calls: measured once
-                continue
+            key = (cand.scope, frozenset(cand.names))
+            if key in seen:  # one change of a module (or of the whole model) reaches all its calls, and changes
+                continue  # joined in another order are the same changes: measured once
             m = Measured(call=call.index, module=call.module, path=call.path, backend=call.sdpa_backend,
                          reason=call.why_not_fast_path or call.why_not_fused_layer, change=cand.change,
                          scope=cand.scope, gives_up=cand.gives_up)  # fmt: skip
@@ -300,22 +303,47 @@ def advise(
             say(f"measuring {i}/{len(work)}: {cand.change} on {call.module or '(root)'}")
             same_code = sum(1 for c in before.calls if (c.path, c.module_type) == (call.path, call.module_type))
             _measure(m, cand, base, model, args, kwargs, train, repeats, n, same_code, clock)
-            work[i:i] = [(call, n, c) for c in _next_changes(m, cand, call, base_model, train)]
+            work[i:i] = [(call, n, c) for c in _next_changes(m, cand, call, base_model, train, singles)
+                         + _left_out(m, cand, singles)]  # fmt: skip
     order = {RECOMMENDED: 0}
     advice.measured.sort(key=lambda m: (order.get(m.verdict, 1), m.model_median if m.model_median is not None else 9e9))
     advice.seconds = clock() - started
     return advice
 
 
-def _next_changes(m: Measured, cand: Candidate, call: Any, model: nn.Module, train: bool) -> list[Candidate]:
-    """When a change left the call on its path with another of PyTorch's reasons, that reason's changes with it."""
-    if m.path_after != m.path or not m.reason_after or m.reason_after == m.reason or cand.change.count(" + ") >= 2:
+#: the most changes joined in one candidate (every rule for one ``MultiheadAttention`` call at once)
+MAX_JOINED = 5
+
+
+def _next_changes(m: Measured, cand: Candidate, call: Any, model: nn.Module, train: bool,
+                  singles: dict[str, Candidate] | None = None) -> list[Candidate]:  # fmt: skip
+    """When a change left the call on its path with another of PyTorch's reasons, that reason's changes with it
+    (the fast path's conditions are a list, and PyTorch names the first one not met: each change may show the next)."""
+    if m.path_after != m.path or not m.reason_after or m.reason_after == m.reason or len(cand.names) >= MAX_JOINED:
         return []
     after = copy.copy(call)
     after.why_not_fast_path = m.reason_after if call.why_not_fast_path else None
     after.why_not_fused_layer = m.reason_after if not call.why_not_fast_path else call.why_not_fused_layer
     found, _ = candidates_for(after, model, train)
-    return [combined(cand, c) for c in found if c.change not in cand.change]
+    if singles is not None:  # (kept by name, for :func:`_left_out`)
+        singles.update((c.change, c) for c in found)
+    return [combined(cand, c) for c in found if c.change not in cand.names]
+
+
+def _left_out(m: Measured, cand: Candidate, singles: dict[str, Candidate]) -> list[Candidate]:
+    """When three or more changes joined moved the call to another path, the same changes with one left out at a
+    time: which of them the path needs (two joined: each alone was measured first)."""
+    if m.path_after == m.path or m.path_after is None or len(cand.names) < 3:
+        return []
+    out = []
+    for left in cand.names:
+        rest = [singles[name] for name in cand.names if name != left and name in singles]
+        if len(rest) == len(cand.names) - 1:
+            joined = rest[0]
+            for c in rest[1:]:
+                joined = combined(joined, c)
+            out.append(joined)
+    return out
 
 
 def _cuda_devices() -> list[int]:
