@@ -29,8 +29,10 @@ masks, the modes -- and turn them into candidate changes: need_weights=False,
 torch.inference_mode(), batch_first=True, a boolean mask instead of a float
 one, torch.backends.mha fast path on, forward hooks off an encoder layer,
 attn_implementation="sdpa" for a transformers model. PyTorch names only the
-first reason it meets, so when a change uncovers the next reason, the two
-changes are measured together.
+first reason it meets, so when a change uncovers the next reason, the
+changes are measured together, each made on top of the others (up to every
+change known for the call); a combination of three or more that reaches
+another path is measured again with each change left out in turn.
 
 Every candidate is made on a deep copy and measured against an unchanged
 copy: the path and backend the call takes then (traced), the time of the
@@ -88,7 +90,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
                             target=args.target, progress=say, **dict(loaded.kwargs))  # fmt: skip
     except Exception as exc:
         raise run_failed(args.target, "", exc) from exc
-    console.print(advise_table(advice))
+    console.print(advise_table(advice, width=console.width))
     if args.json is not None:
         advice.save(args.json)
         console.print(f"wrote {args.json}")

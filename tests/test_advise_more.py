@@ -1058,3 +1058,52 @@ def test_joined_changes_are_all_in_force_at_once_and_the_ones_that_reach_the_fas
         rest = fixed - {left}
         assert rest in rows, (sorted(rows), left)
         assert _Watched.fast.get(rows[rest].change, 0) == 0, (rows[rest].change, _Watched.fast)
+
+
+# -- a root MultiheadAttention with dropout, read at 80 columns ----------------------------------------------------
+
+
+def _flash_refuses_dropout() -> str:
+    """PyTorch's own words when its flash kernel is forced on a call with dropout (the first line about dropout)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.randn(2, 2, 8, 8)
+    with warnings.catch_warnings(record=True) as caught, sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        warnings.simplefilter("always")
+        with pytest.raises(RuntimeError):
+            F.scaled_dot_product_attention(q, q, q, dropout_p=0.1)
+    words = [line.split(" (Triggered")[0].strip() for w in caught for line in str(w.message).splitlines()
+             if "dropout" in line]  # fmt: skip
+    assert words
+    return words[0]
+
+
+def test_a_training_change_that_ends_on_math_names_the_dropout_and_reads_whole_at_80_columns() -> None:
+    """Witness: PyTorch's own words refusing its flash kernel for dropout (forced here on a call with dropout), the
+    module's dropout as built here, and the words of each row's fields, each of which must appear whole in the table
+    printed at 80 columns, whose lines are 80 characters at most. A root ``nn.MultiheadAttention(16, 2,
+    dropout=0.1)`` trained: need_weights=False moves its kernel to SDPA's MATH. Catches dropout left unnamed, the
+    refusal missing, and a seven-column table cutting words in two at 80 columns."""
+    import io
+
+    from rich.console import Console
+
+    refusal = _flash_refuses_dropout()
+    torch.manual_seed(0)
+    model = nn.MultiheadAttention(16, 2, dropout=0.1, batch_first=True)
+    ticks = iter(range(10**9))
+    x = torch.randn(2, 8, 16)
+    advice = advise(model, x, x, x, train=True, repeats=2, clock=lambda: next(ticks) / 100)
+    (row,) = [m for m in advice.measured if m.change == "need_weights=False"]
+    assert row.backend_after == "MATH", row
+    assert "dropout=0.1" in row.verdict and refusal in row.verdict, row.verdict
+    assert row.where == "(called by qkvtrace)", row.where
+    out = io.StringIO()
+    Console(file=out, width=80, color_system=None).print(advise_table(advice, width=80))
+    printed = out.getvalue()
+    assert max(len(line) for line in printed.splitlines()) <= 80, printed
+    flat = " ".join(printed.split())
+    for m in advice.measured:
+        for field in (m.change, m.verdict, m.gives_up, m.reason or "", m.where or ""):
+            for word in field.split():
+                assert word in flat, (word, printed)

@@ -40,6 +40,8 @@ __all__ = ["ADVISE_SCHEMA", "Advice", "Measured", "advise"]
 ADVISE_SCHEMA = "qkvtrace.advise/1"
 
 RECOMMENDED = "recommended"
+#: the SDPA backend a record names for PyTorch's plain composite kernel
+_MATH = "MATH"
 
 
 @dataclass
@@ -368,10 +370,12 @@ def _measure(m: Measured, cand: Candidate, base: _Run, model: nn.Module, args: t
     m.where = where[0] if where else None
     call = _same_call(after.calls, m.module, occurrence)
     refused = None
+    dropout = 0.0
     if call is not None:
         m.path_after, m.backend_after = call.path, call.sdpa_backend
         m.reason_after = call.why_not_fast_path or call.why_not_fused_layer
         refused = kernel_refusal(call.sdpa_refusals)
+        dropout = float(call.inputs.get("dropout_p") or 0.0) if train else 0.0
     m.discarded = _judge(m, cand, base, changed, repeats, train, clock=clock)
     peak_a, peak_b = _peak(base), _peak(changed)
     if peak_a and peak_b:
@@ -379,6 +383,10 @@ def _measure(m: Measured, cand: Candidate, base: _Run, model: nn.Module, args: t
     m.verdict = _verdict(m, cand)
     if m.verdict.startswith("no other path") and refused is not None:  # PyTorch's words for the kernel it did not pick
         m.verdict += f"; PyTorch refused {refused[0]}: {refused[1]}"
+    elif dropout and m.backend_after == _MATH:  # what keeps the changed call on MATH, said on every verdict
+        m.verdict += f"; it ran {_MATH}" + (f": PyTorch refused {refused[0]}: {refused[1]}" if refused else "")
+    if dropout and m.backend_after == _MATH:
+        m.verdict += f" (the call's dropout={dropout:g}, which applies in training only)"
 
 
 def _measure_pair(m: Measured, cand: Candidate, repeats: int, train: bool, base: _Run, calls: int,

@@ -9,7 +9,7 @@ from rich.text import Text
 from qkvtrace.analyses.advice_rules import CALLED_BY_QKVTRACE
 from qkvtrace.analyses.advise import RECOMMENDED, Advice, Measured
 
-__all__ = ["advise_table"]
+__all__ = ["WIDE", "advise_table"]
 
 
 def _today(m: Measured) -> str:
@@ -55,30 +55,49 @@ def _diff(m: Measured) -> str:
     return out + (f"\ngrad {m.max_abs_grad_diff:.2g}" if m.max_abs_grad_diff is not None else "")
 
 
-def advise_table(advice: Advice) -> Group:
+#: below this many columns each measured change is shown as its own block of fields, one per line (a table of
+#: seven columns would cut words in two)
+WIDE = 140
+
+
+def advise_table(advice: Advice, width: int | None = None) -> Group:
+    """What ``qkvtrace advise`` prints: the table of measured changes (``width`` below :data:`WIDE`: one block of
+    fields per change), what was recommended, the calls left as they are, and how it was measured."""
     mode = "training step" if advice.train else "inference forward (eval)"
-    table = Table(title=f"qkvtrace advise {advice.target} — {mode}, torch {advice.torch_version}, {advice.device}",
-                  show_lines=True, title_justify="left")  # fmt: skip
+    title = f"qkvtrace advise {advice.target} — {mode}, torch {advice.torch_version}, {advice.device}"
     memory = any(m.memory_ratio is not None for m in advice.measured)  # peak memory is measured on CUDA only
-    for name in ("call / module", "today: path (backend), PyTorch's reason", "change", "then",
-                 "time changed / today (median, range)",
-                 *(["memory"] if memory else []), "max |Δout|", "verdict, and what the change gives up"):  # fmt: skip
-        table.add_column(name, overflow="fold")
+    names = ("call / module", "today: path (backend), PyTorch's reason", "change", "then",
+             "time changed / today (median, range)", *(["memory"] if memory else []), "max |Δout|",
+             "verdict, and what the change gives up")  # fmt: skip
+    rows = []
     for m in advice.measured:
-        style = "green" if m.verdict == RECOMMENDED else None
+        style = "green" if m.verdict == RECOMMENDED else ""
         where = "" if not m.where else f"\n{m.where}" if m.where == CALLED_BY_QKVTRACE else f"\nat {m.where}"
         scope = "\nchange to: the whole model" if m.scope is None else ""
-        table.add_row(
-            f"#{m.call} {m.module or '(root)'}{scope}{where}",
-            _today(m),
-            Text(m.change, style=style or ""),
-            _then(m),
-            _speed(m),
-            *([f"{m.memory_ratio:.2f}×" if m.memory_ratio is not None else "–"] if memory else []),
-            _diff(m),
-            Text(f"{m.verdict}\ngives up: {m.gives_up}", style=style or ""),
-        )
-    parts: list[RenderableType] = [table] if advice.measured else [
+        rows.append((
+            f"#{m.call} {m.module or '(root)'}{scope}{where}", _today(m), Text(m.change, style=style), _then(m),
+            _speed(m), *([f"{m.memory_ratio:.2f}×" if m.memory_ratio is not None else "–"] if memory else []),
+            _diff(m), Text(f"{m.verdict}\ngives up: {m.gives_up}", style=style),
+        ))  # fmt: skip
+    shown: list[RenderableType]
+    if width is not None and width < WIDE:
+        shown = [Text(title)]
+        for row in rows:
+            block = Table(show_header=False, show_lines=False, box=None, padding=(0, 1))
+            block.add_column(style="dim", no_wrap=True)
+            block.add_column(overflow="fold")
+            for name, value in zip(("call", "today", "change", "then", "time", *(["memory"] if memory else []),
+                                    "max |Δout|", "verdict"), row, strict=True):  # fmt: skip
+                block.add_row(name, value)
+            shown += [Text(""), block]
+    else:
+        table = Table(title=title, show_lines=True, title_justify="left")
+        for name in names:
+            table.add_column(name, overflow="fold")
+        for row in rows:
+            table.add_row(*row)
+        shown = [table]
+    parts: list[RenderableType] = shown if advice.measured else [
         Text(f"qkvtrace advise {advice.target}: no attention call has a change to measure", style="bold")]
     best = advice.recommended
     if best:
