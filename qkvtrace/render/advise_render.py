@@ -69,7 +69,7 @@ def advise_table(advice: Advice, width: int | None = None) -> Group:
     names = ("call / module", "today: path (backend), PyTorch's reason", "change", "then",
              "time changed / today (median, range)", *(["memory"] if memory else []), "max |Δout|",
              "verdict, and what the change gives up")  # fmt: skip
-    rows = []
+    rows: list[tuple[str | Text, ...]] = []
     for m in advice.measured:
         style = "green" if m.verdict == RECOMMENDED else ""
         where = "" if not m.where else f"\n{m.where}" if m.where == CALLED_BY_QKVTRACE else f"\nat {m.where}"
