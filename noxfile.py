@@ -88,9 +88,9 @@ MUTANT_OWNERS: dict[str, list[str]] = {
     "tracer/slots": ["tests/test_slots.py", "tests/test_again.py", "tests/test_decoding.py",
                      "tests/test_steady_state.py", "tests/test_health.py", "tests/test_monitor.py", "--deselect",
                      "tests/test_monitor.py::test_a_long_run_reports_exactly_the_steps_where_attention_changed"],
-    "tracer/hot": ["tests/test_slots.py", "tests/test_again.py", "tests/test_decoding.py", "tests/test_steady_state.py",
-                   "tests/test_call_owner.py", "tests/test_floors.py", "tests/test_identity.py", "tests/test_monitor.py",
-                   "--deselect",
+    "tracer/hot": ["tests/test_slots.py", "tests/test_again.py", "tests/test_routes.py", "tests/test_norms.py",
+                   "tests/test_decoding.py", "tests/test_steady_state.py", "tests/test_call_owner.py",
+                   "tests/test_floors.py", "tests/test_identity.py", "tests/test_monitor.py", "--deselect",
                    "tests/test_monitor.py::test_a_long_run_reports_exactly_the_steps_where_attention_changed"],
 }  # fmt: skip
 

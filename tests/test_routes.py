@@ -283,6 +283,22 @@ def test_routes_off_records_none_and_json_round_trips(tmp_path: Any) -> None:
     assert back.calls[0].backward_kernel == t.calls[0].backward_kernel
 
 
+def test_steady_calls_on_a_decomposed_kernel_each_get_their_routes() -> None:
+    """Witness: torch.autograd.grad on an explicit causal softmax attention recomputed here on a copy, per input.
+    On SDPA's MATH kernel the graph is decomposed (no fused node to hook), so each steady call's core is found at
+    its tensors: every call, the steady ones too, must hand its core on to be followed in its backward pass.
+    Catches a steady call's graph taken for one that builds none."""
+    model = _SeparateProjections()
+    xs = [_weights(20 + i) for i in range(5)]
+    refs = [_separate_reference(model, x) for x in xs]
+    with sdpa_kernel(SDPBackend.MATH), qkvtrace.trace(model) as t:
+        for x in xs:
+            _loss(model(x)).backward()
+    assert [r.call for r in t.routes] == list(range(len(xs)))
+    for route, ref in zip(t.routes, refs, strict=True):
+        _assert_routes(route, ref)
+
+
 # -- later calls of one signature: the way found on the first, followed when the backward pass comes ----------
 
 
