@@ -389,6 +389,10 @@ def test_summarize_alerts_at_the_step_the_witness_crosses_the_threshold(tmp_path
     said = dict(part.strip().split(" ", 1) for part in alert.removeprefix("alert (root):").split(";"))
     assert f"at step {crossed}:" in said["max"] and said["max"].startswith("logit")
     assert f"at step {fell}:" in said["entropy"]
+    # the same alert from Python, without the stream
+    (found,) = t.health_alerts
+    assert found["module"] == "" and f"max logit {tops[crossed]:.3g} at step {crossed}:" in found["alert"]
+    assert f"at step {fell}:" in found["alert"].split("entropy", 1)[1]
     lines = [json.loads(x) for x in stream.read_text().splitlines()]
     assert [ln["step"] for ln in lines if ln["kind"] == "health"] == list(range(9))
     check = subprocess.run([sys.executable, "-m", "qkvtrace", "validate", str(stream)], capture_output=True, text=True)
@@ -428,6 +432,7 @@ def test_summarize_of_a_healthy_run_says_no_alert_and_exits_0(tmp_path: Path) ->
                          text=True, env=env)  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert "no alert:" in out.stdout and "\nalert" not in out.stdout
+    assert t.health_alerts == []
 
 
 def test_health_needs_a_long_run() -> None:

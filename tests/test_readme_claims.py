@@ -154,6 +154,9 @@ WITNESSED: list[tuple[str, str, list[str]]] = [
      ["tests/test_advise_more.py::test_a_training_change_that_ends_on_math_names_the_dropout_and_reads_whole_at_80_columns"]),
     ("docs/development.md", "runs in three of qkvtrace's modules, each entered once",
      ["tests/test_floors.py::test_a_steady_call_runs_in_at_most_three_modules_and_never_comes_back"]),
+    ("docs/long-runs.md", "`t.health_alerts` lists the same alerts so far",
+     ["tests/test_health.py::test_summarize_alerts_at_the_step_the_witness_crosses_the_threshold",
+      "tests/test_health.py::test_summarize_of_a_healthy_run_says_no_alert_and_exits_0"]),
     ("docs/advise.md", "the changed copy was faster **in every repetition**",
      ["tests/test_advise.py::test_recommended_only_when_faster_in_every_repetition"]),
     ("README.md", "20,000 calls of a module that changes twice, with backward and an SGD step after each training "

@@ -46,7 +46,14 @@ from qkvtrace.facts.maps import ScoreInputs
 from qkvtrace.facts.patterns import BLOCKING
 from qkvtrace.facts.slices import Projection, grad_slices, param_of
 from qkvtrace.records import VIEWS, AttentionCall
-from qkvtrace.records.health_alerts import ENTROPY_ALERT, ENTROPY_DROP, LOGIT_ALERT, LOGIT_GROWTH, alert
+from qkvtrace.records.health_alerts import (
+    ENTROPY_ALERT,
+    ENTROPY_DROP,
+    LOGIT_ALERT,
+    LOGIT_GROWTH,
+    alert,
+    series_of,
+)
 
 __all__ = [
     "ENTROPY_ALERT",
@@ -113,6 +120,15 @@ class HealthRecords(list[HealthRecord]):
 
     def _repr_html_(self) -> str:
         return VIEWS["health"]([r.to_dict() for r in self])
+
+    @property
+    def alerts(self) -> list[dict[str, str]]:
+        """Per module whose series crossed a threshold (:func:`alert`, the rule ``qkvtrace summarize`` applies to
+        the stream), ``{"module": ..., "alert": ...}``: what crossed, at which step, against what; modules in the
+        order of their first record."""
+        series = series_of([r.to_dict() for r in self])
+        found = ((module, alert(points)) for module, points in series.items())
+        return [{"module": module, "alert": text} for module, text in found if text is not None]
 
 
 # -- the one computation ---------------------------------------------------------------------

@@ -268,6 +268,12 @@ class Trace:
         found = self.monitor.health if self.monitor is not None else None
         return HealthRecords(found.records if found is not None else [])
 
+    @property
+    def health_alerts(self) -> list[dict[str, str]]:
+        """With ``health_every=N``: per module whose max logit or entropy crossed its threshold so far, what crossed
+        and at which step (``{"module": ..., "alert": ...}``, the alert ``qkvtrace summarize`` prints)."""
+        return self.health.alerts
+
     def _repr_html_(self) -> str:
         """A notebook shows the trace: its records, and a long run's attention health as small curves."""
         page = self.result.html()
