@@ -21,7 +21,8 @@ from torch import nn
 
 import qkvtrace
 
-pytestmark = pytest.mark.skipif(
+#: on the tests that compile with inductor only: aot_eager and eager need no compiler, so theirs run everywhere
+_NEEDS_CXX = pytest.mark.skipif(
     not any(shutil.which(c) for c in ("g++", "c++", "clang++")), reason="inductor needs a C++ compiler on the CPU"
 )
 
@@ -81,6 +82,7 @@ def _calls(code: str) -> list[str]:
     return found
 
 
+@_NEEDS_CXX
 def test_runs_and_backward_list_attention_kernels_and_only_those() -> None:
     """Witness: inductor's generated code and the profiler of an untraced run of the same compiled model (see the
     module docstring). Faults caught: the output projection's ``addmm`` (whose inductor comment names the
@@ -165,7 +167,7 @@ def _unique_graphs() -> int:
 
 @pytest.mark.parametrize("own_class", [False, True], ids=["sequential", "own-class"])
 @pytest.mark.parametrize("traced", ["model", "compiled"])
-@pytest.mark.parametrize("backend", ["inductor", "aot_eager", "eager"])
+@pytest.mark.parametrize("backend", [pytest.param("inductor", marks=_NEEDS_CXX), "aot_eager", "eager"])
 def test_graphs_compiled_and_run_before_the_trace_are_recorded(backend: str, traced: str, own_class: bool) -> None:
     """The usual way: compiled and warmed up (forward and backward), then a trace opened around one more step.
     Witnesses: torch.profiler on an untraced step of the same compiled model (the ``aten::bmm`` calls, which only
