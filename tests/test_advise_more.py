@@ -420,16 +420,11 @@ class _Core(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, dropout_p=0.1 if self.training else 0.0)
 
 
-def test_a_change_that_leaves_the_kernel_quotes_what_pytorch_refused() -> None:
-    """Witness: PyTorch's own warning when the flash kernel is forced here on tensors of the call's shapes with
-    dropout (its first line about dropout); a change that changes nothing leaves the call on the math kernel, and the
-    verdict quotes that refusal after the backend's name. Catches the refusal not read, not appended, appended in
-    place of the verdict, or with the wrong parts."""
+def _flash_refuses_dropout() -> str:
+    """PyTorch's own words when its flash kernel is forced on a call with dropout (the first line about dropout)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    import qkvtrace
-
-    q = torch.randn(2, H, 8, E // H)
+    q = torch.randn(2, 2, 8, 8)
     with warnings.catch_warnings(record=True) as caught, sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         warnings.simplefilter("always")
         with pytest.raises(RuntimeError):
@@ -437,6 +432,17 @@ def test_a_change_that_leaves_the_kernel_quotes_what_pytorch_refused() -> None:
     words = [line.split(" (Triggered")[0].strip() for w in caught for line in str(w.message).splitlines()
              if "dropout" in line]  # fmt: skip
     assert words
+    return words[0]
+
+
+def test_a_change_that_leaves_the_kernel_quotes_what_pytorch_refused() -> None:
+    """Witness: PyTorch's own warning when the flash kernel is forced here on tensors of the call's shapes with
+    dropout (its first line about dropout); a change that changes nothing leaves the call on the math kernel, and the
+    verdict quotes that refusal after the backend's name. Catches the refusal not read, not appended, appended in
+    place of the verdict, or with the wrong parts."""
+    import qkvtrace
+
+    refusal = _flash_refuses_dropout()
     model = _SdpaDropout().train()
     x = torch.randn(2, 8, E)
     with qkvtrace.trace(model, gradients=False, routes=False) as t:
@@ -447,7 +453,7 @@ def test_a_change_that_leaves_the_kernel_quotes_what_pytorch_refused() -> None:
     _measure(m, _cand(), base, model, (x,), {}, True, 2, 0)
     assert m.verdict.startswith(f"no other path: the call still runs {call.path} ({call.sdpa_backend}); "
                                 "PyTorch refused FLASH"), m.verdict  # fmt: skip
-    assert words[0] in m.verdict.split("refused FLASH_ATTENTION: ", 1)[1], (words, m.verdict)
+    assert refusal in m.verdict.split("refused FLASH_ATTENTION: ", 1)[1], (refusal, m.verdict)
 
 
 # -- the next reason ----------------------------------------------------------------------------------------------
@@ -1061,21 +1067,6 @@ def test_joined_changes_are_all_in_force_at_once_and_the_ones_that_reach_the_fas
 
 
 # -- a root MultiheadAttention with dropout, read at 80 columns ----------------------------------------------------
-
-
-def _flash_refuses_dropout() -> str:
-    """PyTorch's own words when its flash kernel is forced on a call with dropout (the first line about dropout)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    q = torch.randn(2, 2, 8, 8)
-    with warnings.catch_warnings(record=True) as caught, sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        warnings.simplefilter("always")
-        with pytest.raises(RuntimeError):
-            F.scaled_dot_product_attention(q, q, q, dropout_p=0.1)
-    words = [line.split(" (Triggered")[0].strip() for w in caught for line in str(w.message).splitlines()
-             if "dropout" in line]  # fmt: skip
-    assert words
-    return words[0]
 
 
 def test_a_training_change_that_ends_on_math_names_the_dropout_and_reads_whole_at_80_columns() -> None:

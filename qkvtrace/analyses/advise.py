@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import json
 import math
 import statistics
@@ -341,10 +342,7 @@ def _left_out(m: Measured, cand: Candidate, singles: dict[str, Candidate]) -> li
     for left in cand.names:
         rest = [singles[name] for name in cand.names if name != left and name in singles]
         if len(rest) == len(cand.names) - 1:
-            joined = rest[0]
-            for c in rest[1:]:
-                joined = combined(joined, c)
-            out.append(joined)
+            out.append(functools.reduce(combined, rest))
     return out
 
 
@@ -381,11 +379,12 @@ def _measure(m: Measured, cand: Candidate, base: _Run, model: nn.Module, args: t
     if peak_a and peak_b:
         m.memory_ratio = peak_b / peak_a
     m.verdict = _verdict(m, cand)
+    on_math = dropout and m.backend_after == _MATH  # (what keeps the changed call on MATH, said on every verdict)
     if m.verdict.startswith("no other path") and refused is not None:  # PyTorch's words for the kernel it did not pick
         m.verdict += f"; PyTorch refused {refused[0]}: {refused[1]}"
-    elif dropout and m.backend_after == _MATH:  # what keeps the changed call on MATH, said on every verdict
+    elif on_math:
         m.verdict += f"; it ran {_MATH}" + (f": PyTorch refused {refused[0]}: {refused[1]}" if refused else "")
-    if dropout and m.backend_after == _MATH:
+    if on_math:
         m.verdict += f" (the call's dropout={dropout:g}, which applies in training only)"
 
 

@@ -66,9 +66,11 @@ def advise_table(advice: Advice, width: int | None = None) -> Group:
     mode = "training step" if advice.train else "inference forward (eval)"
     title = f"qkvtrace advise {advice.target} — {mode}, torch {advice.torch_version}, {advice.device}"
     memory = any(m.memory_ratio is not None for m in advice.measured)  # peak memory is measured on CUDA only
-    names = ("call / module", "today: path (backend), PyTorch's reason", "change", "then",
-             "time changed / today (median, range)", *(["memory"] if memory else []), "max |Δout|",
-             "verdict, and what the change gives up")  # fmt: skip
+    # each field's heading in the table, and its name in a block (``width`` below :data:`WIDE`)
+    fields = [("call / module", "call"), ("today: path (backend), PyTorch's reason", "today"), ("change", "change"),
+              ("then", "then"), ("time changed / today (median, range)", "time"),
+              *([("memory", "memory")] if memory else []), ("max |Δout|", "max |Δout|"),
+              ("verdict, and what the change gives up", "verdict")]  # fmt: skip
     rows: list[tuple[str | Text, ...]] = []
     for m in advice.measured:
         style = "green" if m.verdict == RECOMMENDED else ""
@@ -86,14 +88,13 @@ def advise_table(advice: Advice, width: int | None = None) -> Group:
             block = Table(show_header=False, show_lines=False, box=None, padding=(0, 1))
             block.add_column(style="dim", no_wrap=True)
             block.add_column(overflow="fold")
-            for name, value in zip(("call", "today", "change", "then", "time", *(["memory"] if memory else []),
-                                    "max |Δout|", "verdict"), row, strict=True):  # fmt: skip
+            for (_, name), value in zip(fields, row, strict=True):
                 block.add_row(name, value)
             shown += [Text(""), block]
     else:
         table = Table(title=title, show_lines=True, title_justify="left")
-        for name in names:
-            table.add_column(name, overflow="fold")
+        for heading, _ in fields:
+            table.add_column(heading, overflow="fold")
         for row in rows:
             table.add_row(*row)
         shown = [table]
